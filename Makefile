@@ -1,0 +1,31 @@
+# Everything a fresh machine needs: `make run` (the main job, embedded) and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup run test lint bench model
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+model: setup
+	$(BIN)/boxcar model pull
+
+run: model
+	$(BIN)/boxcar run examples/requests.jsonl -o results.jsonl
+
+test: model
+	$(BIN)/pytest -q -x -p no:cacheprovider tests
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+bench: model
+	$(BIN)/python -m bench.offline

@@ -1,0 +1,119 @@
+"""KVCacheManager: the per-request view of the block pool.
+
+It finds a request's cached prefix, allocates the slots a step needs, publishes blocks as they
+fill, and frees everything when the request ends or is preempted.
+"""
+
+from __future__ import annotations
+
+from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
+from engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, watermark: float
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.watermark_blocks = int(watermark * num_blocks)
+        # Prefix-cache counters, in tokens (as vLLM reports them).
+        self.num_queries = 0
+        self.num_hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _update_block_hashes(self, request: Request) -> None:
+        bs = self.block_size
+        hashes = request.block_hashes
+        num_full = request.num_tokens // bs
+        while len(hashes) < num_full:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.token_ids[i * bs : (i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached run of the request's full blocks, and the tokens it covers.
+
+        At least one token is always left to compute: its logits are what we sample from.
+        """
+        if not self.enable_caching:
+            return [], 0
+        self._update_block_hashes(request)
+        bs = self.block_size
+        max_hit_blocks = (request.num_tokens - 1) // bs
+        blocks: list[KVBlock] = []
+        for i, block_hash in enumerate(request.block_hashes[:max_hit_blocks]):
+            block = self.pool.get_cached_block(block_hash, request.token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            blocks.append(block)
+        self.num_queries += request.num_tokens
+        self.num_hits += len(blocks) * bs
+        return blocks, len(blocks) * bs
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        computed_blocks: list[KVBlock] | None = None,
+        *,
+        admit: bool = False,
+    ) -> bool:
+        """Make room for ``num_new_tokens`` more tokens; False (and no change) if it can't.
+
+        ``admit`` applies the watermark: a new request may not take the last free blocks, which
+        are kept so that running requests can keep decoding without preemption.
+        """
+        computed_blocks = computed_blocks or []
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_required = self.blocks_needed(num_computed + num_new_tokens)
+        num_new_blocks = num_required - len(request.block_ids) - len(computed_blocks)
+        # Cached blocks that are currently free leave the free queue when we take them.
+        num_evictable_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        reserve = self.watermark_blocks if admit else 0
+        if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks - reserve:
+            return False
+        self.pool.touch(computed_blocks)
+        request.block_ids.extend(b.block_id for b in computed_blocks)
+        if num_new_blocks > 0:
+            request.block_ids.extend(b.block_id for b in self.pool.allocate(num_new_blocks))
+        return True
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Publish the request's blocks whose tokens are all computed."""
+        if not self.enable_caching:
+            return
+        self._update_block_hashes(request)
+        bs = self.block_size
+        num_full = min(request.num_computed_tokens // bs, len(request.block_hashes))
+        for i in range(request.num_published_blocks, num_full):
+            block = self.pool.blocks[request.block_ids[i]]
+            self.pool.cache_block(
+                block, request.block_hashes[i], request.token_ids[i * bs : (i + 1) * bs]
+            )
+        request.num_published_blocks = max(request.num_published_blocks, num_full)
+
+    def free(self, request: Request) -> None:
+        # Tail blocks first: they are the least likely to be shared, so they are evicted first.
+        self.pool.free([self.pool.blocks[i] for i in reversed(request.block_ids)])
+        request.block_ids = []
+        request.num_published_blocks = 0
+
+    def reset_counters(self) -> None:
+        self.num_queries = 0
+        self.num_hits = 0

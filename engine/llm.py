@@ -1,0 +1,87 @@
+"""LLM: the offline, whole-list API on top of LLMEngine (``generate`` and ``chat``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_CONFIG_FIELDS = {f.name for f in fields(EngineConfig)}
+
+
+class LLM:
+    """``LLM(model=PATH_OR_NAME, **engine_args)``; engine_args are EngineConfig fields."""
+
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        unknown = set(engine_args) - _CONFIG_FIELDS
+        if unknown:
+            raise ValueError(f"unknown engine arguments {sorted(unknown)}")
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._counter = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[list[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            params_list = [params] * len(prompts)
+        else:
+            params_list = list(params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
+                )
+        ids = []
+        for prompt, p in zip(prompts, params_list, strict=True):
+            request_id = f"gen-{self._counter}"
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, p)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        conversations: list[dict] | list[list[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]  # type: ignore[list-item]
+        prompts = [self.engine.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(request_ids), desc="generate", unit="req")
+        while self.engine.has_unfinished_requests():
+            for output in self.engine.step():
+                done[output.request_id] = output
+                if bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[i] for i in request_ids]

@@ -1,0 +1,294 @@
+"""LLMEngine: add_request / abort_request / step, the loop the worker drives."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.models.loader import load_checkpoint
+from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from engine.request import Request, RequestStatus
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+@dataclass
+class _UserRequest:
+    """A request as the caller sees it: its n sequences and what they produced."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    metrics: RequestMetrics
+    num_finished: int = 0
+    stop_text_checked: dict[str, int] = field(default_factory=dict)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        checkpoint = load_checkpoint(config.model, config.tokenizer)
+        self.model_name = _model_name(config.model, checkpoint)
+        self.tokenizer = checkpoint.load_tokenizer()
+        hf_config = checkpoint.config
+        model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+        window = getattr(hf_config, "sliding_window", None)
+        if window and getattr(hf_config, "use_sliding_window", True):
+            # Attention here is full attention: stay inside the window where the two agree.
+            model_len = min(model_len, int(window))
+        if config.max_model_len is not None:
+            if config.max_model_len > model_len:
+                raise ValueError(
+                    f"max_model_len={config.max_model_len} exceeds the model's {model_len}"
+                )
+            model_len = config.max_model_len
+        self.model_runner = ModelRunner(config, checkpoint, max_position=model_len)
+        num_blocks = self.model_runner.num_kv_blocks
+        # A request must always fit in the cache on its own, or it could never run.
+        self.max_model_len = min(model_len, num_blocks * config.block_size)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        self._user_requests: dict[str, _UserRequest] = {}
+        self._child_to_user: dict[str, str] = {}
+        self.num_prompt_tokens = 0
+        self.num_generated_tokens = 0
+        self.prefill_time = 0.0
+        self.decode_time = 0.0
+
+    # ---- tokenization -------------------------------------------------------------------------
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.tokenizer(prompt).input_ids)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of {role, content} objects")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name} has no chat template")
+        ids = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    # ---- requests -----------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self._user_requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        text = prompt if isinstance(prompt, str) else None
+        prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate_prompt(prompt_ids)
+        room = self.max_model_len - len(prompt_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        metrics = RequestMetrics(
+            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
+            num_prompt_tokens=len(prompt_ids),
+        )
+        user = _UserRequest(request_id, text, prompt_ids, [], metrics)
+        for index in range(params.n):
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            generator = None
+            if params.seed is not None:
+                generator = torch.Generator().manual_seed(params.seed + index)
+            child = Request(
+                request_id=child_id,
+                prompt_token_ids=prompt_ids,
+                sampling_params=params,
+                max_tokens=max_tokens,
+                eos_token_ids=self.eos_token_ids,
+                metrics=RequestMetrics(metrics.arrival_time, num_prompt_tokens=len(prompt_ids)),
+                parent_id=request_id,
+                index=index,
+                waits_for=user.children[0]
+                if index > 0 and self.config.enable_prefix_caching
+                else None,
+                generator=generator,
+            )
+            user.children.append(child)
+            self._child_to_user[child_id] = request_id
+        self._user_requests[request_id] = user
+        for child in user.children:
+            self.scheduler.add_request(child)
+
+    def _validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens but the context is {self.max_model_len} "
+                "tokens, which leaves no room to generate"
+            )
+        vocab = self.model_runner.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        outputs = []
+        for request_id in request_ids:
+            user = self._user_requests.get(request_id)
+            if user is None:
+                continue
+            child_ids = [c.request_id for c in user.children if not c.is_finished]
+            self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
+            outputs.append(self._finish_user_request(user))
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._user_requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._user_requests)
+
+    # ---- the loop -----------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            return []
+        start = time.perf_counter()
+        runner_output = self.model_runner.execute(scheduler_output, self.scheduler.requests)
+        elapsed = time.perf_counter() - start
+        num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1)
+        num_tokens = max(scheduler_output.num_batched_tokens, 1)
+        self.decode_time += elapsed * num_decode / num_tokens
+        self.prefill_time += elapsed * (num_tokens - num_decode) / num_tokens
+        self.num_prompt_tokens += sum(
+            s.num_new_tokens for s in scheduler_output.scheduled if not s.sample
+        ) + sum(s.num_new_tokens - 1 for s in scheduler_output.scheduled if s.sample)
+        updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
+        self.num_generated_tokens += len(updated)
+        for request in updated:
+            if not request.is_finished and request.sampling_params.stop:
+                stop = self._match_stop_string(request)
+                if stop is not None:
+                    self.scheduler.finish_stopped(request, stop)
+                    finished.append(request)
+        outputs = []
+        for request in finished:
+            user = self._user_requests.get(self._child_to_user[request.request_id])
+            if user is None:
+                continue
+            user.num_finished += 1
+            if user.num_finished == len(user.children):
+                outputs.append(self._finish_user_request(user))
+        return outputs
+
+    def _match_stop_string(self, request: Request) -> str | None:
+        params = request.sampling_params
+        text = self.tokenizer.decode(
+            request.output_token_ids, skip_special_tokens=params.skip_special_tokens
+        )
+        # Only the tail can hold a new match: the text before it was checked last step.
+        longest = max(len(s) for s in params.stop)
+        search_from = max(0, len(request.text) - longest)
+        request.text = text
+        best: tuple[int, str] | None = None
+        for stop in params.stop:
+            at = text.find(stop, search_from)
+            if at >= 0 and (best is None or at < best[0]):
+                best = (at, stop)
+        if best is None:
+            return None
+        at, stop = best
+        request.text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
+        return stop
+
+    def _finish_user_request(self, user: _UserRequest) -> RequestOutput:
+        del self._user_requests[user.request_id]
+        completions = []
+        for child in user.children:
+            del self._child_to_user[child.request_id]
+            params = child.sampling_params
+            if child.stop_reason is not None and isinstance(child.stop_reason, str):
+                text = child.text
+            else:
+                text = self.tokenizer.decode(
+                    child.output_token_ids, skip_special_tokens=params.skip_special_tokens
+                )
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=text,
+                    token_ids=child.output_token_ids,
+                    finish_reason=child.status.finish_reason,
+                    stop_reason=child.stop_reason,
+                    logprobs=child.logprobs,
+                    metrics=child.metrics,
+                )
+            )
+        metrics = user.metrics
+        child_metrics = [c.metrics for c in user.children]
+        scheduled = [m.first_scheduled_time for m in child_metrics if m.first_scheduled_time]
+        first_tokens = [m.first_token_time for m in child_metrics if m.first_token_time]
+        metrics.first_scheduled_time = min(scheduled) if scheduled else None
+        metrics.first_token_time = min(first_tokens) if first_tokens else None
+        metrics.finished_time = max(m.finished_time or time.monotonic() for m in child_metrics)
+        metrics.num_cached_tokens = user.children[0].metrics.num_cached_tokens
+        metrics.num_generated_tokens = sum(m.num_generated_tokens for m in child_metrics)
+        metrics.num_preemptions = sum(m.num_preemptions for m in child_metrics)
+        return RequestOutput(
+            request_id=user.request_id,
+            prompt=user.prompt,
+            prompt_token_ids=user.prompt_token_ids,
+            outputs=completions,
+            finished=True,
+            metrics=metrics,
+        )
+
+    # ---- stats --------------------------------------------------------------------------------
+
+    def get_stats(self) -> EngineStats:
+        sched = self.scheduler
+        kv = sched.kv
+        return EngineStats(
+            num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_kv_blocks=kv.num_blocks,
+            num_free_kv_blocks=kv.num_free_blocks,
+            kv_usage=kv.usage,
+            num_preemptions=sched.num_preemptions,
+            prefix_cache_queries=kv.num_queries,
+            prefix_cache_hits=kv.num_hits,
+            num_steps=sched.num_steps,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generated_tokens=self.num_generated_tokens,
+            batch_size_hist=dict(sched.batch_size_hist),
+            scheduled_tokens_hist=dict(sched.scheduled_tokens_hist),
+            prefill_time=self.prefill_time,
+            decode_time=self.decode_time,
+        )
+
+
+def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.append(source)
+        elif isinstance(source, list | tuple):
+            ids.extend(int(x) for x in source)
+    return tuple(dict.fromkeys(ids))
+
+
+def _model_name(model: str, checkpoint) -> str:
+    path = checkpoint.path
+    return path.stem if path.suffix == ".gguf" else path.name or model

@@ -1,0 +1,177 @@
+"""ModelRunner: the only code that touches device tensors.
+
+It owns the model weights and the paged KV cache, turns a SchedulerOutput into one flat batch
+(input ids, positions, slot mapping, block tables), runs the forward pass and samples.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
+from engine.layers.torch_attention import TorchAttentionBackend
+from engine.models.registry import get_model_class
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.request import Request
+from engine.sampler import Sampler
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, checkpoint, max_position: int) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        hf_config = checkpoint.config
+        model_cls = get_model_class(hf_config)
+        with torch.device(self.device):
+            model = model_cls(hf_config, max_position)
+        model.to(dtype=self.dtype)
+        # The rotary tables stay fp32 whatever the weights are.
+        model.model.rotary_emb.float()
+        model.load_weights(checkpoint.iter_weights(self.dtype))
+        self.model = model.eval()
+        self.vocab_size = hf_config.vocab_size
+        self.sampler = Sampler(self.vocab_size, config.seed)
+        self.attn = self._make_attention_backend()
+        self._allocate_kv_cache(hf_config)
+
+    def _make_attention_backend(self) -> AttentionBackend:
+        name = self.config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        if name == "triton":
+            from engine.layers.triton_attention import TritonAttentionBackend
+
+            return TritonAttentionBackend()
+        return TorchAttentionBackend(self.block_size)
+
+    def _allocate_kv_cache(self, hf_config) -> None:
+        attn = self.model.model.layers[0].self_attn
+        num_layers = hf_config.num_hidden_layers
+        per_block = 2 * num_layers * self.block_size * attn.num_kv_heads * attn.head_dim
+        bytes_per_block = per_block * torch.empty((), dtype=self.dtype).element_size()
+        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory // bytes_per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory={self.config.kv_cache_memory} bytes holds {num_blocks} blocks "
+                f"of {bytes_per_block} bytes; give it at least {2 * bytes_per_block}"
+            )
+        self.num_kv_blocks = int(num_blocks)
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            num_layers, 2, self.num_kv_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
+
+    def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
+        width = max((len(r) for r in rows), default=0)
+        table = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return table
+
+    def prepare_inputs(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
+        """Flatten the step: decodes (one token each) first, then prefill chunks."""
+        bs = self.block_size
+        decodes = [s for s in scheduler_output.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduler_output.scheduled if s.num_new_tokens > 1]
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_indices: list[int] = []
+        sample_requests: list[Request] = []
+
+        decode_tables, decode_lens = [], []
+        for s in decodes:
+            request = requests[s.request_id]
+            pos = s.num_computed_tokens
+            input_ids.append(request.token_ids[pos])
+            positions.append(pos)
+            slots.append(request.block_ids[pos // bs] * bs + pos % bs)
+            decode_tables.append(request.block_ids)
+            decode_lens.append(pos + 1)
+            if s.sample:
+                sample_indices.append(len(input_ids) - 1)
+                sample_requests.append(request)
+
+        prefill_tables, prefill_lens, query_lens = [], [], []
+        for s in prefills:
+            request = requests[s.request_id]
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(request.token_ids[start:end])
+            positions.extend(range(start, end))
+            blocks = request.block_ids
+            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
+            prefill_tables.append(blocks)
+            prefill_lens.append(end)
+            query_lens.append(s.num_new_tokens)
+            if s.sample:
+                sample_indices.append(len(input_ids) - 1)
+                sample_requests.append(request)
+
+        device = self.device
+        query_start = [0]
+        for n in query_lens:
+            query_start.append(query_start[-1] + n)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_decodes=len(decodes),
+            decode_block_tables=self._block_table(decode_tables).to(device),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
+            num_prefills=len(prefills),
+            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
+            prefill_block_tables=self._block_table(prefill_tables).to(device),
+            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
+            prefill_query_lens_list=query_lens,
+            prefill_context_lens_list=prefill_lens,
+            decode_context_lens_list=decode_lens,
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            metadata,
+            sample_indices,
+            sample_requests,
+        )
+
+    @torch.inference_mode()
+    def execute(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> ModelRunnerOutput:
+        input_ids, positions, metadata, sample_indices, sample_requests = self.prepare_inputs(
+            scheduler_output, requests
+        )
+        self.attn.prepare(metadata)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
+        if not sample_indices:
+            return ModelRunnerOutput({})
+        # Only the rows we sample from go through the (large) output projection.
+        index = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, index))
+        token_ids, logprobs = self.sampler(logits.float().cpu(), sample_requests)
+        out = ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(sample_requests, token_ids, strict=True)}
+        )
+        for request, lp in zip(sample_requests, logprobs, strict=True):
+            if lp is not None:
+                out.logprobs[request.request_id] = lp
+        return out

@@ -1,0 +1,102 @@
+"""Request: one sequence's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import RequestMetrics, TokenLogprob
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+    @property
+    def finish_reason(self) -> str | None:
+        return {
+            RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_LENGTH: "length",
+            RequestStatus.FINISHED_ABORTED: "abort",
+        }.get(self)
+
+
+@dataclass(eq=False)
+class Request:
+    """A single sequence. A user request with ``n > 1`` becomes n of these (``index`` 0..n-1).
+
+    ``token_ids`` is prompt + output; the scheduler moves ``num_computed_tokens`` toward
+    ``num_tokens``. A preempted request drops its blocks and recomputes from zero (or from its
+    cached prefix).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int
+    # Any of these ends the sequence (Llama 3 has several), unless ignore_eos.
+    eos_token_ids: tuple[int, ...]
+    metrics: RequestMetrics
+    parent_id: str | None = None
+    index: int = 0
+    # Siblings of an n > 1 request wait until the first one's prompt is in the cache, then share
+    # its full blocks through the prefix cache.
+    waits_for: Request | None = None
+    generator: torch.Generator | None = None
+
+    token_ids: list[int] = field(init=False)
+    status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
+    num_computed_tokens: int = field(default=0, init=False)
+    block_ids: list[int] = field(default_factory=list, init=False)
+    # Chained hashes of this request's full blocks, computed as blocks fill.
+    block_hashes: list[bytes] = field(default_factory=list, init=False)
+    # How many of block_ids have been offered to the prefix cache.
+    num_published_blocks: int = field(default=0, init=False)
+    num_cached_tokens: int | None = field(default=None, init=False)
+    logprobs: list[TokenLogprob] | None = field(default=None, init=False)
+    stop_reason: str | int | None = field(default=None, init=False)
+    # Text decoded so far (kept only for stop-string matching) and the final text.
+    text: str = field(default="", init=False)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids) :]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
