@@ -36,21 +36,23 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in input order."""
+        prompt_list: list[str | list[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)
+            prompt_list = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
         if params is None:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
-            params_list = [params] * len(prompts)
+            params_list = [params] * len(prompt_list)
         else:
             params_list = list(params)
-            if len(params_list) != len(prompts):
+            if len(params_list) != len(prompt_list):
                 raise ValueError(
-                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts"
+                    f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
         ids = []
-        for prompt, p in zip(prompts, params_list, strict=True):
+        for prompt, p in zip(prompt_list, params_list, strict=True):
             request_id = f"gen-{self._counter}"
             self._counter += 1
             self.engine.add_request(request_id, prompt, p)

@@ -73,12 +73,13 @@ class LLMEngine:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name} has no chat template")
-        ids = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
         )
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        if not isinstance(text, str):
+            raise ValueError("the chat template did not render to text")
+        # The template already holds any BOS it wants: add no special tokens on top.
+        return list(self.tokenizer(text, add_special_tokens=False).input_ids)
 
     # ---- requests -----------------------------------------------------------------------------
 
@@ -195,9 +196,7 @@ class LLMEngine:
 
     def _match_stop_string(self, request: Request) -> str | None:
         params = request.sampling_params
-        text = self.tokenizer.decode(
-            request.output_token_ids, skip_special_tokens=params.skip_special_tokens
-        )
+        text = self._decode(request.output_token_ids, params.skip_special_tokens)
         # Only the tail can hold a new match: the text before it was checked last step.
         longest = max(len(s) for s in params.stop)
         search_from = max(0, len(request.text) - longest)
@@ -213,6 +212,10 @@ class LLMEngine:
         request.text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
         return stop
 
+    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text if isinstance(text, str) else "".join(text)
+
     def _finish_user_request(self, user: _UserRequest) -> RequestOutput:
         del self._user_requests[user.request_id]
         completions = []
@@ -222,9 +225,7 @@ class LLMEngine:
             if child.stop_reason is not None and isinstance(child.stop_reason, str):
                 text = child.text
             else:
-                text = self.tokenizer.decode(
-                    child.output_token_ids, skip_special_tokens=params.skip_special_tokens
-                )
+                text = self._decode(child.output_token_ids, params.skip_special_tokens)
             completions.append(
                 CompletionOutput(
                     index=child.index,

@@ -11,6 +11,7 @@ import torch
 from engine.config import EngineConfig
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend
+from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request
@@ -40,21 +41,23 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         hf_config = checkpoint.config
-        model_cls = get_model_class(hf_config)
+        model_cls: type[LlamaForCausalLM] = get_model_class(hf_config)
         with torch.device(self.device):
             model = model_cls(hf_config, max_position)
         model.to(dtype=self.dtype)
         # The rotary tables stay fp32 whatever the weights are.
         model.model.rotary_emb.float()
         model.load_weights(checkpoint.iter_weights(self.dtype))
-        self.model = model.eval()
+        self.model: LlamaForCausalLM = model.eval()
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
         self._allocate_kv_cache(hf_config)
 
     def _make_attention_backend(self) -> AttentionBackend:
-        name = self.config.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        name = self.config.attention_backend
+        if name is None:
+            name = "triton" if self.device.type == "cuda" else "torch"
         if name == "triton":
             from engine.layers.triton_attention import TritonAttentionBackend
 
@@ -62,9 +65,9 @@ class ModelRunner:
         return TorchAttentionBackend(self.block_size)
 
     def _allocate_kv_cache(self, hf_config) -> None:
-        attn = self.model.model.layers[0].self_attn
+        num_kv_heads, head_dim = self.model.model.num_kv_heads, self.model.model.head_dim
         num_layers = hf_config.num_hidden_layers
-        per_block = 2 * num_layers * self.block_size * attn.num_kv_heads * attn.head_dim
+        per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim
         bytes_per_block = per_block * torch.empty((), dtype=self.dtype).element_size()
         num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory // bytes_per_block
         if num_blocks < 2:
@@ -75,7 +78,7 @@ class ModelRunner:
         self.num_kv_blocks = int(num_blocks)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
         self.kv_cache = torch.zeros(
-            num_layers, 2, self.num_kv_blocks, self.block_size, attn.num_kv_heads, attn.head_dim,
+            num_layers, 2, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim,
             dtype=self.dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]

@@ -35,7 +35,8 @@ class Sampler:
         token_ids = logits.argmax(dim=-1)
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if random_rows:
-            token_ids[random_rows] = self._sample(logits[random_rows], [requests[i] for i in random_rows])
+            chosen = [requests[i] for i in random_rows]
+            token_ids[random_rows] = self._sample(logits[random_rows], chosen)
         ids = token_ids.tolist()
 
         logprobs: list[TokenLogprob | None] = [None] * len(requests)

@@ -113,7 +113,7 @@ class Scheduler:
                     elif scheduled or budget < config.max_num_batched_tokens:
                         break
                     # Chunking off and the step is empty: a prompt over the budget runs alone.
-                # The watermark only guards running requests; an idle engine admits anything that fits.
+                # The watermark guards running requests; an idle engine admits what fits.
                 admit = bool(self.running)
                 if not self.kv.allocate_slots(request, num_new, computed_blocks, admit=admit):
                     break

@@ -1,4 +1,4 @@
-"""Rotary position embedding (default, linear and llama3 scaling) with a precomputed cos/sin table."""
+"""Rotary position embedding (default, linear, llama3 scaling) from a precomputed cos/sin table."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    cos_cache: torch.Tensor  # [max_position, head_dim]
+    sin_cache: torch.Tensor
+
     def __init__(
         self, head_dim: int, max_position: int, rope_parameters: dict[str, Any]
     ) -> None:

@@ -109,8 +109,13 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, _rope_parameters(config))
+        attn = LlamaAttention(config, qkv_bias, qk_norm)  # for its derived sizes only
+        self.head_dim: int = attn.head_dim
+        self.num_kv_heads: int = attn.num_kv_heads
+        self.q_size: int = attn.q_size
+        self.kv_size: int = attn.kv_size
+        self.intermediate_size: int = config.intermediate_size
+        self.rotary_emb = RotaryEmbedding(self.head_dim, max_position, _rope_parameters(config))
 
     def forward(
         self,
@@ -122,7 +127,9 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, self.rotary_emb, kv_cache, attn, metadata)
+            hidden_states = layer(
+                positions, hidden_states, self.rotary_emb, kv_cache, attn, metadata
+            )
         return self.norm(hidden_states)
 
 
@@ -177,7 +184,9 @@ class LlamaForCausalLM(nn.Module):
                 target = ".".join([*parts[:-2], packed_name, parts[-1]])
             param = params.get(target)
             if param is None:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                raise ValueError(
+                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
+                )
             if shard is None:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
@@ -188,11 +197,11 @@ class LlamaForCausalLM(nn.Module):
         self._check_all_loaded(params, loaded)
 
     def _shard_range(self, proj: str, shard: int) -> tuple[int, int]:
-        attn = self.model.layers[0].self_attn
+        m = self.model
         if proj in ("q_proj", "k_proj", "v_proj"):
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+            sizes = [m.q_size, m.kv_size, m.kv_size]
         else:
-            sizes = [self.model.layers[0].mlp.intermediate_size] * 2
+            sizes = [m.intermediate_size] * 2
         return sum(sizes[:shard]), sizes[shard]
 
     def _check_all_loaded(self, params: dict[str, nn.Parameter], loaded: set[str]) -> None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -11,7 +9,7 @@ from engine.models.llama import (
     Qwen3ForCausalLM,
 )
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -19,7 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def get_model_class(config) -> type[nn.Module]:
+def get_model_class(config) -> type[LlamaForCausalLM]:
     architectures = list(getattr(config, "architectures", None) or [])
     for arch in architectures:
         if arch in MODEL_REGISTRY:

