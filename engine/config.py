@@ -58,7 +58,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.attention_backend not in (None, "torch", "triton"):
+        if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
-                f"attention_backend must be 'torch' or 'triton', got {self.attention_backend!r}"
+                "attention_backend must be 'cpu', 'torch' or 'triton', "
+                f"got {self.attention_backend!r}"
             )

@@ -57,12 +57,12 @@ class ModelRunner:
     def _make_attention_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
         if name is None:
-            name = "triton" if self.device.type == "cuda" else "torch"
+            name = "triton" if self.device.type == "cuda" else "cpu"
         if name == "triton":
             from engine.layers.triton_attention import TritonAttentionBackend
 
             return TritonAttentionBackend()
-        return TorchAttentionBackend(self.block_size)
+        return TorchAttentionBackend(self.block_size, use_cpu_kernel=name == "cpu")
 
     def _allocate_kv_cache(self, hf_config) -> None:
         num_kv_heads, head_dim = self.model.model.num_kv_heads, self.model.model.head_dim

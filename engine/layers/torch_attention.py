@@ -1,8 +1,10 @@
 """TorchAttentionBackend: paged attention in plain PyTorch, for the CPU (and as a GPU fallback).
 
-Decodes are batched: every decode's blocks are gathered in one ``index_select`` into a padded
-``[num_decodes, max_len]`` view and attended with one masked SDPA call. Prefill chunks, a few per
-step, each attend over their own gathered prefix with a causal mask offset by the prefix length.
+Decodes are batched. On the CPU in fp32 they go to a C++ kernel that reads the paged cache in
+place (``engine/kernels/cpu_decode_attention.py``); otherwise every decode's blocks are gathered
+in one ``index_select`` into a padded ``[num_decodes, max_len]`` view and attended with one
+masked SDPA call. Prefill chunks, a few per step, each attend over their own gathered prefix with
+a causal mask offset by the prefix length.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_decode_attention
 from engine.layers.attention_metadata import AttentionMetadata
 
 
@@ -25,11 +28,19 @@ def store_kvcache(
 class TorchAttentionBackend:
     name = "torch"
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, use_cpu_kernel: bool = True) -> None:
         self.block_size = block_size
+        self.cpu_kernel = cpu_decode_attention.load() is not None if use_cpu_kernel else False
+        if self.cpu_kernel:
+            self.name = "cpu"
+
+    def _kernel_fits(self, q: torch.Tensor) -> bool:
+        return self.cpu_kernel and q.device.type == "cpu" and q.dtype == torch.float32
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        if metadata.num_decodes:
+        if metadata.num_decodes and not (
+            self.cpu_kernel and metadata.slot_mapping.device.type == "cpu"
+        ):
             lens = metadata.decode_context_lens.to(torch.int64)
             block_size = self.block_size
             max_len = max(metadata.decode_context_lens_list)
@@ -63,6 +74,13 @@ class TorchAttentionBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         metadata: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
+        if self._kernel_fits(q) and "decode_blocks" not in metadata.extra:
+            return cpu_decode_attention.paged_decode_attention(
+                q, k_cache, v_cache, metadata.decode_block_tables,
+                metadata.decode_context_lens, scale,
+            )
+        if "decode_blocks" not in metadata.extra:  # prepared for the kernel, but it can't run
+            TorchAttentionBackend(self.block_size, use_cpu_kernel=False).prepare(metadata)
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         blocks = metadata.extra["decode_blocks"]

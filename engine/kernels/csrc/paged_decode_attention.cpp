@@ -1,0 +1,139 @@
+// Paged decode attention for the CPU: one query token per sequence, reading K/V straight from
+// the paged cache (no gather copy), GQA heads of one KV head processed together.
+//
+// q:            [num_seqs, num_heads, head_dim]                      float32, contiguous
+// k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]     float32, contiguous
+// v_cache:      same as k_cache
+// block_tables: [num_seqs, max_blocks]                               int32, contiguous
+// context_lens: [num_seqs]                                           int32
+// out:          [num_seqs, num_heads, head_dim]                      float32, contiguous
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// One (sequence, kv head) pair: scores for the group's query heads over the whole context, a
+// softmax, then the weighted sum of values. HEAD_DIM > 0 fixes the head size at compile time so
+// the inner loops unroll and vectorize; 0 is the generic fallback.
+template <int HEAD_DIM>
+void attend_one(const float* q_group, const float* k_ptr, const float* v_ptr,
+                const int32_t* table, int64_t len, int64_t group, int64_t head_dim_rt,
+                int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
+                float* out_group, std::vector<float>& scores, std::vector<float>& acc) {
+  const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
+  scores.resize(group * len);
+  acc.assign(group * head_dim, 0.0f);
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  // Pass 1: q . k for every context token, block by block (no per-token division).
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const float* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const int64_t first = j * block_size;
+    const int64_t n = std::min(block_size, len - first);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* k = k_block + i * token_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q_group + g * head_dim;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * k[d];
+        scores[g * len + first + i] = s * scale;
+      }
+    }
+  }
+  std::vector<float> inv_sum(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores.data() + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      total += s[t];
+    }
+    inv_sum[g] = 1.0f / total;
+  }
+  // Pass 2: sum of p * v.
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const float* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const int64_t first = j * block_size;
+    const int64_t n = std::min(block_size, len - first);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = v_block + i * token_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * len + first + i];
+        float* a = acc.data() + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    for (int64_t d = 0; d < head_dim; ++d) {
+      out_group[g * head_dim + d] = acc[g * head_dim + d] * inv_sum[g];
+    }
+  }
+}
+
+}  // namespace
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t block_stride = block_size * token_stride;
+
+  const float* q_ptr = q.data_ptr<float>();
+  const float* k_ptr = k_cache.data_ptr<float>();
+  const float* v_ptr = v_cache.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    std::vector<float> acc;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / num_kv_heads;
+      const int64_t kv_head = item % num_kv_heads;
+      const int64_t len = lens[seq];
+      const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      float* out_group = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
+      if (len <= 0) {
+        std::fill(out_group, out_group + group * head_dim, 0.0f);
+        continue;
+      }
+      const int32_t* table = tables + seq * max_blocks;
+      const float* k_head = k_ptr + kv_head * head_dim;
+      const float* v_head = v_ptr + kv_head * head_dim;
+      auto run = [&](auto kernel) {
+        kernel(q_group, k_head, v_head, table, len, group, head_dim, block_size, token_stride,
+               block_stride, fscale, out_group, scores, acc);
+      };
+      if (head_dim == 64) {
+        run(attend_one<64>);
+      } else if (head_dim == 128) {
+        run(attend_one<128>);
+      } else {
+        run(attend_one<0>);
+      }
+    }
+  });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}
