@@ -12,7 +12,8 @@ _DEVICES = ("auto", "cpu", "cuda")
 class EngineConfig:
     """Engine settings. ``model`` is a folder, a .gguf file or a name in the local model cache.
 
-    The KV cache is sized by ``num_kv_blocks`` when given, else by ``kv_cache_memory`` bytes.
+    The KV cache is sized by ``num_kv_blocks`` when given, else by ``kv_cache_memory`` bytes,
+    but never larger than ``max_num_seqs`` full-length sequences need.
     """
 
     model: str
@@ -22,7 +23,7 @@ class EngineConfig:
     max_model_len: int | None = None
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30
+    kv_cache_memory: int = 4 << 30
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True

@@ -36,6 +36,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, checkpoint, max_position: int) -> None:
+        self.max_position = max_position
         self.config = config
         self.block_size = config.block_size
         self.device = resolve_device(config.device)
@@ -53,6 +54,24 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
         self._allocate_kv_cache(hf_config)
+        self.graphs = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_cuda_graphs()
+
+    def _capture_cuda_graphs(self) -> None:
+        """Decode-only steps replay CUDA graphs captured at bucketed batch sizes."""
+        from engine.cuda_graphs import CUDAGraphRunner, bucket_sizes
+
+        def forward(input_ids, positions, metadata):
+            return self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
+
+        self.graphs = CUDAGraphRunner(
+            forward,
+            bucket_sizes(min(self.config.max_num_seqs, 256)),
+            max_num_blocks=-(-self.max_position // self.block_size),
+            device=self.device,
+        )
+        self.graphs.capture()
 
     def _make_attention_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
@@ -69,7 +88,14 @@ class ModelRunner:
         num_layers = hf_config.num_hidden_layers
         per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim
         bytes_per_block = per_block * torch.empty((), dtype=self.dtype).element_size()
-        num_blocks = self.config.num_kv_blocks or self.config.kv_cache_memory // bytes_per_block
+        num_blocks = self.config.num_kv_blocks
+        if num_blocks is None:
+            # What the budget buys, capped at what max_num_seqs full-length sequences can use.
+            blocks_per_seq = -(-self.max_position // self.block_size)
+            num_blocks = min(
+                self.config.kv_cache_memory // bytes_per_block,
+                self.config.max_num_seqs * blocks_per_seq,
+            )
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_memory={self.config.kv_cache_memory} bytes holds {num_blocks} blocks "
@@ -163,8 +189,14 @@ class ModelRunner:
         input_ids, positions, metadata, sample_indices, sample_requests = self.prepare_inputs(
             scheduler_output, requests
         )
-        self.attn.prepare(metadata)
-        hidden = self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
+        if self.graphs is not None and metadata.num_prefills == 0:
+            hidden = self.graphs.run(
+                input_ids, positions, metadata.decode_block_tables,
+                metadata.decode_context_lens, metadata.slot_mapping,
+            )
+        else:
+            self.attn.prepare(metadata)
+            hidden = self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
         if not sample_indices:
             return ModelRunnerOutput({})
         # Only the rows we sample from go through the (large) output projection.
