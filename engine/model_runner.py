@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import CUDAGraphRunner
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.models.llama import LlamaForCausalLM
@@ -54,13 +55,13 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
         self._allocate_kv_cache(hf_config)
-        self.graphs = None
+        self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
         """Decode-only steps replay CUDA graphs captured at bucketed batch sizes."""
-        from engine.cuda_graphs import CUDAGraphRunner, bucket_sizes
+        from engine.cuda_graphs import bucket_sizes
 
         def forward(input_ids, positions, metadata):
             return self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
