@@ -29,3 +29,16 @@ lint: setup
 
 bench: model
 	$(BIN)/python -m bench.offline
+
+# The service, embedded (API + one worker, SQLite and .boxcar/ here; no servers to install).
+.PHONY: serve demo compose-config
+
+serve: model
+	$(BIN)/boxcar serve
+
+# The main job through the REST API: start, submit examples/requests.jsonl, poll, download.
+demo: model
+	$(BIN)/python -m worker.demo examples/requests.jsonl -o results.jsonl
+
+compose-config:
+	docker-compose -f compose/docker-compose.yml config -q

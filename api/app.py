@@ -1,0 +1,50 @@
+"""The FastAPI application: OpenAI-compatible files and batches, single jobs, webhooks."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from prometheus_client import make_asgi_app
+
+from api.db import Database
+from api.deps import AppContext
+from api.errors import install_error_handlers
+from api.queue import TaskQueue, make_queue
+from api.routes import batches, files, health, jobs, webhooks
+from api.settings import Settings, get_settings
+from api.storage import ObjectStorage, make_storage
+
+
+def build_context(
+    settings: Settings,
+    *,
+    db: Database | None = None,
+    storage: ObjectStorage | None = None,
+    queue: TaskQueue | None = None,
+) -> AppContext:
+    """The parts the settings choose; any of them can be handed in instead (tests, serve)."""
+    return AppContext(
+        settings=settings,
+        db=db or Database(settings.database_url),
+        storage=storage or make_storage(
+            settings.storage_url, endpoint_url=settings.s3_endpoint_url,
+            region=settings.s3_region, create_bucket=settings.s3_create_bucket,
+        ),
+        queue=queue or make_queue(settings.broker_url, namespace=settings.queue_namespace),
+    )
+
+
+def create_app(
+    settings: Settings | None = None, *, context: AppContext | None = None
+) -> FastAPI:
+    context = context or build_context(settings or get_settings())
+    app = FastAPI(
+        title="boxcar",
+        version="0.1.0",
+        description="Self-hosted batch inference with an OpenAI-compatible Files and Batches API.",
+    )
+    app.state.context = context
+    install_error_handlers(app)
+    for module in (files, batches, jobs, webhooks, health):
+        app.include_router(module.router)
+    app.mount("/metrics", make_asgi_app())
+    return app

@@ -1,0 +1,61 @@
+"""FastAPI dependencies: the app's context (settings, database, storage, queue) and the tenant
+behind the request's API key."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from api.db import Database
+from api.errors import ApiError
+from api.keys import authenticate
+from api.queue import TaskQueue
+from api.settings import Settings
+from api.storage import ObjectStorage
+
+
+@dataclass
+class AppContext:
+    settings: Settings
+    db: Database
+    storage: ObjectStorage
+    queue: TaskQueue
+
+    @property
+    def model_name(self) -> str:
+        """The model name answers and batches carry."""
+        return self.settings.served_model_name or os.path.basename(
+            self.settings.model.rstrip("/")
+        )
+
+
+@dataclass(frozen=True)
+class TenantRef:
+    id: str
+    name: str
+
+
+def get_context(request: Request) -> AppContext:
+    return request.app.state.context
+
+
+ContextDep = Annotated[AppContext, Depends(get_context)]
+
+
+def get_tenant(request: Request, ctx: ContextDep) -> TenantRef:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
+                       code="invalid_api_key")
+    with ctx.db.read_session() as session:
+        tenant = authenticate(session, key=key.strip())
+        if tenant is None:
+            raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
+        return TenantRef(tenant.id, tenant.name)
+
+
+TenantDep = Annotated[TenantRef, Depends(get_tenant)]

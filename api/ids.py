@@ -1,0 +1,38 @@
+"""Public object ids, OpenAI style: ``file-…``, ``batch_…``, plus boxcar's own kinds."""
+
+from __future__ import annotations
+
+import secrets
+
+
+def new_id(prefix: str) -> str:
+    """``prefix`` followed by 24 random hex digits, e.g. ``batch_3f2a…``."""
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def file_id() -> str:
+    return new_id("file-")
+
+
+def batch_id() -> str:
+    return new_id("batch_")
+
+
+def job_id() -> str:
+    return new_id("job_")
+
+
+def tenant_id() -> str:
+    return new_id("tenant_")
+
+
+def key_id() -> str:
+    return new_id("key_")
+
+
+def webhook_endpoint_id() -> str:
+    return new_id("we_")
+
+
+def webhook_message_id() -> str:
+    return new_id("msg_")

@@ -1,0 +1,97 @@
+"""The doorbell between the API and the workers: "batch B changed", "shard S has work".
+
+A message carries an id and nothing else; the database says what the work is and who holds it,
+so a lost or repeated message never loses or repeats a result (workers also poll the database).
+Production rings Celery on Redis; the embedded mode rings in-process listeners and lets the
+workers' polling do the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+log = logging.getLogger(__name__)
+
+TASK_BATCH_CHANGED = "boxcar.batch_changed"
+TASK_RUN_SHARD = "boxcar.run_shard"
+
+
+def queue_names(namespace: str) -> dict[str, str]:
+    """Celery queue names: single jobs and control messages ahead of bulk shards."""
+    return {
+        "jobs": f"{namespace}.jobs",
+        "control": f"{namespace}.control",
+        "bulk": f"{namespace}.bulk",
+    }
+
+
+class TaskQueue(Protocol):
+    def batch_changed(self, batch_id: str) -> None: ...
+
+    def shards_ready(self, shard_ids: Iterable[str], *, jobs: bool = False) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EmbeddedQueue:
+    """Rings listeners in this process (a worker running beside the API); others poll."""
+
+    def __init__(self) -> None:
+        self._listeners: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        with self._lock:
+            self._listeners.append(listener)
+
+    def _ring(self) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener()
+
+    def batch_changed(self, batch_id: str) -> None:
+        self._ring()
+
+    def shards_ready(self, shard_ids: Iterable[str], *, jobs: bool = False) -> None:
+        self._ring()
+
+    def close(self) -> None:
+        pass
+
+
+class CeleryQueue:
+    """Sends task messages by name, so the API needs Celery but not the worker's code."""
+
+    def __init__(self, broker_url: str, *, namespace: str = "boxcar") -> None:
+        from celery import Celery
+
+        self._app = Celery("boxcar-api", broker=broker_url, set_as_current=False)
+        self._app.conf.update(broker_connection_retry_on_startup=True, task_ignore_result=True)
+        self._queues = queue_names(namespace)
+
+    def _send(self, name: str, arg: str, queue: str) -> None:
+        try:
+            self._app.send_task(name, args=[arg], queue=queue)
+        except Exception:  # the row is committed: polling picks the work up anyway
+            log.exception("could not send %s(%s) to %s", name, arg, queue)
+
+    def batch_changed(self, batch_id: str) -> None:
+        self._send(TASK_BATCH_CHANGED, batch_id, self._queues["control"])
+
+    def shards_ready(self, shard_ids: Iterable[str], *, jobs: bool = False) -> None:
+        queue = self._queues["jobs" if jobs else "bulk"]
+        for shard_id in shard_ids:
+            self._send(TASK_RUN_SHARD, shard_id, queue)
+
+    def close(self) -> None:
+        self._app.close()
+
+
+def make_queue(broker_url: str | None, *, namespace: str = "boxcar") -> TaskQueue:
+    if not broker_url:
+        return EmbeddedQueue()
+    return CeleryQueue(broker_url, namespace=namespace)

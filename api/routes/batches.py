@@ -1,0 +1,183 @@
+"""/v1/batches: create (from a file or an inline ``requests`` array), list, retrieve, cancel."""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.db import utcnow
+from api.deps import AppContext, ContextDep, TenantDep
+from api.errors import ApiError, not_found
+from api.metrics import BATCHES_CREATED
+from api.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
+from api.objects import batch_object, line_totals, page
+from api.openai_batch import ENDPOINTS
+from api.routes.files import get_file
+from api.settings import parse_completion_window
+from api.uploads import store_inline_requests
+from api.webhooks import check_url_literal
+
+router = APIRouter(tags=["batches"])
+
+
+class InlineRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    custom_id: str
+    body: dict[str, Any]
+    method: str = "POST"
+    url: str | None = None
+
+
+class BatchCreateRequest(BaseModel):
+    """OpenAI's fields, plus boxcar's ``requests`` (instead of a file) and ``webhook_url``."""
+
+    input_file_id: str | None = None
+    endpoint: str
+    completion_window: str = "24h"
+    metadata: dict[str, str] | None = None
+    requests: list[InlineRequest] | None = None
+    webhook_url: str | None = None
+    priority: int = Field(0, ge=0, le=100)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > 16:
+        raise ApiError(400, "metadata may hold at most 16 keys.", param="metadata")
+    for key, value in metadata.items():
+        if len(key) > 64 or len(value) > 512:
+            raise ApiError(400, "metadata keys are at most 64 characters and values at most 512.",
+                           param="metadata")
+
+
+def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
+    row = session.scalars(
+        select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
+    ).first()
+    if row is None:
+        raise not_found("batch", batch_id)
+    return row
+
+
+def render(session: Session, row: Batch) -> dict:
+    live = row.status in (VALIDATING, IN_PROGRESS, CANCELLING, "finalizing")
+    return batch_object(row, line_totals(session, row.id) if live else None)
+
+
+@router.post("/v1/batches")
+def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep) -> dict:
+    settings = ctx.settings
+    if request.endpoint not in ENDPOINTS:
+        raise ApiError(400, f"Invalid endpoint {request.endpoint!r}: supported are "
+                       f"{', '.join(ENDPOINTS)}.", param="endpoint", code="invalid_endpoint")
+    if request.completion_window not in settings.completion_windows:
+        raise ApiError(400, f"Invalid completion_window {request.completion_window!r}: supported "
+                       f"are {', '.join(settings.completion_windows)}.",
+                       param="completion_window", code="invalid_completion_window")
+    window = parse_completion_window(request.completion_window)
+    check_metadata(request.metadata)
+    if request.webhook_url:
+        try:
+            check_url_literal(request.webhook_url, allow_private=settings.webhook_allow_private)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="webhook_url", code="invalid_webhook_url") from exc
+    if (request.input_file_id is None) == (request.requests is None):
+        raise ApiError(400, "Give exactly one of input_file_id and requests.",
+                       param="input_file_id", code="invalid_request")
+    if request.requests is not None and not request.requests:
+        raise ApiError(400, "requests must not be empty.", param="requests")
+    if request.requests is not None and len(request.requests) > settings.max_inline_requests:
+        raise ApiError(400, f"requests holds more than {settings.max_inline_requests} items; "
+                       "upload a file instead.", param="requests")
+
+    body = _create(request, tenant.id, ctx, window)
+    BATCHES_CREATED.inc()
+    ctx.queue.batch_changed(body["id"])
+    return body
+
+
+def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window: int) -> dict:
+    settings = ctx.settings
+    inline_file: File | None = None
+    try:
+        with ctx.db.session() as session:
+            if request.requests is not None:
+                file = inline_file = store_inline_requests(
+                    session, ctx.storage, tenant_id=tenant_id, endpoint=request.endpoint,
+                    requests=(r.model_dump() for r in request.requests),
+                    max_bytes=settings.max_file_bytes, max_lines=settings.max_file_lines,
+                )
+            else:
+                file = get_file(session, tenant_id=tenant_id, file_id=request.input_file_id)
+                if file.purpose != "batch":
+                    raise ApiError(400, f"File {file.id} has purpose {file.purpose!r}; a batch "
+                                   "needs a file uploaded with purpose 'batch'.",
+                                   param="input_file_id", code="invalid_file")
+            if file.num_lines - file.num_errors <= 0:
+                raise ApiError(400, f"File {file.id} has no valid request lines "
+                               f"({file.num_errors} lines with problems; see the file's "
+                               "line_errors).", param="input_file_id", code="invalid_file")
+            now = utcnow()
+            row = Batch(
+                id=ids.batch_id(), tenant_id=tenant_id, endpoint=request.endpoint,
+                input_file_id=file.id, completion_window=request.completion_window,
+                status=VALIDATING, metadata_=request.metadata, model=ctx.model_name,
+                webhook_url=request.webhook_url, priority=request.priority, created_at=now,
+                expires_at=now + dt.timedelta(seconds=window), num_total=file.num_lines,
+            )
+            session.add(row)
+            session.flush()
+            return batch_object(row)
+    except Exception:
+        if inline_file is not None:  # its row is rolled back: drop its bytes too
+            ctx.storage.delete(inline_file.storage_key)
+        raise
+
+
+@router.get("/v1/batches")
+def list_batches(
+    tenant: TenantDep,
+    ctx: ContextDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict:
+    with ctx.db.read_session() as session:
+        query = select(Batch).where(Batch.tenant_id == tenant.id)
+        if after:
+            cursor = get_batch(session, tenant_id=tenant.id, batch_id=after)
+            query = query.where(Batch.pk < cursor.pk)
+        rows = session.scalars(query.order_by(Batch.pk.desc()).limit(limit + 1)).all()
+        return page([render(session, r) for r in rows[:limit]], has_more=len(rows) > limit)
+
+
+@router.get("/v1/batches/{batch_id}")
+def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
+    with ctx.db.read_session() as session:
+        return render(session, get_batch(session, tenant_id=tenant.id, batch_id=batch_id))
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+def cancel_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
+    with ctx.db.session() as session:
+        row = get_batch(session, tenant_id=tenant.id, batch_id=batch_id)
+        if row.status not in (VALIDATING, IN_PROGRESS, CANCELLING, CANCELLED):
+            raise ApiError(409, f"Batch {batch_id} cannot be cancelled: it is {row.status}.",
+                           code="invalid_state")
+        # Conditional, so a batch that finished meanwhile is left alone.
+        session.execute(
+            update(Batch)
+            .where(Batch.id == row.id, Batch.status.in_((VALIDATING, IN_PROGRESS)))
+            .values(status=CANCELLING, cancelling_at=utcnow())
+        )
+        session.refresh(row)
+        body = render(session, row)
+    ctx.queue.batch_changed(batch_id)  # wakes a worker to abort and finalize
+    return body

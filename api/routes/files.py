@@ -1,0 +1,148 @@
+"""/v1/files: upload (streamed and checked line by line), list, retrieve, content, delete."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
+
+from api import ids
+from api.db import utcnow
+from api.deps import ContextDep, TenantDep
+from api.errors import ApiError, not_found
+from api.metrics import FILES_UPLOADED
+from api.models import File
+from api.objects import file_object, page
+from api.uploads import JsonlIngest, MultipartStream
+
+router = APIRouter(tags=["files"])
+
+FEED_BYTES = 1 << 20  # hand the parser ~1 MiB at a time, off the event loop
+MULTIPART_OVERHEAD = 64 << 10
+
+
+def get_file(session: Session, *, tenant_id: str, file_id: str) -> File:
+    row = session.scalars(
+        select(File).where(File.id == file_id, File.tenant_id == tenant_id,
+                           File.deleted_at.is_(None))
+    ).first()
+    if row is None:
+        raise not_found("file", file_id)
+    return row
+
+
+@router.post("/v1/files", summary="Upload a JSONL batch input file (multipart: file, purpose)")
+async def create_file(request: Request, tenant: TenantDep, ctx: ContextDep) -> dict:
+    settings = ctx.settings
+    length = request.headers.get("content-length")
+    if length and length.isdigit() and int(length) > settings.max_file_bytes + MULTIPART_OVERHEAD:
+        raise ApiError(413, f"File is too large: the limit is {settings.max_file_bytes} bytes.",
+                       code="file_too_large", param="file")
+    ingest = JsonlIngest(ctx.storage, ids.file_id(), settings.max_file_bytes,
+                         settings.max_file_lines)
+    parser = MultipartStream(request.headers.get("content-type"), ingest.feed)
+    try:
+        await _receive(request, parser)
+        purpose = parser.fields.get("purpose")
+        if purpose is None:
+            raise ApiError(400, "Missing required parameter: 'purpose'.", param="purpose",
+                           code="invalid_request")
+        if purpose != "batch":
+            raise ApiError(400, f"Invalid purpose {purpose!r}: this service accepts 'batch' files.",
+                           param="purpose", code="invalid_purpose")
+        if not parser.saw_file:
+            raise ApiError(400, "Missing required parameter: 'file'.", param="file",
+                           code="invalid_request")
+        await run_in_threadpool(ingest.finish)
+    except BaseException:
+        await run_in_threadpool(ingest.abort)
+        raise
+
+    def save() -> dict:
+        row = ingest.to_file(tenant_id=tenant.id, filename=parser.filename or "upload.jsonl",
+                             purpose="batch")
+        with ctx.db.session() as session:
+            session.add(row)
+        FILES_UPLOADED.inc()
+        return file_object(row)
+
+    try:
+        return await run_in_threadpool(save)
+    except Exception:
+        await run_in_threadpool(ctx.storage.delete, ingest.storage_key)
+        raise
+
+
+async def _receive(request: Request, parser: MultipartStream) -> None:
+    """Feed the body to the parser about a MiB at a time, off the event loop. After an error the
+    rest is read and dropped, so the client gets the answer rather than a reset connection."""
+    error: ApiError | None = None
+    pending = bytearray()
+    async for chunk in request.stream():
+        if error is not None:
+            continue
+        pending += chunk
+        if len(pending) >= FEED_BYTES:
+            data = bytes(pending)
+            pending.clear()
+            try:
+                await run_in_threadpool(parser.feed, data)
+            except ApiError as exc:
+                error = exc
+    if error is not None:
+        raise error
+    await run_in_threadpool(parser.feed, bytes(pending))
+    parser.finish()
+
+
+@router.get("/v1/files")
+def list_files(
+    tenant: TenantDep,
+    ctx: ContextDep,
+    purpose: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+    order: Literal["asc", "desc"] = "desc",
+    after: str | None = None,
+) -> dict:
+    with ctx.db.read_session() as session:
+        query = select(File).where(File.tenant_id == tenant.id, File.deleted_at.is_(None))
+        if purpose:
+            query = query.where(File.purpose == purpose)
+        if after:
+            cursor = get_file(session, tenant_id=tenant.id, file_id=after)
+            query = query.where(File.pk < cursor.pk if order == "desc" else File.pk > cursor.pk)
+        query = query.order_by(File.pk.desc() if order == "desc" else File.pk.asc())
+        rows = session.scalars(query.limit(limit + 1)).all()
+        return page([file_object(r) for r in rows[:limit]], has_more=len(rows) > limit)
+
+
+@router.get("/v1/files/{file_id}")
+def retrieve_file(file_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
+    with ctx.db.read_session() as session:
+        return file_object(get_file(session, tenant_id=tenant.id, file_id=file_id))
+
+
+@router.get("/v1/files/{file_id}/content", response_class=StreamingResponse)
+def file_content(file_id: str, tenant: TenantDep, ctx: ContextDep) -> StreamingResponse:
+    with ctx.db.read_session() as session:
+        row = get_file(session, tenant_id=tenant.id, file_id=file_id)
+    return StreamingResponse(
+        ctx.storage.iter_chunks(row.storage_key),
+        media_type="application/octet-stream",
+        headers={"content-disposition": f'attachment; filename="{row.filename}"',
+                 "content-length": str(row.bytes)},
+    )
+
+
+@router.delete("/v1/files/{file_id}")
+def delete_file(file_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
+    with ctx.db.session() as session:
+        row = get_file(session, tenant_id=tenant.id, file_id=file_id)
+        row.deleted_at = utcnow()
+        key = row.storage_key
+    ctx.storage.delete(key)
+    return {"id": file_id, "object": "file", "deleted": True}

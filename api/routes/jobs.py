@@ -1,0 +1,110 @@
+"""/v1/jobs: one chat or completion request, answered asynchronously ahead of bulk lines."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from pydantic import BaseModel, Field
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.deps import ContextDep, TenantDep
+from api.errors import ApiError, not_found
+from api.lines import sort_key, stored_body
+from api.metrics import JOBS_CREATED
+from api.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
+from api.objects import job_object, page
+from api.openai_batch import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, LineError, parse_line
+from api.routes.batches import check_metadata
+from api.webhooks import check_url_literal
+
+router = APIRouter(tags=["jobs"])
+
+
+class JobCreateRequest(BaseModel):
+    """``body`` is a /v1/chat/completions or /v1/completions request body; ``endpoint`` defaults
+    to chat when the body has ``messages``."""
+
+    body: dict[str, Any]
+    endpoint: str | None = None
+    webhook_url: str | None = None
+    priority: int = Field(0, ge=0, le=100)
+    metadata: dict[str, str] | None = None
+
+
+def get_job(session: Session, *, tenant_id: str, job_id: str) -> Job:
+    row = session.scalars(select(Job).where(Job.id == job_id, Job.tenant_id == tenant_id)).first()
+    if row is None:
+        raise not_found("job", job_id)
+    return row
+
+
+def job_line(session: Session, job_id: str) -> RequestLine | None:
+    return session.scalars(select(RequestLine).where(RequestLine.job_id == job_id)).first()
+
+
+@router.post("/v1/jobs")
+def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) -> dict:
+    endpoint = request.endpoint or (CHAT_URL if "messages" in request.body else COMPLETIONS_URL)
+    if endpoint not in ENDPOINTS:
+        raise ApiError(400, f"Invalid endpoint {endpoint!r}: supported are {', '.join(ENDPOINTS)}.",
+                       param="endpoint", code="invalid_endpoint")
+    check_metadata(request.metadata)
+    if request.webhook_url:
+        try:
+            check_url_literal(request.webhook_url,
+                              allow_private=ctx.settings.webhook_allow_private)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="webhook_url", code="invalid_webhook_url") from exc
+    job_id = ids.job_id()
+    raw = json.dumps({"custom_id": job_id, "method": "POST", "url": endpoint,
+                      "body": request.body})
+    parsed = parse_line(raw, line_no=1, endpoint=endpoint)
+    if isinstance(parsed, LineError):
+        raise ApiError(400, parsed.message.removeprefix("line 1: "), code=parsed.code,
+                       param="body")
+    shard_id = f"{job_id}:0"
+    with ctx.db.session() as session:
+        job = Job(id=job_id, tenant_id=tenant.id, endpoint=endpoint, status=JOB_QUEUED,
+                  priority=request.priority, webhook_url=request.webhook_url,
+                  metadata_=request.metadata)
+        session.add(job)
+        session.flush()
+        session.add(Shard(id=shard_id, tenant_id=tenant.id, job_id=job_id,
+                          priority=JOB_PRIORITY_BASE + request.priority, num_lines=1))
+        session.add(RequestLine(
+            tenant_id=tenant.id, job_id=job_id, shard_id=shard_id, line_no=1, position=0,
+            custom_id=job_id, endpoint=endpoint, body=stored_body(parsed),
+            sort_key=sort_key(parsed),
+        ))
+        session.flush()
+        body = job_object(job, None)
+    JOBS_CREATED.inc()
+    ctx.queue.shards_ready([shard_id], jobs=True)
+    return body
+
+
+@router.get("/v1/jobs")
+def list_jobs(
+    tenant: TenantDep,
+    ctx: ContextDep,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict:
+    with ctx.db.read_session() as session:
+        query = select(Job).where(Job.tenant_id == tenant.id)
+        if after:
+            query = query.where(Job.pk < get_job(session, tenant_id=tenant.id, job_id=after).pk)
+        rows = session.scalars(query.order_by(Job.pk.desc()).limit(limit + 1)).all()
+        items = [job_object(r, job_line(session, r.id)) for r in rows[:limit]]
+        return page(items, has_more=len(rows) > limit)
+
+
+@router.get("/v1/jobs/{job_id}")
+def retrieve_job(job_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
+    with ctx.db.read_session() as session:
+        job = get_job(session, tenant_id=tenant.id, job_id=job_id)
+        return job_object(job, job_line(session, job.id))

@@ -1,0 +1,114 @@
+"""Service settings, read once from ``BOXCAR_*`` environment variables (pydantic-settings).
+
+The defaults are the embedded mode: SQLite and a local folder under ``.boxcar/``, no broker
+(workers poll the database). Production sets a PostgreSQL URL, ``s3://bucket/prefix`` storage and
+a Redis broker.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_WINDOW = re.compile(r"^(\d+)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_completion_window(window: str) -> int:
+    """Seconds in a completion window such as ``"24h"``; ``ValueError`` when malformed."""
+    match = _WINDOW.match(window.strip()) if isinstance(window, str) else None
+    if match is None or int(match.group(1)) == 0:
+        raise ValueError(
+            f"completion_window must look like '24h' (a positive number and s, m, h or d), "
+            f"got {window!r}"
+        )
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+class Settings(BaseSettings):
+    """Every knob of the service. Field ``x`` is read from ``BOXCAR_X``."""
+
+    model_config = SettingsConfigDict(env_prefix="BOXCAR_", frozen=True, extra="ignore")
+
+    # Where things live.
+    database_url: str = "sqlite:///.boxcar/boxcar.db"
+    broker_url: str | None = None  # None or "": embedded queue (workers poll the database)
+    queue_namespace: str = "boxcar"  # prefix of the Celery queue names
+    storage_url: str = ".boxcar/storage"  # a folder, or s3://bucket/prefix
+    s3_endpoint_url: str | None = None
+    s3_region: str | None = None
+    s3_create_bucket: bool = True
+
+    # The model the workers serve.
+    model: str = "SmolLM2-135M-Instruct"
+    served_model_name: str | None = None  # the name answers carry; default: the engine's
+    engine_options: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (JSON)
+
+    # API limits.
+    max_file_bytes: int = 200 * 1024 * 1024
+    max_file_lines: int = 50_000
+    max_inline_requests: int = 10_000
+    completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
+    # Lines may use either endpoint, like `boxcar run`; False: a line's url must be the batch's.
+    mixed_endpoints: bool = True
+    bootstrap_api_key: str | None = None  # ensured to exist (tenant "default") at start
+
+    # Work distribution.
+    shard_size: int = 256
+    lease_seconds: float = 15.0
+    poll_interval: float = 0.5
+    max_shard_attempts: int = 5
+    worker_max_shards: int = 8
+    worker_max_lines: int = 4096
+    worker_max_jobs: int = 256
+    job_collect_window: float = 0.005  # seconds an idle engine waits to gather single jobs
+    finalize_scan_interval: float = 5.0
+    worker_metrics_port: int | None = None  # Prometheus /metrics of a production worker
+
+    # Webhooks.
+    webhook_allow_private: bool = False
+    webhook_timeout: float = 10.0
+    webhook_retry_delays: list[float] = Field(
+        default_factory=lambda: [5.0, 30.0, 120.0, 600.0, 1800.0, 7200.0, 18000.0]
+    )
+
+    @field_validator("shard_size", "max_file_lines", "max_file_bytes", "worker_max_shards",
+                     "worker_max_lines", "worker_max_jobs", "max_shard_attempts",
+                     "max_inline_requests")
+    @classmethod
+    def _positive(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"must be >= 1, got {value}")
+        return value
+
+    @field_validator("lease_seconds", "poll_interval", "webhook_timeout")
+    @classmethod
+    def _positive_seconds(cls, value: float) -> float:
+        if value <= 0:
+            raise ValueError(f"must be > 0 seconds, got {value}")
+        return value
+
+    @field_validator("completion_windows")
+    @classmethod
+    def _windows(cls, value: list[str]) -> list[str]:
+        for window in value:
+            parse_completion_window(window)
+        return value
+
+    @property
+    def embedded_queue(self) -> bool:
+        return not self.broker_url
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment once."""
+    return Settings()

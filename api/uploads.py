@@ -1,0 +1,243 @@
+"""Uploads: a multipart body streamed into object storage while each JSONL line is checked.
+
+Nothing holds the whole file: the multipart parser hands the file part over in chunks, each
+complete line is validated as it passes (``api.openai_batch.parse_line``), and the bytes go on
+to the storage writer. The file record keeps the counts and the first line-level problems.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.errors import ApiError
+from api.models import File
+from api.openai_batch import CustomIdTracker, LineError, parse_line
+from api.storage import ObjectStorage
+
+MAX_RECORDED_ERRORS = 100
+MAX_LINE_BYTES = 32 << 20
+
+
+def file_storage_key(file_id: str) -> str:
+    return f"files/{file_id}"
+
+
+@dataclass
+class JsonlIngest:
+    """Streams bytes into storage and checks them line by line. ``feed`` raises ``ApiError``."""
+
+    storage: ObjectStorage
+    file_id: str
+    max_bytes: int
+    max_lines: int
+    num_bytes: int = 0
+    num_lines: int = 0  # non-blank lines
+    num_objects: int = 0  # lines that are JSON objects (valid or not)
+    num_errors: int = 0
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    _tail: bytearray = field(default_factory=bytearray)
+    _line_no: int = 0
+    _ids: CustomIdTracker = field(default_factory=CustomIdTracker)
+    _cm: Any = None
+    _writer: Any = None
+
+    @property
+    def storage_key(self) -> str:
+        return file_storage_key(self.file_id)
+
+    def feed(self, data: bytes) -> None:
+        if self._writer is None:
+            self._cm = self.storage.writer(self.storage_key)
+            self._writer = self._cm.__enter__()
+        self.num_bytes += len(data)
+        if self.num_bytes > self.max_bytes:
+            raise ApiError(
+                413, f"File is too large: the limit is {self.max_bytes} bytes.",
+                code="file_too_large", param="file",
+            )
+        self._writer.write(data)
+        self._tail += data
+        start = 0
+        while (end := self._tail.find(b"\n", start)) != -1:
+            self._check(bytes(self._tail[start:end]))
+            start = end + 1
+        del self._tail[:start]
+        if len(self._tail) > MAX_LINE_BYTES:
+            raise ApiError(
+                400, f"Line {self._line_no + 1} is longer than {MAX_LINE_BYTES} bytes: "
+                "is this a JSONL file?", code="invalid_file", param="file",
+            )
+
+    def _check(self, raw: bytes) -> None:
+        self._line_no += 1
+        raw = raw.rstrip(b"\r")
+        if not raw.strip():
+            return
+        self.num_lines += 1
+        if self.num_lines > self.max_lines:
+            raise ApiError(
+                400, f"File has more than {self.max_lines} lines, the limit per batch file.",
+                code="too_many_lines", param="file",
+            )
+        result = parse_line(raw, line_no=self._line_no)
+        if isinstance(result, LineError):
+            if result.code != "invalid_json" and "expected a JSON object" not in result.message:
+                self.num_objects += 1
+            self._record(result)
+            return
+        self.num_objects += 1
+        duplicate = self._ids.check(result.custom_id, line_no=self._line_no)
+        if duplicate is not None:
+            self._record(duplicate)
+
+    def _record(self, error: LineError) -> None:
+        self.num_errors += 1
+        if len(self.errors) < MAX_RECORDED_ERRORS:
+            self.errors.append(
+                {"line": error.line_no, "code": error.code, "message": error.message,
+                 "custom_id": error.custom_id}
+            )
+
+    def finish(self) -> None:
+        """Check the last line and commit the object; raises ``ApiError`` for a non-JSONL file."""
+        if self._writer is None:
+            self.feed(b"")
+        if self._tail:
+            self._check(bytes(self._tail))
+            self._tail.clear()
+        if self.num_lines == 0:
+            raise ApiError(400, "File is empty: expected JSONL, one request per line.",
+                           code="invalid_file", param="file")
+        if self.num_objects == 0:
+            first = self.errors[0]["message"] if self.errors else ""
+            raise ApiError(
+                400, f"File is not JSONL: no line is a JSON object ({first}).",
+                code="invalid_file", param="file",
+            )
+        cm, self._cm, self._writer = self._cm, None, None
+        cm.__exit__(None, None, None)
+
+    def abort(self) -> None:
+        """Discard what was written (safe to call at any point, or twice)."""
+        if self._cm is not None:
+            cm, self._cm, self._writer = self._cm, None, None
+            try:
+                cm.__exit__(RuntimeError, RuntimeError("upload aborted"), None)
+            except RuntimeError:
+                pass
+
+    def to_file(self, *, tenant_id: str, filename: str, purpose: str) -> File:
+        return File(
+            id=self.file_id, tenant_id=tenant_id, filename=filename, purpose=purpose,
+            bytes=self.num_bytes, storage_key=self.storage_key, num_lines=self.num_lines,
+            num_errors=self.num_errors, line_errors=self.errors,
+        )
+
+
+class MultipartStream:
+    """A push parser for ``multipart/form-data``: small fields are collected, the part named
+    ``file`` goes to ``on_file_data`` chunk by chunk."""
+
+    MAX_FIELD_BYTES = 4096
+
+    def __init__(self, content_type: str | None, on_file_data: Callable[[bytes], None]) -> None:
+        kind, params = parse_options_header(content_type)
+        boundary = params.get(b"boundary")
+        if kind != b"multipart/form-data" or not boundary:
+            raise ApiError(400, "Expected a multipart/form-data body with 'file' and 'purpose'.",
+                           code="invalid_request")
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.saw_file = False
+        self._on_file_data = on_file_data
+        self._header_field = bytearray()
+        self._header_value = bytearray()
+        self._headers: dict[bytes, bytes] = {}
+        self._name: str | None = None
+        self._is_file = False
+        self._value = bytearray()
+        self._parser = MultipartParser(boundary, {
+            "on_part_begin": self._part_begin,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+            "on_header_field": lambda d, s, e: self._header_field.extend(d[s:e]),
+            "on_header_value": lambda d, s, e: self._header_value.extend(d[s:e]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+        })
+
+    def _part_begin(self) -> None:
+        self._headers.clear()
+        self._value.clear()
+        self._name, self._is_file = None, False
+
+    def _header_end(self) -> None:
+        self._headers[bytes(self._header_field).lower()] = bytes(self._header_value)
+        self._header_field.clear()
+        self._header_value.clear()
+
+    def _headers_finished(self) -> None:
+        _, params = parse_options_header(self._headers.get(b"content-disposition", b""))
+        self._name = params.get(b"name", b"").decode("utf-8", "replace")
+        self._is_file = self._name == "file"
+        if self._is_file:
+            self.saw_file = True
+            raw = params.get(b"filename")
+            self.filename = raw.decode("utf-8", "replace") if raw else "upload.jsonl"
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._is_file:
+            self._on_file_data(data[start:end])
+            return
+        self._value += data[start:end]
+        if len(self._value) > self.MAX_FIELD_BYTES:
+            raise ApiError(400, f"Form field {self._name!r} is too long.", code="invalid_request")
+
+    def _part_end(self) -> None:
+        if not self._is_file and self._name:
+            self.fields[self._name] = self._value.decode("utf-8", "replace")
+
+    def feed(self, data: bytes) -> None:
+        try:
+            self._parser.write(data)
+        except ApiError:
+            raise
+        except Exception as exc:  # the parser's own errors: a malformed body
+            raise ApiError(400, f"Malformed multipart body: {exc}", code="invalid_request") from exc
+
+    def finish(self) -> None:
+        self._parser.finalize()
+
+
+def store_inline_requests(
+    session: Session,
+    storage: ObjectStorage,
+    *,
+    tenant_id: str,
+    endpoint: str,
+    requests: Iterable[dict[str, Any]],
+    max_bytes: int,
+    max_lines: int,
+) -> File:
+    """Write an inline ``requests`` array as a batch input file, checked like an upload."""
+    ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines)
+    try:
+        for request in requests:
+            line = {"custom_id": request.get("custom_id"), "method": request.get("method", "POST"),
+                    "url": request.get("url") or endpoint, "body": request.get("body")}
+            ingest.feed(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+        ingest.finish()
+    except BaseException:
+        ingest.abort()
+        raise
+    row = ingest.to_file(tenant_id=tenant_id, filename="inline-requests.jsonl", purpose="batch")
+    session.add(row)
+    session.flush()
+    return row

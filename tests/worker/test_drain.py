@@ -1,0 +1,147 @@
+"""The worker end to end on a fake engine: exactly-once results, files, counts, cancel, expiry,
+prefix ordering, jobs ahead of bulk, tenant fairness."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from fastapi.testclient import TestClient
+
+from tests.conftest_services import chat_line, make_key, wait_for
+from tests.worker.fake_engine import FakeEngine
+
+
+def custom_ids(lines: list[dict]) -> list[str]:
+    return [line["custom_id"] for line in lines]
+
+
+def test_batch_completes_with_every_line_once(make_stack, any_db_url):
+    stack = make_stack(any_db_url)
+    engine = FakeEngine()
+    stack.add_worker(engine)
+    good = [chat_line(f"req-{i}", f"shared system prompt; question {i}") for i in range(10)]
+    bad = ['{"custom_id": "broken"', chat_line("req-3", "duplicate id")]
+    too_long = chat_line("long", "TOO_LONG prompt")
+    batch = stack.create_batch(good[:5] + bad + [too_long] + good[5:])
+    done = stack.wait_status(batch["id"], "completed")
+
+    output = stack.lines_of(done["output_file_id"])
+    errors = stack.lines_of(done["error_file_id"])
+    assert sorted(custom_ids(output)) == sorted(f"req-{i}" for i in range(10))
+    assert custom_ids(errors) == [None, "req-3", "long"]  # input order
+    assert [e["error"]["code"] for e in errors] == [
+        "invalid_json", "duplicate_custom_id", "context_length_exceeded"]
+    assert done["request_counts"] == {"total": 13, "completed": 10, "failed": 3}
+    first = output[0]
+    assert first["response"]["status_code"] == 200 and first["error"] is None
+    body = first["response"]["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "fake-model"
+    assert body["choices"][0]["message"]["content"]
+    assert body["usage"]["completion_tokens"] == 4
+    usage = done["usage"]
+    assert usage["output_tokens"] == 40
+    assert usage["input_tokens"] == sum(line["response"]["body"]["usage"]["prompt_tokens"]
+                                        for line in output)
+    # Ten prompts share a long prefix: the fake prefix cache hits and the batch reports it.
+    assert usage["input_tokens_details"]["cached_tokens"] > 0
+    assert 0 < done["prefix_cache_hit_rate"] < 1
+    assert done["completed_at"] >= done["finalizing_at"] >= done["in_progress_at"]
+    assert len(engine.thread_ids) == 1  # one thread owns the engine
+
+
+def test_lines_run_in_prefix_order(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url, shard_size=100)
+    engine = FakeEngine()
+    stack.add_worker(engine)
+    docs = ["zeta document " * 5, "alpha document " * 5, "mid document " * 5]
+    lines = [chat_line(f"{d[:4]}-{i}", d + f"question {i}") for i in range(4) for d in docs]
+    batch = stack.create_batch(lines)
+    stack.wait_status(batch["id"], "completed")
+    with stack.ctx.db.read_session() as session:
+        from sqlalchemy import select
+
+        from api.models import RequestLine
+
+        ids = dict(session.execute(select(RequestLine.pk, RequestLine.custom_id)).all())
+    order = [ids[int(rid.split("-")[1])][:4] for rid in engine.added]
+    # Requests sharing a document ran together, not interleaved as in the file.
+    assert order == sorted(order)
+
+
+def test_cancel_stops_the_batch_and_finalizes_partial_results(make_stack, any_db_url):
+    stack = make_stack(any_db_url)
+    engine = FakeEngine(max_num_seqs=2, step_time=0.01)
+    stack.add_worker(engine)
+    lines = [chat_line(f"c{i}", f"text {i}", max_tokens=30) for i in range(40)]
+    batch = stack.create_batch(lines)
+    wait_for(lambda: stack.batch(batch["id"])["request_counts"]["completed"] >= 2, 20, 0.02,
+             "some lines to finish")
+    started = time.monotonic()
+    assert stack.client.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] in (
+        "cancelling", "cancelled")
+    done = stack.wait_status(batch["id"], "cancelled", timeout=10)
+    assert time.monotonic() - started < 5
+    output = stack.lines_of(done["output_file_id"])
+    errors = stack.lines_of(done["error_file_id"])
+    assert sorted(custom_ids(output) + custom_ids(errors)) == sorted(f"c{i}" for i in range(40))
+    assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
+    assert 2 <= done["request_counts"]["completed"] < 40
+    assert done["request_counts"]["failed"] == 40 - done["request_counts"]["completed"]
+    # The engine gave up the cancelled requests, and the worker went quiet.
+    wait_for(lambda: not engine.has_unfinished_requests(), 5, 0.05, "the engine to empty")
+    assert engine.aborted
+
+
+def test_expired_batch_reports_batch_expired(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url)
+    engine = FakeEngine(max_num_seqs=1, step_time=0.02)
+    stack.add_worker(engine)
+    lines = [chat_line(f"e{i}", f"slow {i}", max_tokens=20) for i in range(30)]
+    batch = stack.create_batch(lines, completion_window="3s")
+    done = stack.wait_status(batch["id"], "expired", timeout=15)
+    assert done["expired_at"] and done["expires_at"] <= done["expired_at"]
+    output = stack.lines_of(done["output_file_id"])
+    errors = stack.lines_of(done["error_file_id"])
+    assert sorted(custom_ids(output) + custom_ids(errors)) == sorted(f"e{i}" for i in range(30))
+    assert errors and {e["error"]["code"] for e in errors} == {"batch_expired"}
+
+
+def test_single_jobs_run_ahead_of_bulk_lines(make_stack, any_db_url):
+    stack = make_stack(any_db_url)
+    engine = FakeEngine(max_num_seqs=2, step_time=0.005)
+    stack.add_worker(engine)
+    batch = stack.create_batch([chat_line(f"b{i}", f"bulk {i}", max_tokens=10)
+                                for i in range(80)])
+    wait_for(lambda: stack.batch(batch["id"])["request_counts"]["completed"] >= 2, 20, 0.02,
+             "the batch to start")
+    job = stack.client.post("/v1/jobs", json={"body": {
+        "messages": [{"role": "user", "content": "urgent"}], "max_tokens": 3}}).json()
+    result = wait_for(lambda: (j := stack.client.get(f"/v1/jobs/{job['id']}").json())[
+        "status"] == "completed" and j, 10, 0.02, "the job")
+    assert result["result"]["object"] == "chat.completion"
+    assert result["result"]["choices"][0]["finish_reason"] == "length"
+    assert result["usage"]["completion_tokens"] == 3
+    # The job did not wait for the batch: most of it was still to run.
+    assert stack.batch(batch["id"])["request_counts"]["completed"] < 60
+    stack.wait_status(batch["id"], "completed")
+
+
+def test_tenants_share_the_engine_fairly(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url, shard_size=2, worker_max_shards=2)
+    engine = FakeEngine(max_num_seqs=2, step_time=0.002)
+    stack.add_worker(engine)
+    big = stack.create_batch([chat_line(f"a{i}", f"tenant a {i}") for i in range(40)])
+    other = TestClient(stack.client.app,
+                       headers={"Authorization": f"Bearer {make_key(stack.ctx.db, 'beta')}"})
+    file_id = other.post("/v1/files", data={"purpose": "batch"}, files={"file": (
+        "b.jsonl", "\n".join(json.dumps(chat_line(f"b{i}", f"tenant b {i}"))
+                             for i in range(6)))}).json()["id"]
+    small = other.post("/v1/batches", json={"input_file_id": file_id,
+                                             "endpoint": "/v1/chat/completions",
+                                             "completion_window": "24h"}).json()
+    wait_for(lambda: other.get(f"/v1/batches/{small['id']}").json()["status"] == "completed",
+             30, 0.02, "the small batch")
+    # Tenant b's six lines did not queue behind all of tenant a's forty.
+    assert stack.batch(big["id"])["request_counts"]["completed"] < 40
+    assert stack.wait_status(big["id"], "completed")["request_counts"]["completed"] == 40

@@ -1,0 +1,85 @@
+"""Leases: a dead worker's shards are taken over within seconds of its lease running out, a
+clean shutdown hands them back at once, and no line is ever answered twice."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import select, update
+
+from api.models import LINE_COMPLETED, RequestLine, Shard
+from tests.conftest_services import chat_line, wait_for
+from tests.worker.fake_engine import FakeEngine
+from worker.prepare import prepare_batch
+from worker.result_writer import write_results
+from worker.work import LineResult, LineWork
+
+
+def ids_of(lines):
+    return [line["custom_id"] for line in lines]
+
+
+def test_dead_workers_shards_are_taken_over(make_stack, any_db_url):
+    stack = make_stack(any_db_url)
+    slow = FakeEngine(max_num_seqs=2, step_time=0.05)
+    first = stack.add_worker(slow)
+    batch = stack.create_batch([chat_line(f"k{i}", f"line {i}", max_tokens=3) for i in range(24)])
+    wait_for(lambda: stack.batch(batch["id"])["request_counts"]["completed"] >= 2, 20, 0.02,
+             "the first worker to make progress")
+    first.stop(release=False)  # as good as SIGKILL: no heartbeat, no hand-back
+    killed_at = time.monotonic()
+    second = stack.add_worker(FakeEngine())
+    done = stack.wait_status(batch["id"], "completed", timeout=30)
+    # Taken over once the 2 s lease ran out, not after a broker timeout.
+    assert time.monotonic() - killed_at < 2.0 + 6.0
+    output = stack.lines_of(done["output_file_id"])
+    assert sorted(ids_of(output)) == sorted(f"k{i}" for i in range(24))
+    assert done["error_file_id"] is None and done["request_counts"]["failed"] == 0
+    with stack.ctx.db.read_session() as session:
+        workers = set(session.scalars(select(RequestLine.worker_id)).all())
+        attempts = session.scalars(select(Shard.attempts)).all()
+    assert workers == {first.worker_id, second.worker_id}
+    assert max(attempts) >= 2
+
+
+def test_clean_shutdown_hands_shards_back_at_once(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url, lease_seconds=30.0)
+    first = stack.add_worker(FakeEngine(max_num_seqs=1, step_time=0.05))
+    batch = stack.create_batch([chat_line(f"s{i}", f"line {i}", max_tokens=3) for i in range(12)])
+    wait_for(lambda: stack.batch(batch["id"])["request_counts"]["completed"] >= 1, 20, 0.02,
+             "progress")
+    first.stop()
+    stack.add_worker(FakeEngine())
+    done = stack.wait_status(batch["id"], "completed", timeout=10)  # well inside the 30 s lease
+    assert sorted(ids_of(stack.lines_of(done["output_file_id"]))) == sorted(
+        f"s{i}" for i in range(12))
+
+
+def test_a_line_is_answered_once_whoever_writes_last(make_stack, any_db_url):
+    stack = make_stack(any_db_url)
+    batch = stack.create_batch([chat_line("only", "x")])
+    prepare_batch(stack.ctx.db, stack.ctx.storage, batch["id"], worker_id="w0", shard_size=4)
+    with stack.ctx.db.read_session() as session:
+        line = session.scalars(select(RequestLine)).one()
+    work = LineWork(line.pk, line.shard_id, line.tenant_id, line.batch_id, None, "only",
+                    line.endpoint, line.body)
+    for worker, text in (("w1", "first"), ("w2", "second")):
+        with stack.ctx.db.session() as session:
+            write_results(session, [LineResult(work, LINE_COMPLETED, response={"text": text},
+                                               request_id=worker)], worker_id=worker)
+    with stack.ctx.db.read_session() as session:
+        line = session.scalars(select(RequestLine)).one()
+    assert (line.response, line.worker_id) == ({"text": "first"}, "w1")
+
+
+def test_a_shard_that_keeps_killing_workers_fails_its_lines(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url, max_shard_attempts=2)
+    batch = stack.create_batch([chat_line(f"p{i}", "poison") for i in range(3)])
+    prepare_batch(stack.ctx.db, stack.ctx.storage, batch["id"], worker_id="w0", shard_size=4)
+    with stack.ctx.db.session() as session:
+        session.execute(update(Shard).values(attempts=2))
+    stack.add_worker(FakeEngine())
+    done = stack.wait_status(batch["id"], "completed")
+    errors = stack.lines_of(done["error_file_id"])
+    assert sorted(ids_of(errors)) == ["p0", "p1", "p2"]
+    assert {e["error"]["code"] for e in errors} == {"server_error"}

@@ -1,0 +1,89 @@
+"""Celery on Redis: thin tasks over ``WorkerService``.
+
+A message names a shard or a batch and nothing else. Tasks are idempotent (claims and stage
+changes are conditional updates in the database) and acknowledged late; the shard leases, not
+the broker's visibility timeout, bring a dead worker's work back within seconds. One worker
+process holds one engine: run it with ``--pool threads`` (``boxcar worker`` does).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Annotated, Any
+
+from celery import Celery, signals
+from kombu import Queue
+from pydantic import StringConstraints, TypeAdapter
+
+from api.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
+from api.settings import Settings, get_settings
+from worker.service import WorkerService
+
+log = logging.getLogger(__name__)
+
+ObjectId = TypeAdapter(Annotated[str, StringConstraints(
+    min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_\-]+(:[0-9]+)?$")])
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    queues = queue_names(settings.queue_namespace)
+    return {
+        "broker_url": settings.broker_url,
+        "broker_connection_retry_on_startup": True,
+        # Ask for single jobs and control messages before bulk shards.
+        "broker_transport_options": {"queue_order_strategy": "priority",
+                                     "visibility_timeout": 3600},
+        "task_queues": [Queue(queues[name]) for name in ("jobs", "control", "bulk")],
+        "task_default_queue": queues["bulk"],
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "task_ignore_result": True,
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "worker_prefetch_multiplier": 1,
+        "worker_pool": "threads",
+        "worker_concurrency": 4,
+        "worker_hijack_root_logger": False,
+        "worker_send_task_events": False,
+    }
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("boxcar", set_as_current=True)
+    app.conf.update(celery_config(settings))
+    return app
+
+
+settings = get_settings()
+app = make_celery(settings)
+_service: WorkerService | None = None
+
+
+def get_service() -> WorkerService:
+    global _service
+    if _service is None:  # a task ran before worker_init (e.g. eager mode)
+        _service = WorkerService(settings).start()
+    return _service
+
+
+@signals.worker_init.connect
+def _start_service(**_kwargs: Any) -> None:
+    get_service()
+
+
+@signals.worker_shutdown.connect
+def _stop_service(**_kwargs: Any) -> None:
+    if _service is not None:
+        _service.stop()
+
+
+@app.task(name=TASK_RUN_SHARD)
+def run_shard(shard_id: str) -> bool:
+    """Claim the shard if this worker has room (else a worker's polling will)."""
+    return get_service().offer_shard(ObjectId.validate_python(shard_id))
+
+
+@app.task(name=TASK_BATCH_CHANGED)
+def batch_changed(batch_id: str) -> str | None:
+    """Prepare a new batch, or finalize a cancelled or finished one."""
+    return get_service().handle_batch(ObjectId.validate_python(batch_id))

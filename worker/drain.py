@@ -1,0 +1,216 @@
+"""The drain loop: one thread owns the engine, keeps it full, and hands finished lines on.
+
+Each turn: apply drops (a cancelled or expired batch, a shard whose lease was lost: queued lines
+leave, running ones are aborted in the engine); top the engine up from the LineQueue until its
+waiting requests hold about two steps' worth of prompt tokens beyond ``max_num_seqs`` running
+ones (the token budget, not a message count, is the unit); run one ``step()``; turn each finished
+RequestOutput into a result for the writer. An idle engine that receives single jobs waits
+``job_collect_window`` first, so jobs that arrive together run in one batch. When fewer than
+``low_water`` lines are left queued it calls ``on_hungry`` (the lease keeper claims more).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from api.metrics import ENGINE_STEPS, LINES_FINISHED
+from api.models import LINE_COMPLETED, LINE_FAILED
+from api.openai_batch import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, SERVER_ERROR
+from worker.engine_adapter import response_body, to_engine_input
+from worker.line_queue import LineQueue
+from worker.work import LineResult, LineWork
+
+log = logging.getLogger(__name__)
+
+
+class Drainer:
+    def __init__(
+        self,
+        engine: Any,
+        *,
+        submit: Callable[[LineResult], None],
+        model_name: str,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        job_collect_window: float = 0.005,
+        low_water: int | None = None,
+        on_hungry: Callable[[], None] = lambda: None,
+    ) -> None:
+        self.engine = engine
+        self._submit = submit
+        self.model_name = model_name
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.job_collect_window = job_collect_window
+        # Below this many queued lines the drainer asks for more work (``on_hungry``).
+        self.low_water = low_water if low_water is not None else 2 * max_num_seqs
+        self._on_hungry = on_hungry
+        self.queue = LineQueue()
+        self._in_engine: dict[str, LineWork] = {}
+        self._drops: list[Callable[[LineWork], bool]] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._avg_prompt_tokens = 256.0
+        self.num_steps = 0
+        self.num_finished = 0
+
+    # -- called from other threads ------------------------------------------------------------
+
+    def add(self, lines: list[LineWork], *, is_job: bool) -> None:
+        # Prompts are rendered and tokenized on the engine thread, not here: a fast tokenizer
+        # used from two threads at once can fail ("Already borrowed").
+        self.queue.push(lines, is_job=is_job)
+        self._wake.set()
+
+    def drop(self, predicate: Callable[[LineWork], bool]) -> None:
+        """Remove matching lines at the next turn, without a result (someone else settles them)."""
+        with self._lock:
+            self._drops.append(predicate)
+        self._wake.set()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+
+    @property
+    def num_backlog(self) -> int:
+        """Lines held and not finished: queued plus inside the engine."""
+        return len(self.queue) + len(self._in_engine)
+
+    @property
+    def num_queued(self) -> int:
+        return len(self.queue)
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def run(self) -> None:
+        while not self._stop.is_set():
+            if not self.turn():
+                self._wake.wait(0.05)
+                self._wake.clear()
+        self._abort_all()
+
+    def turn(self) -> bool:
+        """One drop / top-up / step; False when there was nothing to do."""
+        self._apply_drops()
+        if not self.engine.has_unfinished_requests() and self.queue.num_jobs:
+            time.sleep(self.job_collect_window)
+        self._top_up()
+        if not self.engine.has_unfinished_requests():
+            return False
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the requests in it")
+            self._fail_all_in_engine(f"the engine failed: {exc}")
+            return True
+        self.num_steps += 1
+        ENGINE_STEPS.inc()
+        for output in outputs:
+            self._finish(output)
+        return True
+
+    def _target_unfinished(self) -> int:
+        waiting = math.ceil(2 * self.max_num_batched_tokens / max(self._avg_prompt_tokens, 1.0))
+        return self.max_num_seqs + max(1, min(waiting, self.max_num_seqs))
+
+    def _top_up(self) -> None:
+        target = self._target_unfinished()
+        added = False
+        while self.engine.num_unfinished_requests < target:
+            work = self.queue.pop()
+            if work is None:
+                break
+            self._add_to_engine(work)
+            added = True
+        if added and len(self.queue) < self.low_water:
+            self._on_hungry()  # claim more before the engine runs dry, not at the next poll
+
+    def _add_to_engine(self, work: LineWork) -> None:
+        try:
+            engine_input = to_engine_input(self.engine, work.endpoint, work.body)
+        except ValueError as exc:
+            self._fail(work, INVALID_REQUEST, str(exc))
+            return
+        try:
+            self.engine.add_request(work.request_id, engine_input.prompt, engine_input.params)
+        except ValueError as exc:
+            message = str(exc)
+            too_long = any(w in message for w in ("max_model_len", "context", "too long"))
+            self._fail(work, CONTEXT_LENGTH_EXCEEDED if too_long else INVALID_REQUEST, message)
+            return
+        self._in_engine[work.request_id] = work
+        num_tokens = len(engine_input.prompt) if isinstance(engine_input.prompt, list) else (
+            max(1, len(engine_input.prompt) // 4))
+        self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
+
+    def _finish(self, output: Any) -> None:
+        work = self._in_engine.pop(output.request_id, None)
+        if work is None:
+            return
+        if output.finish_reason == "abort":
+            return  # aborted on purpose: whoever dropped it settles the line
+        request_id = f"{random.getrandbits(96):024x}"  # os.urandom is slow in some sandboxes
+        try:
+            body, usage = response_body(
+                output, endpoint=work.endpoint, model=self.model_name,
+                tokenizer=getattr(self.engine, "tokenizer", None), request_id=request_id,
+            )
+        except Exception as exc:
+            log.exception("could not build the response of %s", work.request_id)
+            self._fail(work, SERVER_ERROR, f"could not build the response: {exc}")
+            return
+        self.num_finished += 1
+        LINES_FINISHED.labels(LINE_COMPLETED).inc()
+        self._submit(LineResult(
+            work, LINE_COMPLETED, response=body, request_id=f"req_{request_id}",
+            prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+            cached_tokens=usage.cached_tokens,
+        ))
+
+    def _fail(self, work: LineWork, code: str, message: str) -> None:
+        self.num_finished += 1
+        LINES_FINISHED.labels(LINE_FAILED).inc()
+        self._submit(LineResult(work, LINE_FAILED, error={"code": code, "message": message},
+                                request_id=f"req_{random.getrandbits(96):024x}"))
+
+    def _apply_drops(self) -> None:
+        with self._lock:
+            drops, self._drops = self._drops, []
+        if not drops:
+            return
+
+        def dropped(work: LineWork) -> bool:
+            return any(predicate(work) for predicate in drops)
+
+        self.queue.remove(dropped)
+        ids = [rid for rid, work in self._in_engine.items() if dropped(work)]
+        if ids:
+            self.engine.abort_request(ids)
+            for rid in ids:
+                self._in_engine.pop(rid, None)
+
+    def _fail_all_in_engine(self, message: str) -> None:
+        works = list(self._in_engine.values())
+        self._abort_all()
+        for work in works:
+            self._fail(work, SERVER_ERROR, message)
+
+    def _abort_all(self) -> None:
+        ids = list(self._in_engine)
+        if ids:
+            try:
+                self.engine.abort_request(ids)
+            except Exception:
+                log.exception("aborting %d requests failed", len(ids))
+        self._in_engine.clear()

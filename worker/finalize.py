@@ -1,0 +1,210 @@
+"""Finalize: a batch's output and error files, built from its line rows, and its final status.
+
+Under a lease on the batch row: decide the outcome (completed when no line is open; cancelled
+after a cancel; expired past the completion window), close every open line with
+``batch_cancelled`` / ``batch_expired`` (one conditional UPDATE, so a worker's late result either
+lands before it or not at all), stream the rows in input order into the two JSONL files, then
+set counts, usage, file ids and the status, and queue the webhook event, in one transaction.
+Files are written before that transaction, under fixed keys: a retry overwrites them.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+
+from sqlalchemy import exists, func, select, update
+from sqlalchemy.orm import Session
+
+from api import ids
+from api.db import Database, utcnow
+from api.metrics import BATCHES_FINALIZED
+from api.models import (
+    CANCELLED,
+    CANCELLING,
+    COMPLETED,
+    EXPIRED,
+    FINALIZING,
+    IN_PROGRESS,
+    LINE_CANCELLED,
+    LINE_COMPLETED,
+    LINE_EXPIRED,
+    LINE_OPEN,
+    SHARD_DONE,
+    VALIDATING,
+    Batch,
+    File,
+    RequestLine,
+    Shard,
+)
+from api.objects import batch_object
+from api.openai_batch import error_line, output_line
+from api.storage import ObjectStorage
+from api.webhooks import queue_event
+from worker.prepare import claim_batch_lease
+
+log = logging.getLogger(__name__)
+
+FINALIZE_LEASE_SECONDS = 120.0
+READ_CHUNK = 1000
+
+_CLOSE = {
+    CANCELLED: (LINE_CANCELLED, "batch_cancelled", "The batch was cancelled before this request "
+                "ran."),
+    EXPIRED: (LINE_EXPIRED, "batch_expired", "This request could not be executed before the "
+              "completion window expired."),
+}
+
+
+def has_open_lines(session: Session, batch_id: str) -> bool:
+    return session.scalar(select(exists().where(
+        RequestLine.batch_id == batch_id, RequestLine.status.in_(LINE_OPEN)))) or False
+
+
+def finalizable_batches(session: Session, *, now: dt.datetime | None = None,
+                        limit: int = 50) -> list[str]:
+    """Batches that need finalizing now: cancelled, past their window, finished, or left half
+    finalized by a worker whose lease ran out."""
+    now = now or utcnow()
+    lease_free = Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now)
+    open_lines = exists().where(RequestLine.batch_id == Batch.id,
+                                RequestLine.status.in_(LINE_OPEN))
+    query = select(Batch.id).where(lease_free, (
+        (Batch.status.in_((CANCELLING, FINALIZING)))
+        | (Batch.status.in_((VALIDATING, IN_PROGRESS)) & (Batch.expires_at < now))
+        | ((Batch.status == IN_PROGRESS) & ~open_lines)
+    )).order_by(Batch.pk).limit(limit)
+    return list(session.scalars(query).all())
+
+
+def _decide(session: Session, batch: Batch, now: dt.datetime) -> str | None:
+    if batch.outcome is not None:
+        return batch.outcome
+    if batch.status == CANCELLING:
+        return CANCELLED
+    if batch.status == VALIDATING:
+        return EXPIRED if batch.expires_at is not None and batch.expires_at <= now else None
+    if batch.status != IN_PROGRESS:
+        return None
+    if not has_open_lines(session, batch.id):
+        return COMPLETED
+    if batch.expires_at is not None and batch.expires_at <= now:
+        return EXPIRED
+    return None
+
+
+def finalize_batch(
+    db: Database, storage: ObjectStorage, batch_id: str, *, worker_id: str
+) -> str | None:
+    """Finalize ``batch_id`` if it is ready; returns its final status, or None."""
+    now = utcnow()
+    with db.session() as session:
+        if not claim_batch_lease(session, batch_id,
+                                 statuses=(VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING),
+                                 worker_id=worker_id, seconds=FINALIZE_LEASE_SECONDS, now=now):
+            return None
+        batch = session.scalars(select(Batch).where(Batch.id == batch_id)).one()
+        outcome = _decide(session, batch, now)
+        if outcome is None:
+            batch.lease_owner = batch.lease_expires_at = None
+            return None
+        batch.outcome = outcome
+        if outcome != CANCELLED and batch.status != FINALIZING:
+            batch.status = FINALIZING
+            batch.finalizing_at = now
+        if outcome in _CLOSE:
+            status, code, message = _CLOSE[outcome]
+            session.execute(
+                update(RequestLine)
+                .where(RequestLine.batch_id == batch_id, RequestLine.status.in_(LINE_OPEN))
+                .values(status=status, error={"code": code, "message": message},
+                        finished_at=now)
+                .execution_options(synchronize_session=False)
+            )
+        session.execute(
+            update(Shard).where(Shard.batch_id == batch_id, Shard.status != SHARD_DONE)
+            .values(status=SHARD_DONE, finished_at=now, lease_expires_at=None)
+            .execution_options(synchronize_session=False)
+        )
+    try:
+        return _write_and_close(db, storage, batch_id, outcome, worker_id=worker_id)
+    except Exception:
+        log.exception("finalizing %s failed; another attempt follows when the lease ends",
+                      batch_id)
+        raise
+
+
+def _write_files(
+    db: Database, storage: ObjectStorage, batch_id: str
+) -> tuple[int, int, int, int, int, int, int]:
+    """Stream the rows into the output and error files; returns their byte sizes and totals."""
+    completed = failed = input_tokens = output_tokens = cached = 0
+    with (db.read_session() as session,
+          storage.writer(f"batches/{batch_id}/output.jsonl") as out,
+          storage.writer(f"batches/{batch_id}/errors.jsonl") as err):
+        rows = session.execute(
+            select(RequestLine.custom_id, RequestLine.status, RequestLine.response,
+                   RequestLine.error, RequestLine.request_id, RequestLine.prompt_tokens,
+                   RequestLine.completion_tokens, RequestLine.cached_tokens)
+            .where(RequestLine.batch_id == batch_id)
+            .order_by(RequestLine.line_no)
+            .execution_options(yield_per=READ_CHUNK)
+        )
+        for row in rows:
+            if row.status == LINE_COMPLETED:
+                line = output_line(row.custom_id, row.response,
+                                   request_id=row.request_id or ids.new_id("req_"))
+                completed += 1
+                input_tokens += row.prompt_tokens
+                output_tokens += row.completion_tokens
+                cached += row.cached_tokens
+                out.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+            else:
+                error = row.error or {"code": "server_error", "message": "no result"}
+                custom_id = row.custom_id or error.get("custom_id")
+                line = error_line(custom_id, error.get("code", "server_error"),
+                                  error.get("message", ""))
+                failed += 1
+                err.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+        out_bytes, err_bytes = out.num_bytes, err.num_bytes
+    return out_bytes, err_bytes, completed, failed, input_tokens, output_tokens, cached
+
+
+def _write_and_close(
+    db: Database, storage: ObjectStorage, batch_id: str, outcome: str, *, worker_id: str
+) -> str:
+    (out_bytes, err_bytes, completed, failed, input_tokens, output_tokens,
+     cached) = _write_files(db, storage, batch_id)
+    now = utcnow()
+    with db.session() as session:
+        batch = session.scalars(select(Batch).where(Batch.id == batch_id)).one()
+        if batch.lease_owner != worker_id:
+            log.warning("lost the finalize lease of %s; leaving it to the new holder", batch_id)
+            return batch.status
+        for kind, size, count in (("output", out_bytes, completed), ("errors", err_bytes, failed)):
+            if not count:
+                continue
+            file = File(id=ids.file_id(), tenant_id=batch.tenant_id, purpose="batch_output",
+                        filename=f"{batch_id}_{kind}.jsonl", bytes=size,
+                        storage_key=f"batches/{batch_id}/{kind}.jsonl",
+                        num_lines=count, num_errors=0)
+            session.add(file)
+            if kind == "output":
+                batch.output_file_id = file.id
+            else:
+                batch.error_file_id = file.id
+        total = session.scalar(select(func.count()).where(RequestLine.batch_id == batch_id))
+        batch.num_total, batch.num_completed, batch.num_failed = total, completed, failed
+        batch.input_tokens, batch.output_tokens, batch.cached_tokens = (
+            input_tokens, output_tokens, cached)
+        batch.status = outcome
+        setattr(batch, {COMPLETED: "completed_at", EXPIRED: "expired_at",
+                        CANCELLED: "cancelled_at"}[outcome], now)
+        batch.lease_owner = batch.lease_expires_at = None
+        session.flush()
+        queue_event(session, tenant_id=batch.tenant_id, event_type=f"batch.{outcome}",
+                    object_id=batch.id, data=batch_object(batch), object_url=batch.webhook_url)
+    BATCHES_FINALIZED.labels(outcome).inc()
+    log.info("batch %s %s: %d completed, %d failed", batch_id, outcome, completed, failed)
+    return outcome

@@ -1,0 +1,147 @@
+"""The worker's shard leases: claim work when the engine's backlog runs low, heartbeat what is
+held, drop what was lost or whose batch stopped (cancelled, expired), and make other workers'
+expired leases claimable again. The database is polled; broker messages only ring the bell."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from api.db import Database, utcnow
+from api.metrics import BACKLOG_LINES, SHARDS_CLAIMED
+from api.models import IN_PROGRESS
+from api.settings import Settings
+from worker import claims
+from worker.drain import Drainer
+from worker.result_writer import settle_job
+from worker.work import HeldShards
+
+log = logging.getLogger(__name__)
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        db: Database,
+        settings: Settings,
+        *,
+        worker_id: str,
+        held: HeldShards,
+        drainer: Drainer,
+        ring: Callable[[list[str]], None],
+        on_batches_touched: Callable[[set[str]], None],
+    ) -> None:
+        self.db = db
+        self.settings = settings
+        self.worker_id = worker_id
+        self.held = held
+        self.drainer = drainer
+        self._ring = ring
+        self._on_batches_touched = on_batches_touched
+        self._wake = threading.Event()
+        self._check_now = threading.Event()  # a batch changed: look at the held batches now
+
+    def wake(self, *, check: bool = False) -> None:
+        if check:
+            self._check_now.set()
+        self._wake.set()
+
+    def has_room(self, *, is_job: bool) -> bool:
+        bulk, jobs, lines = self.held.counts()
+        if is_job:
+            return jobs < self.settings.worker_max_jobs
+        return (bulk < self.settings.worker_max_shards
+                and lines < self.settings.worker_max_lines
+                and self.drainer.num_queued < self.drainer.low_water)
+
+    def claim(self, shard_id: str) -> bool:
+        """Claim one shard and hand its lines to the engine; True when it was ours to take."""
+        settings = self.settings
+        with self.db.session() as session:
+            claim = claims.try_claim(session, shard_id, worker_id=self.worker_id,
+                                     lease_seconds=settings.lease_seconds)
+            if claim is None:
+                return False
+            poisoned = claim.attempts > settings.max_shard_attempts
+            if poisoned:
+                claims.fail_lines(
+                    session, [w.line_pk for w in claim.lines], code="server_error",
+                    message=f"gave up after {claim.attempts - 1} workers failed to run this shard",
+                    worker_id=self.worker_id)
+                if claim.shard.job_id is not None:
+                    settle_job(session, claim.shard.job_id)
+            if poisoned or not claim.lines:
+                claims.finish_shard(session, shard_id, worker_id=self.worker_id)
+        if poisoned or not claim.lines:
+            if claim.shard.batch_id is not None:
+                self._on_batches_touched({claim.shard.batch_id})
+            return True
+        SHARDS_CLAIMED.inc()
+        self.held.add(claim.shard)
+        self.drainer.add(claim.lines, is_job=claim.shard.is_job)
+        log.debug("claimed %s (%d lines)", shard_id, len(claim.lines))
+        return True
+
+    def claim_some(self) -> int:
+        """Claim what there is room for: jobs, then up to two bulk shards (called in a loop)."""
+        bulk, jobs, _ = self.held.counts()
+        max_jobs = self.settings.worker_max_jobs - jobs
+        max_bulk = self.settings.worker_max_shards - bulk if self.has_room(is_job=False) else 0
+        if max_jobs <= 0 and max_bulk <= 0:
+            return 0
+        with self.db.read_session() as session:
+            candidates = claims.find_candidates(session, now=utcnow(),
+                                                max_bulk=min(max_bulk, 2), max_jobs=max_jobs)
+        num_claimed = 0
+        for candidate in candidates:
+            if candidate.id in self.held:
+                continue
+            if not candidate.is_job and not self.has_room(is_job=False):
+                continue
+            try:
+                num_claimed += self.claim(candidate.id)
+            except Exception:
+                log.exception("claiming %s failed", candidate.id)
+        return num_claimed
+
+    def check(self) -> None:
+        """Heartbeat; drop lost shards and stopped batches; reap expired leases."""
+        with self.db.session() as session:
+            lost = claims.heartbeat(session, self.held.ids(), worker_id=self.worker_id,
+                                    lease_seconds=self.settings.lease_seconds)
+            statuses = claims.batch_statuses(session, self.held.batch_ids())
+            reaped = claims.reap_expired(session)
+        if lost:
+            log.warning("lost the lease of %d shards: %s", len(lost), sorted(lost))
+            self.held.remove(lost)
+            self.drainer.drop(lambda work: work.shard_id in lost)
+        stopped = {bid for bid, status in statuses.items() if status != IN_PROGRESS}
+        if stopped:
+            log.info("batches %s stopped (%s); dropping their lines", sorted(stopped),
+                     {statuses[b] for b in stopped})
+            self.held.remove(self.held.of_batches(stopped))
+            self.drainer.drop(lambda work: work.batch_id in stopped)
+            self._on_batches_touched(stopped)
+        if reaped:
+            log.info("made %d shards with expired leases claimable again", len(reaped))
+            self._ring(reaped)
+
+    def run(self, stop: threading.Event) -> None:
+        interval = min(self.settings.poll_interval, self.settings.lease_seconds / 3)
+        heartbeat_every = self.settings.lease_seconds / 3
+        last_check = 0.0
+        while not stop.is_set():
+            try:
+                if self._check_now.is_set() or time.monotonic() - last_check >= heartbeat_every:
+                    self._check_now.clear()
+                    last_check = time.monotonic()
+                    self.check()
+                while not stop.is_set() and self.claim_some():
+                    pass
+                BACKLOG_LINES.set(self.drainer.num_backlog)
+            except Exception:
+                log.exception("lease round failed")
+            self._wake.wait(interval)
+            self._wake.clear()

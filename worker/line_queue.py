@@ -1,0 +1,80 @@
+"""The lines a worker holds that have not entered its engine yet.
+
+Single jobs leave first (higher priority first, then arrival); bulk lines leave round-robin
+across tenants, so one tenant's huge batch does not starve another's small one; each tenant's
+lines leave in shard order, which is prefix order, so requests sharing a prompt prefix enter the
+engine together and its prefix cache hits.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import OrderedDict, deque
+from collections.abc import Callable
+
+from worker.work import LineWork
+
+
+class LineQueue:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._jobs: list[tuple[int, int, LineWork]] = []  # (-priority, seq, work)
+        self._tenants: OrderedDict[str, deque[LineWork]] = OrderedDict()
+        self._seq = itertools.count()
+        self._num_bulk = 0
+
+    def push(self, lines: list[LineWork], *, is_job: bool) -> None:
+        with self._lock:
+            for work in lines:
+                if is_job:
+                    heapq.heappush(self._jobs, (-work.priority, next(self._seq), work))
+                else:
+                    self._tenants.setdefault(work.tenant_id, deque()).append(work)
+                    self._num_bulk += 1
+
+    def pop(self) -> LineWork | None:
+        with self._lock:
+            if self._jobs:
+                return heapq.heappop(self._jobs)[2]
+            if not self._tenants:
+                return None
+            tenant, lines = next(iter(self._tenants.items()))
+            work = lines.popleft()
+            self._num_bulk -= 1
+            # The tenant goes to the back of the line (or leaves it when it has nothing left).
+            del self._tenants[tenant]
+            if lines:
+                self._tenants[tenant] = lines
+            return work
+
+    def remove(self, predicate: Callable[[LineWork], bool]) -> list[LineWork]:
+        """Take out every queued line that matches (a cancelled batch, a lost shard)."""
+        removed: list[LineWork] = []
+        with self._lock:
+            kept_jobs = []
+            for entry in self._jobs:
+                (removed if predicate(entry[2]) else kept_jobs).append(entry)
+            removed = [entry[2] for entry in removed]
+            heapq.heapify(kept_jobs)
+            self._jobs = kept_jobs
+            for tenant in list(self._tenants):
+                lines = self._tenants[tenant]
+                keep = deque(w for w in lines if not predicate(w))
+                removed.extend(w for w in lines if predicate(w))
+                self._num_bulk -= len(lines) - len(keep)
+                if keep:
+                    self._tenants[tenant] = keep
+                else:
+                    del self._tenants[tenant]
+        return removed
+
+    @property
+    def num_jobs(self) -> int:
+        with self._lock:
+            return len(self._jobs)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._jobs) + self._num_bulk

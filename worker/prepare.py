@@ -1,0 +1,200 @@
+"""Validating -> in_progress: a batch's input file becomes request lines and shards.
+
+One worker does it under a lease on the batch row, in one transaction: the lines (bad ones
+become failed lines at once, with their error), then the shard assignment in prompt-prefix
+order, then the status. A worker that dies half way leaves nothing behind; the lease runs out
+and another worker starts over.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterator
+
+from sqlalchemy import insert, select, text, update
+from sqlalchemy.orm import Session
+
+from api.db import Database, utcnow
+from api.lines import sort_key, stored_body
+from api.models import (
+    CANCELLING,
+    FAILED,
+    IN_PROGRESS,
+    LINE_FAILED,
+    LINE_PENDING,
+    VALIDATING,
+    Batch,
+    File,
+    RequestLine,
+    Shard,
+)
+from api.objects import batch_object
+from api.openai_batch import CustomIdTracker, LineError, parse_line
+from api.storage import ObjectStorage, iter_lines
+from api.webhooks import queue_event
+
+log = logging.getLogger(__name__)
+
+PREPARE_LEASE_SECONDS = 120.0
+INSERT_CHUNK = 1000
+MAX_BATCH_ERRORS = 100
+
+
+def claim_batch_lease(
+    session: Session, batch_id: str, *, statuses: tuple[str, ...], worker_id: str,
+    seconds: float, now: dt.datetime | None = None,
+) -> bool:
+    """Take the batch row's lease (for prepare or finalize) if it is free and the status fits."""
+    now = now or utcnow()
+    return session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id, Batch.status.in_(statuses),
+               (Batch.lease_expires_at.is_(None)) | (Batch.lease_expires_at < now))
+        .values(lease_owner=worker_id, lease_expires_at=now + dt.timedelta(seconds=seconds))
+        .execution_options(synchronize_session=False)
+    ).rowcount == 1
+
+
+def _line_rows(
+    storage: ObjectStorage, file: File, batch: Batch, errors: list[dict], *, mixed_endpoints: bool
+) -> Iterator[dict]:
+    tracker = CustomIdTracker()
+    for line_no, raw in enumerate(iter_lines(storage, file.storage_key), start=1):
+        if not raw.strip():
+            continue
+        row = {"tenant_id": batch.tenant_id, "batch_id": batch.id, "line_no": line_no,
+               "endpoint": batch.endpoint, "status": LINE_PENDING, "sort_key": "",
+               "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0}
+        parsed = parse_line(raw, line_no=line_no,
+                            endpoint=None if mixed_endpoints else batch.endpoint)
+        if not isinstance(parsed, LineError):
+            parsed = tracker.check(parsed.custom_id, line_no=line_no) or parsed
+        if isinstance(parsed, LineError):
+            if len(errors) < MAX_BATCH_ERRORS:
+                errors.append({"code": parsed.code, "message": parsed.message, "param": None,
+                               "line": line_no})
+            # A repeated custom_id cannot be stored again: the error keeps it.
+            row.update(status=LINE_FAILED, custom_id=None, finished_at=utcnow(), error={
+                "code": parsed.code, "message": parsed.message, "custom_id": parsed.custom_id})
+            yield row
+            continue
+        row.update(custom_id=parsed.custom_id, body=stored_body(parsed), sort_key=sort_key(parsed),
+                   endpoint=parsed.url)
+        yield row
+
+
+_ASSIGN_SHARDS = text("""
+UPDATE request_lines
+SET position = ranked.rn - 1,
+    shard_id = CAST(:batch_id AS VARCHAR(64)) || ':' || CAST((ranked.rn - 1) / :size AS VARCHAR(20))
+FROM (
+    SELECT pk, row_number() OVER (ORDER BY sort_key, line_no) AS rn
+    FROM request_lines WHERE batch_id = :batch_id AND status = 'pending'
+) AS ranked
+WHERE request_lines.pk = ranked.pk
+""")
+
+
+def _insert_lines(session: Session, rows: Iterator[dict]) -> tuple[int, int]:
+    """Insert in chunks; returns (valid lines, failed lines)."""
+    num_valid = num_failed = 0
+    chunk: list[dict] = []
+    keys = ("custom_id", "body", "error", "finished_at")
+    for row in rows:
+        for key in keys:
+            row.setdefault(key, None)
+        chunk.append(row)
+        if row["status"] == LINE_PENDING:
+            num_valid += 1
+        else:
+            num_failed += 1
+        if len(chunk) >= INSERT_CHUNK:
+            session.execute(insert(RequestLine), chunk)
+            chunk = []
+    if chunk:
+        session.execute(insert(RequestLine), chunk)
+    return num_valid, num_failed
+
+
+def prepare_batch(
+    db: Database, storage: ObjectStorage, batch_id: str, *, worker_id: str, shard_size: int,
+    mixed_endpoints: bool = True,
+) -> list[str] | None:
+    """Turn a validating batch into lines and shards. Returns the new shard ids, or None when
+    the batch was not this worker's to prepare (not validating, or leased by another).
+
+    ``mixed_endpoints``: lines may name either endpoint (as ``boxcar run`` allows); otherwise a
+    line whose url is not the batch's endpoint is an error line, as with OpenAI."""
+    with db.session() as session:
+        if not claim_batch_lease(session, batch_id, statuses=(VALIDATING,), worker_id=worker_id,
+                                 seconds=PREPARE_LEASE_SECONDS):
+            return None
+    try:
+        return _prepare(db, storage, batch_id, shard_size=shard_size,
+                        mixed_endpoints=mixed_endpoints)
+    except Exception:
+        log.exception("preparing %s failed", batch_id)
+        with db.session() as session:
+            session.execute(update(Batch).where(Batch.id == batch_id,
+                                                Batch.lease_owner == worker_id)
+                            .values(lease_owner=None, lease_expires_at=None))
+        raise
+
+
+def _prepare(
+    db: Database, storage: ObjectStorage, batch_id: str, *, shard_size: int,
+    mixed_endpoints: bool,
+) -> list[str]:
+    with db.session() as session:
+        batch = session.scalars(select(Batch).where(Batch.id == batch_id)).one()
+        file = session.scalars(select(File).where(File.id == batch.input_file_id)).one()
+        now = utcnow()
+        if file.deleted_at is not None:
+            _fail(session, batch, [{"code": "invalid_file", "param": "input_file_id",
+                                    "line": None, "message": f"input file {file.id} was deleted"}])
+            return []
+        errors: list[dict] = []
+        rows = _line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints)
+        num_valid, num_failed = _insert_lines(session, rows)
+        if num_valid == 0:
+            _fail(session, batch, errors or [{"code": "empty_file", "message": "no request lines",
+                                              "param": None, "line": None}],
+                  num_failed=num_failed)
+            return []
+        session.execute(_ASSIGN_SHARDS, {"batch_id": batch.id, "size": shard_size})
+        num_shards = -(-num_valid // shard_size)
+        shard_ids = [f"{batch.id}:{k}" for k in range(num_shards)]
+        session.execute(insert(Shard), [
+            {"id": sid, "tenant_id": batch.tenant_id, "batch_id": batch.id, "job_id": None,
+             "priority": batch.priority, "status": "pending", "attempts": 0,
+             "num_lines": min(shard_size, num_valid - k * shard_size), "created_at": now}
+            for k, sid in enumerate(shard_ids)
+        ])
+        values = {"errors": errors or None, "num_total": num_valid + num_failed,
+                  "lease_owner": None, "lease_expires_at": None}
+        started = session.execute(
+            update(Batch).where(Batch.id == batch.id, Batch.status == VALIDATING)
+            .values(status=IN_PROGRESS, in_progress_at=now, **values)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if not started:  # cancelled while validating: finalize settles the lines
+            session.execute(update(Batch).where(Batch.id == batch.id).values(**values)
+                            .execution_options(synchronize_session=False))
+        log.info("batch %s: %d lines (%d with errors) in %d shards%s", batch.id,
+                 num_valid + num_failed, num_failed, num_shards,
+                 "" if started else f" ({CANCELLING} meanwhile)")
+        return shard_ids
+
+
+def _fail(session: Session, batch: Batch, errors: list[dict], *, num_failed: int = 0) -> None:
+    now = utcnow()
+    batch.num_total = batch.num_failed = num_failed
+    batch.status = FAILED
+    batch.failed_at = now
+    batch.errors = errors
+    batch.lease_owner = None
+    batch.lease_expires_at = None
+    session.flush()
+    queue_event(session, tenant_id=batch.tenant_id, event_type="batch.failed",
+                object_id=batch.id, data=batch_object(batch), object_url=batch.webhook_url)

@@ -1,0 +1,195 @@
+"""One worker process: an engine and the threads around it.
+
+- engine thread (``Drainer``): keeps the engine full and steps it;
+- writer thread (``ResultWriter``): finished lines to the database;
+- lease thread (``LeaseKeeper``): claims, heartbeats, drops, reaps;
+- housekeeping thread (``Housekeeper``): prepares and finalizes batches;
+- webhook thread (``WebhookSender``).
+
+The same class runs under Celery (``boxcar worker``) and beside the API (``boxcar serve``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from api.db import Database
+from api.models import IN_PROGRESS
+from api.queue import CeleryQueue, EmbeddedQueue, TaskQueue, make_queue
+from api.settings import Settings
+from api.storage import ObjectStorage, make_storage
+from worker import claims
+from worker.drain import Drainer
+from worker.housekeeper import Housekeeper
+from worker.lease_keeper import LeaseKeeper
+from worker.result_writer import ResultWriter
+from worker.webhook_sender import WebhookSender
+from worker.work import HeldShards
+
+log = logging.getLogger(__name__)
+
+
+def new_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+
+
+def build_engine(settings: Settings) -> Any:
+    """The engine the settings describe (imported here: torch is heavy)."""
+    from engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=settings.model, **settings.engine_options))
+
+
+def _engine_limit(engine: Any, name: str, default: int) -> int:
+    config = getattr(engine, "config", None)
+    value = getattr(config, name, None) if config is not None else None
+    return int(value) if isinstance(value, int) else default
+
+
+class WorkerService:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        engine: Any | None = None,
+        db: Database | None = None,
+        storage: ObjectStorage | None = None,
+        queue: TaskQueue | None = None,
+        worker_id: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self.db = db or Database(settings.database_url)
+        self.storage = storage or make_storage(
+            settings.storage_url, endpoint_url=settings.s3_endpoint_url,
+            region=settings.s3_region, create_bucket=settings.s3_create_bucket,
+        )
+        self.queue = queue or make_queue(settings.broker_url, namespace=settings.queue_namespace)
+        self.worker_id = worker_id or new_worker_id()
+        self.engine = engine
+        self.held = HeldShards()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = threading.Event()
+        self.drainer: Drainer | None = None
+        self.writer: ResultWriter | None = None
+        self.webhooks: WebhookSender | None = None
+        self.leases: LeaseKeeper | None = None
+        self.housekeeper: Housekeeper | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+
+    def start(self) -> WorkerService:
+        settings = self.settings
+        if self.engine is None:
+            self.engine = build_engine(settings)
+        self.webhooks = WebhookSender(
+            self.db, allow_private=settings.webhook_allow_private,
+            retry_delays=settings.webhook_retry_delays, timeout=settings.webhook_timeout,
+            interval=min(settings.poll_interval, 1.0),
+        )
+        self.housekeeper = Housekeeper(self.db, self.storage, settings, worker_id=self.worker_id,
+                                       on_prepared=self._ring, on_finalized=self.webhooks.wake)
+        self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
+                                   on_shards_done=self.housekeeper.batches_touched)
+        model_name = settings.served_model_name or getattr(
+            self.engine, "model_name", os.path.basename(settings.model.rstrip("/")))
+        self.drainer = Drainer(
+            self.engine, submit=self.writer.submit, model_name=model_name,
+            max_num_seqs=_engine_limit(self.engine, "max_num_seqs", 128),
+            max_num_batched_tokens=_engine_limit(self.engine, "max_num_batched_tokens", 512),
+            job_collect_window=settings.job_collect_window,
+            low_water=max(2 * _engine_limit(self.engine, "max_num_seqs", 128), settings.shard_size),
+            on_hungry=lambda: self.leases.wake(),
+        )
+        self.leases = LeaseKeeper(self.db, settings, worker_id=self.worker_id, held=self.held,
+                                  drainer=self.drainer, ring=self._ring,
+                                  on_batches_touched=self.housekeeper.batches_touched)
+        self.writer.start()
+        self.webhooks.start()
+        if settings.worker_metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(settings.worker_metrics_port)
+        self._spawn("engine", self.drainer.run)
+        self._spawn("leases", lambda: self.leases.run(self._stop))
+        self._spawn("housekeeping", lambda: self.housekeeper.run(self._stop))
+        if isinstance(self.queue, EmbeddedQueue):
+            self.queue.subscribe(self.wake)
+        self._started.set()
+        log.info("worker %s started (model %s)", self.worker_id, model_name)
+        return self
+
+    def _spawn(self, name: str, target: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                target()
+            except Exception:
+                log.exception("worker thread %s died", name)
+                raise
+
+        thread = threading.Thread(target=run, name=f"boxcar-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def stop(self, *, release: bool = True, timeout: float = 30.0) -> None:
+        """Stop the threads; ``release`` hands held shards back at once (a clean shutdown)."""
+        self._stop.set()
+        self.wake()
+        if self.drainer is not None:
+            self.drainer.stop()
+        for thread in self._threads:
+            thread.join(timeout)
+        if self.writer is not None:
+            self.writer.flush(timeout)
+            self.writer.stop(timeout)
+        if release:
+            held = self.held.ids()
+            if held:
+                with self.db.session() as session:
+                    claims.release(session, held, worker_id=self.worker_id)
+        if self.webhooks is not None:
+            self.webhooks.stop()
+        log.info("worker %s stopped", self.worker_id)
+
+    def wait_started(self, timeout: float | None = None) -> bool:
+        return self._started.wait(timeout)
+
+    def wake(self) -> None:
+        """Something changed (a new batch, a cancel, new shards): look now, not at the next poll."""
+        for part in (self.housekeeper, self.webhooks):
+            if part is not None:
+                part.wake()
+        if self.leases is not None:
+            self.leases.wake(check=True)
+
+    # -- entry points for broker messages ----------------------------------------------------
+
+    def offer_shard(self, shard_id: str) -> bool:
+        """Claim ``shard_id`` now if this worker has room; True when it did."""
+        self.wait_started()
+        is_job = shard_id.startswith("job_")
+        if (self._stop.is_set() or shard_id in self.held
+                or not self.leases.has_room(is_job=is_job)):
+            self.leases.wake()
+            return False
+        return self.leases.claim(shard_id)
+
+    def handle_batch(self, batch_id: str) -> str | None:
+        """Prepare or finalize ``batch_id`` as its state asks; notice a cancel at once."""
+        self.wait_started()
+        self.leases.wake(check=True)
+        if self.housekeeper.prepare(batch_id) is not None:
+            return IN_PROGRESS
+        return self.housekeeper.finalize(batch_id)
+
+    def _ring(self, shard_ids: list[str]) -> None:
+        """New or freed shards: tell the other workers (Celery) and this one."""
+        if isinstance(self.queue, CeleryQueue) and shard_ids:
+            self.queue.shards_ready(shard_ids)
+        self.leases.wake()

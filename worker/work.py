@@ -1,0 +1,112 @@
+"""The units that move between a worker's threads: a line to run, a line's result, and the set
+of shards this worker holds leases on."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class LineWork:
+    """One request line, as loaded from its row when the shard was claimed."""
+
+    line_pk: int
+    shard_id: str
+    tenant_id: str
+    batch_id: str | None
+    job_id: str | None
+    custom_id: str
+    endpoint: str
+    body: dict[str, Any]
+    priority: int = 0
+
+    @property
+    def request_id(self) -> str:
+        """The engine's id for this line (unique within one engine)."""
+        return f"line-{self.line_pk}"
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """A finished line: ``status`` is "completed" (``response``) or "failed" (``error``)."""
+
+    work: LineWork
+    status: str
+    response: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+    request_id: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class HeldShard:
+    id: str
+    tenant_id: str
+    batch_id: str | None
+    job_id: str | None
+    priority: int
+    open_line_pks: set[int] = field(default_factory=set)
+
+    @property
+    def is_job(self) -> bool:
+        return self.job_id is not None
+
+
+class HeldShards:
+    """Shards this worker holds a lease on, and which of their lines still await a result."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._shards: dict[str, HeldShard] = {}
+
+    def add(self, shard: HeldShard) -> None:
+        with self._lock:
+            self._shards[shard.id] = shard
+
+    def remove(self, shard_ids: list[str] | set[str]) -> list[HeldShard]:
+        with self._lock:
+            return [s for sid in shard_ids if (s := self._shards.pop(sid, None)) is not None]
+
+    def line_done(self, shard_id: str, line_pk: int) -> bool:
+        """Record a result; True when it was the shard's last open line."""
+        with self._lock:
+            shard = self._shards.get(shard_id)
+            if shard is None:
+                return False
+            shard.open_line_pks.discard(line_pk)
+            return not shard.open_line_pks
+
+    def ids(self) -> list[str]:
+        with self._lock:
+            return list(self._shards)
+
+    def of_batches(self, batch_ids: set[str]) -> list[str]:
+        with self._lock:
+            return [s.id for s in self._shards.values() if s.batch_id in batch_ids]
+
+    def batch_ids(self) -> set[str]:
+        with self._lock:
+            return {s.batch_id for s in self._shards.values() if s.batch_id is not None}
+
+    def get(self, shard_id: str) -> HeldShard | None:
+        with self._lock:
+            return self._shards.get(shard_id)
+
+    def counts(self) -> tuple[int, int, int]:
+        """(bulk shards, job shards, open lines)."""
+        with self._lock:
+            jobs = sum(1 for s in self._shards.values() if s.is_job)
+            lines = sum(len(s.open_line_pks) for s in self._shards.values())
+            return len(self._shards) - jobs, jobs, lines
+
+    def __contains__(self, shard_id: object) -> bool:
+        with self._lock:
+            return shard_id in self._shards
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._shards)
