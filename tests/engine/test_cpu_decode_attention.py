@@ -29,6 +29,8 @@ def make_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, lens, see
         (9, 3, 64, 16, [5, 16, 17, 300]),
         (8, 2, 32, 32, [64, 1, 100]),
         (6, 1, 12, 4, [3, 13]),  # head_dim not a multiple of 8
+        (8, 2, 128, 16, [1, 50, 200]),  # the head_dim-128 specialisation
+        (16, 1, 64, 8, [40, 9]),  # group 16: no specialisation, generic loop
     ],
 )
 def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, lens):

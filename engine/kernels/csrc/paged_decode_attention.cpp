@@ -11,6 +11,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -80,6 +83,104 @@ void attend_one(const float* q_group, const float* k_ptr, const float* v_ptr,
   }
 }
 
+
+#if defined(__AVX512F__)
+// AVX-512 path for GROUP query heads per KV head and head_dim = 16 * CHUNKS: the group's query
+// vectors and output accumulators stay in registers; each K/V row is loaded once per group.
+template <int GROUP, int CHUNKS>
+void attend_one_avx512(const float* q_group, const float* k_ptr, const float* v_ptr,
+                       const int32_t* table, int64_t len, int64_t block_size,
+                       int64_t token_stride, int64_t block_stride, float scale, float* out_group,
+                       std::vector<float>& scores) {
+  constexpr int64_t head_dim = 16 * CHUNKS;
+  scores.resize(GROUP * len);
+  __m512 q[GROUP][CHUNKS];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < CHUNKS; ++c) q[g][c] = _mm512_loadu_ps(q_group + g * head_dim + 16 * c);
+  const int64_t num_blocks = (len + block_size - 1) / block_size;
+  float maxes[GROUP];
+  for (int g = 0; g < GROUP; ++g) maxes[g] = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const float* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const int64_t first = j * block_size;
+    const int64_t n = std::min(block_size, len - first);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* k = k_block + i * token_stride;
+      __m512 acc[GROUP];
+      for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_setzero_ps();
+      for (int c = 0; c < CHUNKS; ++c) {
+        const __m512 kv = _mm512_loadu_ps(k + 16 * c);
+        for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_fmadd_ps(q[g][c], kv, acc[g]);
+      }
+      for (int g = 0; g < GROUP; ++g) {
+        const float sc = _mm512_reduce_add_ps(acc[g]) * scale;
+        scores[g * len + first + i] = sc;
+        maxes[g] = std::max(maxes[g], sc);
+      }
+    }
+  }
+  float inv_sum[GROUP];
+  for (int g = 0; g < GROUP; ++g) {
+    float* s = scores.data() + g * len;
+    const float m = maxes[g];
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      s[t] = std::exp(s[t] - m);
+      total += s[t];
+    }
+    inv_sum[g] = 1.0f / total;
+  }
+  __m512 out[GROUP][CHUNKS];
+  for (int g = 0; g < GROUP; ++g)
+    for (int c = 0; c < CHUNKS; ++c) out[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < num_blocks; ++j) {
+    const float* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const int64_t first = j * block_size;
+    const int64_t n = std::min(block_size, len - first);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = v_block + i * token_stride;
+      __m512 p[GROUP];
+      for (int g = 0; g < GROUP; ++g) p[g] = _mm512_set1_ps(scores[g * len + first + i]);
+      for (int c = 0; c < CHUNKS; ++c) {
+        const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+        for (int g = 0; g < GROUP; ++g) out[g][c] = _mm512_fmadd_ps(p[g], vv, out[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < GROUP; ++g) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[g]);
+    for (int c = 0; c < CHUNKS; ++c)
+      _mm512_storeu_ps(out_group + g * head_dim + 16 * c, _mm512_mul_ps(out[g][c], inv));
+  }
+}
+
+// Calls the specialisation for (group, head_dim) if there is one; false otherwise.
+template <int CHUNKS>
+bool dispatch_group(int64_t group, const float* q_group, const float* k, const float* v,
+                    const int32_t* table, int64_t len, int64_t block_size, int64_t token_stride,
+                    int64_t block_stride, float scale, float* out, std::vector<float>& scores) {
+#define BOXCAR_GROUP_CASE(G)                                                                  \
+  case G:                                                                                     \
+    attend_one_avx512<G, CHUNKS>(q_group, k, v, table, len, block_size, token_stride,         \
+                                 block_stride, scale, out, scores);                           \
+    return true;
+  switch (group) {
+    BOXCAR_GROUP_CASE(1)
+    BOXCAR_GROUP_CASE(2)
+    BOXCAR_GROUP_CASE(3)
+    BOXCAR_GROUP_CASE(4)
+    BOXCAR_GROUP_CASE(5)
+    BOXCAR_GROUP_CASE(6)
+    BOXCAR_GROUP_CASE(7)
+    BOXCAR_GROUP_CASE(8)
+    default:
+      return false;
+  }
+#undef BOXCAR_GROUP_CASE
+}
+#endif
+
 }  // namespace
 
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -123,6 +224,18 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
         kernel(q_group, k_head, v_head, table, len, group, head_dim, block_size, token_stride,
                block_stride, fscale, out_group, scores, acc);
       };
+#if defined(__AVX512F__)
+      if (head_dim == 64 && dispatch_group<4>(group, q_group, k_head, v_head, table, len,
+                                              block_size, token_stride, block_stride, fscale,
+                                              out_group, scores)) {
+        continue;
+      }
+      if (head_dim == 128 && dispatch_group<8>(group, q_group, k_head, v_head, table, len,
+                                               block_size, token_stride, block_stride, fscale,
+                                               out_group, scores)) {
+        continue;
+      }
+#endif
       if (head_dim == 64) {
         run(attend_one<64>);
       } else if (head_dim == 128) {
