@@ -9,9 +9,10 @@ from api.db import Database
 from api.deps import AppContext
 from api.errors import install_error_handlers
 from api.queue import TaskQueue, make_queue
-from api.routes import batches, files, health, jobs, webhooks
+from api.routes import batches, files, health, jobs, ui, webhooks
 from api.settings import Settings, get_settings
 from api.storage import ObjectStorage, make_storage
+from api.worker_metrics import metrics_registry
 
 
 def build_context(
@@ -44,7 +45,7 @@ def create_app(
     )
     app.state.context = context
     install_error_handlers(app)
-    for module in (files, batches, jobs, webhooks, health):
+    for module in (files, batches, jobs, webhooks, health, ui):
         app.include_router(module.router)
-    app.mount("/metrics", make_asgi_app())
+    app.mount("/metrics", make_asgi_app(metrics_registry(context)))
     return app

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import logging
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy import exc as sa_exc
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
 
 _TYPES = {
     400: "invalid_request_error",
@@ -16,7 +21,13 @@ _TYPES = {
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
+    503: "service_unavailable_error",
 }
+
+_NOT_AN_OBJECT = ("model_attributes_type", "dict_type", "model_type")
+
+# Seconds a client is told to wait when a backing service (database, object storage) is down.
+RETRY_AFTER_SECONDS = 5
 
 
 class ApiError(Exception):
@@ -68,11 +79,65 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        kind = first.get("type")
+        if kind == "json_invalid":  # loc is ("body", offset): not a parameter
+            where = first["loc"][-1] if first.get("loc") else "?"
+            reason = first.get("ctx", {}).get("error", "invalid JSON")
+            message = f"The request body is not valid JSON: {reason} at character {where}."
+            return _response(400, error_body(400, message, code="invalid_json"))
+        if tuple(first.get("loc", ())) == ("body",) and kind in _NOT_AN_OBJECT:
+            message = "The request body must be a JSON object."
+            return _response(400, error_body(400, message, code="invalid_request"))
         loc = [str(part) for part in first.get("loc", ()) if part not in ("body", "query")]
         param = ".".join(loc) or None
         message = f"{param}: {first['msg']}" if param else first["msg"]
         return _response(400, error_body(400, message, code="invalid_request", param=param))
 
+    def unavailable(what: str, exc: Exception) -> JSONResponse:
+        log.warning("%s unavailable: %s: %s", what, type(exc).__name__, exc)
+        body = error_body(503, f"The {what} is unavailable; retry in {RETRY_AFTER_SECONDS}s.",
+                          code=f"{what.replace(' ', '_')}_unavailable")
+        return _response(503, body, {"Retry-After": str(RETRY_AFTER_SECONDS)})
+
+    # A backing service that is down is the client's cue to retry, never a 500 with a trace.
+    @app.exception_handler(sa_exc.OperationalError)
+    @app.exception_handler(sa_exc.InterfaceError)
+    @app.exception_handler(sa_exc.TimeoutError)
+    @app.exception_handler(sa_exc.DisconnectionError)
+    async def _database_down(_request: Request, exc: Exception) -> JSONResponse:
+        return unavailable("database", exc)
+
+    for storage_error in _storage_errors():
+        app.add_exception_handler(
+            storage_error, lambda _request, exc: unavailable("object storage", exc))
+    client_error = _storage_client_error()
+    if client_error is not None:
+        @app.exception_handler(client_error)
+        async def _storage_refused(_request: Request, exc: Exception) -> JSONResponse:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 500)
+            if status >= 500:  # the S3 server is starting, overloaded or failing: retry
+                return unavailable("object storage", exc)
+            log.error("object storage refused a request: %s", exc)
+            return _response(500, error_body(500, "Object storage refused the request.",
+                                             code="storage_error"))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _response(exc.status_code, error_body(exc.status_code, str(exc.detail)))
+
+
+def _storage_errors() -> tuple[type[Exception], ...]:
+    """botocore's transport errors: the S3 server cannot be reached or dropped the connection."""
+    try:
+        from botocore import exceptions as boto
+    except ImportError:  # local storage only
+        return ()
+    return (boto.ConnectionError, boto.HTTPClientError)
+
+
+def _storage_client_error() -> type[Exception] | None:
+    try:
+        from botocore.exceptions import ClientError
+    except ImportError:
+        return None
+    return ClientError

@@ -256,3 +256,16 @@ class WebhookDelivery(Base):
     attempt_log: Mapped[list[dict[str, Any]] | None] = _json()
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     delivered_at: Mapped[dt.datetime | None]
+
+
+class WorkerStatus(Base):
+    """A live worker: its heartbeat and latest engine metrics snapshot (``api.metrics_catalog``),
+    written every few seconds; the API's /metrics, the dashboard and ``boxcar status`` read it."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    model: Mapped[str | None] = mapped_column(String(200))
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    metrics: Mapped[dict[str, Any] | None] = _json()

@@ -68,6 +68,7 @@ class Settings(BaseSettings):
     job_collect_window: float = 0.005  # seconds an idle engine waits to gather single jobs
     finalize_scan_interval: float = 5.0
     worker_metrics_port: int | None = None  # Prometheus /metrics of a production worker
+    worker_metrics_interval: float = 2.0  # seconds between a worker's metrics snapshots in the db
 
     # Webhooks.
     webhook_allow_private: bool = False
@@ -85,7 +86,8 @@ class Settings(BaseSettings):
             raise ValueError(f"must be >= 1, got {value}")
         return value
 
-    @field_validator("lease_seconds", "poll_interval", "webhook_timeout")
+    @field_validator("lease_seconds", "poll_interval", "webhook_timeout",
+                     "worker_metrics_interval")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:

@@ -66,12 +66,17 @@ class JsonlIngest:
         self._tail += data
         start = 0
         while (end := self._tail.find(b"\n", start)) != -1:
+            self._check_length(end - start, self._line_no + 1)
             self._check(bytes(self._tail[start:end]))
             start = end + 1
         del self._tail[:start]
-        if len(self._tail) > MAX_LINE_BYTES:
+        self._check_length(len(self._tail), self._line_no + 1)
+
+    @staticmethod
+    def _check_length(num_bytes: int, line_no: int) -> None:
+        if num_bytes > MAX_LINE_BYTES:
             raise ApiError(
-                400, f"Line {self._line_no + 1} is longer than {MAX_LINE_BYTES} bytes: "
+                400, f"Line {line_no} is longer than {MAX_LINE_BYTES} bytes: "
                 "is this a JSONL file?", code="invalid_file", param="file",
             )
 
@@ -141,6 +146,14 @@ class JsonlIngest:
         )
 
 
+class _SinkError(Exception):
+    """Carries an exception of the file-data callback through the multipart parser."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class MultipartStream:
     """A push parser for ``multipart/form-data``: small fields are collected, the part named
     ``file`` goes to ``on_file_data`` chunk by chunk."""
@@ -194,7 +207,10 @@ class MultipartStream:
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if self._is_file:
-            self._on_file_data(data[start:end])
+            try:
+                self._on_file_data(data[start:end])
+            except Exception as exc:  # the file's own problem or storage's, not the body's
+                raise _SinkError(exc) from exc
             return
         self._value += data[start:end]
         if len(self._value) > self.MAX_FIELD_BYTES:
@@ -207,13 +223,18 @@ class MultipartStream:
     def feed(self, data: bytes) -> None:
         try:
             self._parser.write(data)
+        except _SinkError as exc:
+            raise exc.error from None
         except ApiError:
             raise
         except Exception as exc:  # the parser's own errors: a malformed body
             raise ApiError(400, f"Malformed multipart body: {exc}", code="invalid_request") from exc
 
     def finish(self) -> None:
-        self._parser.finalize()
+        try:
+            self._parser.finalize()
+        except _SinkError as exc:
+            raise exc.error from None
 
 
 def store_inline_requests(

@@ -98,3 +98,13 @@ def make_checkpoint(path: Path, arch: str = "llama", *, tie: bool = False, seed:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny Llama (GQA 4:2, untied) with a byte-level BPE tokenizer and a chat template."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The figures the reliability and load tests recorded (tests/figures.py)."""
+    from tests.figures import render
+
+    text = render()
+    if text:
+        terminalreporter.write_sep("=", "figures")
+        terminalreporter.write_line(text)

@@ -142,6 +142,10 @@ class Drainer:
         except ValueError as exc:
             self._fail(work, INVALID_REQUEST, str(exc))
             return
+        too_long = self._context_overflow(engine_input)
+        if too_long is not None:
+            self._fail(work, CONTEXT_LENGTH_EXCEEDED, too_long)
+            return
         try:
             self.engine.add_request(work.request_id, engine_input.prompt, engine_input.params)
         except ValueError as exc:
@@ -153,6 +157,25 @@ class Drainer:
         num_tokens = len(engine_input.prompt) if isinstance(engine_input.prompt, list) else (
             max(1, len(engine_input.prompt) // 4))
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
+
+    def _context_overflow(self, engine_input: Any) -> str | None:
+        """Why an explicit max_tokens cannot fit beside the prompt in the model's context (the
+        engine would silently cut it short), or None. A token is at least one byte, so a text
+        prompt is only tokenized here when its bytes alone could overflow."""
+        max_model_len = getattr(self.engine, "max_model_len", None)
+        max_tokens = engine_input.params.max_tokens
+        if not isinstance(max_model_len, int) or max_tokens is None:
+            return None
+        prompt = engine_input.prompt
+        if isinstance(prompt, str):
+            if len(prompt.encode()) + max_tokens <= max_model_len:
+                return None
+            prompt = self.engine.encode(prompt)
+        if len(prompt) + max_tokens <= max_model_len:
+            return None
+        return (f"This model's maximum context length is {max_model_len} tokens, but "
+                f"{len(prompt) + max_tokens} were requested ({len(prompt)} in the prompt, "
+                f"{max_tokens} in max_tokens); lower max_tokens or shorten the prompt.")
 
     def _finish(self, output: Any) -> None:
         work = self._in_engine.pop(output.request_id, None)

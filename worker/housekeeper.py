@@ -1,6 +1,11 @@
 """Batch stages that one worker does at a time under a lease on the batch row: prepare
 (validating -> in_progress) and finalize (-> completed / cancelled / expired). Batches come from
-broker messages, from the writer (a batch's shard just finished) and from polling."""
+broker messages, from the writer (a batch's shard just finished) and from polling.
+
+A stage that fails (object storage or the database is down) is retried by this worker with
+exponential backoff, ``RETRY_FIRST_SECONDS`` doubling up to ``RETRY_MAX_SECONDS``, so it runs
+again within seconds of the outage ending, and one failing batch never holds up the others.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from sqlalchemy import select
 
@@ -19,6 +25,11 @@ from worker.finalize import finalizable_batches, finalize_batch
 from worker.prepare import prepare_batch
 
 log = logging.getLogger(__name__)
+
+RETRY_FIRST_SECONDS = 1.0
+RETRY_MAX_SECONDS = 8.0
+
+T = TypeVar("T")
 
 
 class Housekeeper:
@@ -41,6 +52,9 @@ class Housekeeper:
         self._candidates: set[str] = set()
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        self._busy: set[str] = set()  # batches a thread of this worker is working on now
+        # (stage, batch) -> (failures in a row, monotonic time of the next try)
+        self._backoff: dict[tuple[str, str], tuple[int, float]] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -51,16 +65,48 @@ class Housekeeper:
             self._candidates |= batch_ids
         self._wake.set()
 
+    def _attempt(self, stage: str, batch_id: str, run: Callable[[], T]) -> T | None:
+        """Run one stage of ``batch_id`` unless another thread is on it or it is backing off;
+        a failure schedules the retry (None is returned)."""
+        with self._lock:
+            failures, due = self._backoff.get((stage, batch_id), (0, 0.0))
+            if batch_id in self._busy or time.monotonic() < due:
+                return None
+            self._busy.add(batch_id)
+        try:
+            result = run()
+        except Exception as exc:
+            failures += 1
+            delay = min(RETRY_FIRST_SECONDS * 2 ** (failures - 1), RETRY_MAX_SECONDS)
+            log.warning("%s of %s failed (%d in a row: %s: %s); retrying in %.0fs", stage,
+                        batch_id, failures, type(exc).__name__, exc, delay)
+            with self._lock:
+                self._backoff[(stage, batch_id)] = (failures, time.monotonic() + delay)
+                if stage == "finalize":  # a prepare is found again by its status
+                    self._candidates.add(batch_id)
+            return None
+        finally:
+            with self._lock:
+                self._busy.discard(batch_id)
+        with self._lock:
+            self._backoff.pop((stage, batch_id), None)
+        return result
+
+    def _backing_off(self, stage: str, batch_id: str) -> bool:
+        with self._lock:
+            return time.monotonic() < self._backoff.get((stage, batch_id), (0, 0.0))[1]
+
     def prepare(self, batch_id: str) -> list[str] | None:
-        shard_ids = prepare_batch(self.db, self.storage, batch_id, worker_id=self.worker_id,
-                                  shard_size=self.settings.shard_size,
-                                  mixed_endpoints=self.settings.mixed_endpoints)
+        shard_ids = self._attempt("prepare", batch_id, lambda: prepare_batch(
+            self.db, self.storage, batch_id, worker_id=self.worker_id,
+            shard_size=self.settings.shard_size, mixed_endpoints=self.settings.mixed_endpoints))
         if shard_ids:
             self._on_prepared(shard_ids)
         return shard_ids
 
     def finalize(self, batch_id: str) -> str | None:
-        outcome = finalize_batch(self.db, self.storage, batch_id, worker_id=self.worker_id)
+        outcome = self._attempt("finalize", batch_id, lambda: finalize_batch(
+            self.db, self.storage, batch_id, worker_id=self.worker_id))
         if outcome is not None:
             self._on_finalized()
         return outcome
@@ -71,15 +117,21 @@ class Housekeeper:
             waiting = session.scalars(
                 select(Batch.id).where(
                     Batch.status == VALIDATING,
-                    Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now))
+                    Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now)
+                    | (Batch.lease_owner == self.worker_id))
                 .order_by(Batch.pk).limit(5)
             ).all()
             found = set(finalizable_batches(session)) if scan else set()
         for batch_id in waiting:
-            self.prepare(batch_id)
+            if not self._backing_off("prepare", batch_id):
+                self.prepare(batch_id)
         with self._lock:
             candidates, self._candidates = self._candidates | found, set()
         for batch_id in sorted(candidates):
+            if self._backing_off("finalize", batch_id):
+                with self._lock:
+                    self._candidates.add(batch_id)  # not yet: keep it for a later round
+                continue
             self.finalize(batch_id)
 
     def run(self, stop: threading.Event) -> None:

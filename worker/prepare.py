@@ -45,12 +45,17 @@ def claim_batch_lease(
     session: Session, batch_id: str, *, statuses: tuple[str, ...], worker_id: str,
     seconds: float, now: dt.datetime | None = None,
 ) -> bool:
-    """Take the batch row's lease (for prepare or finalize) if it is free and the status fits."""
+    """Take the batch row's lease (for prepare or finalize) if it is free and the status fits.
+
+    A worker may take back a lease it holds: its retry after a failed attempt (storage or the
+    database was down) need not wait for the lease to run out. ``Housekeeper`` keeps two of
+    its own threads off one batch."""
     now = now or utcnow()
     return session.execute(
         update(Batch)
         .where(Batch.id == batch_id, Batch.status.in_(statuses),
-               (Batch.lease_expires_at.is_(None)) | (Batch.lease_expires_at < now))
+               (Batch.lease_expires_at.is_(None)) | (Batch.lease_expires_at < now)
+               | (Batch.lease_owner == worker_id))
         .values(lease_owner=worker_id, lease_expires_at=now + dt.timedelta(seconds=seconds))
         .execution_options(synchronize_session=False)
     ).rowcount == 1

@@ -28,6 +28,8 @@ from worker import claims
 from worker.drain import Drainer
 from worker.housekeeper import Housekeeper
 from worker.lease_keeper import LeaseKeeper
+from worker.metrics import EngineRecorder, MeteredEngine, engine_config, worker_registry
+from worker.metrics_publisher import MetricsPublisher
 from worker.result_writer import ResultWriter
 from worker.webhook_sender import WebhookSender
 from worker.work import HeldShards
@@ -81,6 +83,8 @@ class WorkerService:
         self.webhooks: WebhookSender | None = None
         self.leases: LeaseKeeper | None = None
         self.housekeeper: Housekeeper | None = None
+        self.recorder: EngineRecorder | None = None
+        self.publisher: MetricsPublisher | None = None
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -99,8 +103,13 @@ class WorkerService:
                                    on_shards_done=self.housekeeper.batches_touched)
         model_name = settings.served_model_name or getattr(
             self.engine, "model_name", os.path.basename(settings.model.rstrip("/")))
+        self.recorder = EngineRecorder(engine_config(self.engine))
+        self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
+                                          model=model_name,
+                                          interval=settings.worker_metrics_interval)
         self.drainer = Drainer(
-            self.engine, submit=self.writer.submit, model_name=model_name,
+            MeteredEngine(self.engine, self.recorder), submit=self.writer.submit,
+            model_name=model_name,
             max_num_seqs=_engine_limit(self.engine, "max_num_seqs", 128),
             max_num_batched_tokens=_engine_limit(self.engine, "max_num_batched_tokens", 512),
             job_collect_window=settings.job_collect_window,
@@ -115,10 +124,12 @@ class WorkerService:
         if settings.worker_metrics_port:
             from prometheus_client import start_http_server
 
-            start_http_server(settings.worker_metrics_port)
+            start_http_server(settings.worker_metrics_port,
+                              registry=worker_registry(self.recorder))
         self._spawn("engine", self.drainer.run)
         self._spawn("leases", lambda: self.leases.run(self._stop))
         self._spawn("housekeeping", lambda: self.housekeeper.run(self._stop))
+        self._spawn("metrics", lambda: self.publisher.run(self._stop))
         if isinstance(self.queue, EmbeddedQueue):
             self.queue.subscribe(self.wake)
         self._started.set()
@@ -155,6 +166,8 @@ class WorkerService:
                     claims.release(session, held, worker_id=self.worker_id)
         if self.webhooks is not None:
             self.webhooks.stop()
+        if self.publisher is not None:
+            self.publisher.remove()
         log.info("worker %s stopped", self.worker_id)
 
     def wait_started(self, timeout: float | None = None) -> bool:

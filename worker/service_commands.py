@@ -131,29 +131,24 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from sqlalchemy import func, select
+    import time
 
-    from api.db import Database, utcnow
-    from api.models import Batch, Job, RequestLine, Shard, WebhookDelivery
+    from api.db import Database
+    from worker.status import collect, format_status
 
-    db = Database(_settings_from(args).database_url)
-    now = utcnow()
-    with db.read_session() as session:
-        def grouped(column) -> dict:
-            return dict(session.execute(select(column, func.count()).group_by(column)).all())
-
-        status = {
-            "batches": grouped(Batch.status),
-            "jobs": grouped(Job.status),
-            "shards": grouped(Shard.status),
-            "lines": grouped(RequestLine.status),
-            "webhook_deliveries": grouped(WebhookDelivery.status),
-            "workers": sorted(session.scalars(
-                select(Shard.lease_owner).where(Shard.lease_expires_at > now).distinct()
-            ).all()),
-        }
-    print(json.dumps(status, indent=2))
-    return 0
+    settings = _settings_from(args)
+    db = Database(settings.database_url)
+    while True:
+        report = collect(db, interval=settings.worker_metrics_interval)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            if args.watch:
+                print("\033[H\033[J", end="")  # clear the terminal between redraws
+            print(format_status(report), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -205,5 +200,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     up.set_defaults(handler=_cmd_db_upgrade)
     db.set_defaults(handler=lambda _args: _usage(db))
 
-    status = subparsers.add_parser("status", help="counts of batches, shards, lines, workers")
+    status = subparsers.add_parser("status", help="the queue, the workers and the batches")
+    status.add_argument("--json", action="store_true", help="the report as JSON")
+    status.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                        help="redraw every SECONDS until Ctrl-C")
     status.set_defaults(handler=_cmd_status)

@@ -51,11 +51,12 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
     if metadata is None:
         return
     if len(metadata) > 16:
-        raise ApiError(400, "metadata may hold at most 16 keys.", param="metadata")
+        raise ApiError(400, "metadata may hold at most 16 keys.", param="metadata",
+                       code="invalid_metadata")
     for key, value in metadata.items():
         if len(key) > 64 or len(value) > 512:
             raise ApiError(400, "metadata keys are at most 64 characters and values at most 512.",
-                           param="metadata")
+                           param="metadata", code="invalid_metadata")
 
 
 def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
@@ -93,10 +94,11 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
         raise ApiError(400, "Give exactly one of input_file_id and requests.",
                        param="input_file_id", code="invalid_request")
     if request.requests is not None and not request.requests:
-        raise ApiError(400, "requests must not be empty.", param="requests")
+        raise ApiError(400, "requests must not be empty.", param="requests",
+                       code="invalid_request")
     if request.requests is not None and len(request.requests) > settings.max_inline_requests:
         raise ApiError(400, f"requests holds more than {settings.max_inline_requests} items; "
-                       "upload a file instead.", param="requests")
+                       "upload a file instead.", param="requests", code="invalid_request")
 
     body = _create(request, tenant.id, ctx, window)
     BATCHES_CREATED.inc()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
@@ -80,7 +81,7 @@ async def create_file(request: Request, tenant: TenantDep, ctx: ContextDep) -> d
 async def _receive(request: Request, parser: MultipartStream) -> None:
     """Feed the body to the parser about a MiB at a time, off the event loop. After an error the
     rest is read and dropped, so the client gets the answer rather than a reset connection."""
-    error: ApiError | None = None
+    error: Exception | None = None
     pending = bytearray()
     async for chunk in request.stream():
         if error is not None:
@@ -91,7 +92,7 @@ async def _receive(request: Request, parser: MultipartStream) -> None:
             pending.clear()
             try:
                 await run_in_threadpool(parser.feed, data)
-            except ApiError as exc:
+            except Exception as exc:  # a bad file, or storage that is down (a 503)
                 error = exc
     if error is not None:
         raise error
@@ -130,8 +131,12 @@ def retrieve_file(file_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
 def file_content(file_id: str, tenant: TenantDep, ctx: ContextDep) -> StreamingResponse:
     with ctx.db.read_session() as session:
         row = get_file(session, tenant_id=tenant.id, file_id=file_id)
+    chunks = ctx.storage.iter_chunks(row.storage_key)
+    # Open the object before the status line goes out: storage that is down is then a 503,
+    # not a 200 whose body breaks off.
+    first = next(chunks, b"")
     return StreamingResponse(
-        ctx.storage.iter_chunks(row.storage_key),
+        itertools.chain([first], chunks),
         media_type="application/octet-stream",
         headers={"content-disposition": f'attachment; filename="{row.filename}"',
                  "content-length": str(row.bytes)},

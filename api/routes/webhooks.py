@@ -37,7 +37,7 @@ def create_endpoint(
     unknown = sorted(set(request.events or []) - set(EVENTS))
     if unknown:
         raise ApiError(400, f"Unknown events {unknown}; known are {list(EVENTS)}.",
-                       param="events")
+                       param="events", code="invalid_events")
     with ctx.db.session() as session:
         row = WebhookEndpoint(id=ids.webhook_endpoint_id(), tenant_id=tenant.id, url=request.url,
                               events=request.events, secret=new_webhook_secret())

@@ -170,3 +170,22 @@ def production(seaweedfs, tiny_model_dir, tmp_path_factory):
             db.dispose()
             _drop_queues(namespace)
 
+
+
+@pytest.fixture(scope="session")
+def private_stack(tiny_model_dir):
+    """API, two workers, PostgreSQL, Redis and SeaweedFS, all private to this run, for the tests
+    that kill or restart them (tests/system/test_faults.py, test_load.py)."""
+    from tests.system.stack import PrivateStack
+
+    stack = PrivateStack(str(tiny_model_dir))
+    try:
+        try:
+            stack.start()
+        except RuntimeError as exc:
+            if "not installed" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        yield stack
+    finally:
+        stack.close()

