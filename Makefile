@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run test lint bench model
+.PHONY: setup run offline test lint bench model
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,7 +17,13 @@ setup: $(STAMP)
 model: setup
 	$(BIN)/boxcar model pull
 
+# The main job through the REST API on the embedded service: start it, submit
+# examples/requests.jsonl, poll with a progress bar, download the results.
 run: model
+	$(BIN)/python -m worker.demo examples/requests.jsonl -o results.jsonl
+
+# The same file offline, straight through the engine (no service).
+offline: model
 	$(BIN)/boxcar run examples/requests.jsonl -o results.jsonl
 
 test: model
@@ -36,9 +42,7 @@ bench: model
 serve: model
 	$(BIN)/boxcar serve
 
-# The main job through the REST API: start, submit examples/requests.jsonl, poll, download.
-demo: model
-	$(BIN)/python -m worker.demo examples/requests.jsonl -o results.jsonl
+demo: run
 
 compose-config:
 	docker-compose -f compose/docker-compose.yml config -q

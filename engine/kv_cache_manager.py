@@ -62,9 +62,12 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        self.num_queries += request.num_tokens
-        self.num_hits += len(blocks) * bs
         return blocks, len(blocks) * bs
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted request's lookup (a refused admission is looked up again later)."""
+        self.num_queries += num_tokens
+        self.num_hits += num_hit_tokens
 
     def allocate_slots(
         self,

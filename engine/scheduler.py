@@ -118,6 +118,8 @@ class Scheduler:
                 if not self.kv.allocate_slots(request, num_new, computed_blocks, admit=admit):
                     break
                 self.waiting.popleft()
+                if self.kv.enable_caching and request.num_computed_tokens == 0:
+                    self.kv.record_lookup(request.num_tokens, num_hit)
                 if request.num_cached_tokens is None:
                     request.num_cached_tokens = num_hit
                     request.metrics.num_cached_tokens = num_hit

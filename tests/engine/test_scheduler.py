@@ -120,7 +120,18 @@ def test_prefix_cache_hit_shares_blocks_and_stops_before_last_token():
     assert ra.block_ids[:2] == rb.block_ids[:2]
     assert sched.kv.pool.blocks[ra.block_ids[0]].ref_cnt == 2
     assert rb.num_cached_tokens == 8
+    assert (sched.kv.num_queries, sched.kv.num_hits) == (24, 8)
     check_invariants(sched)
+
+
+def test_refused_admissions_are_not_counted_as_prefix_queries():
+    sched = make_scheduler(num_blocks=4, watermark=0.0)
+    sched.add_request(make_request("big", list(range(1, 13)), max_tokens=4))
+    sched.add_request(make_request("wait", list(range(1, 9)), max_tokens=4))
+    for _ in range(3):
+        step(sched)  # "wait" cannot fit while "big" runs
+    assert sched.requests["wait"].status == RequestStatus.WAITING
+    assert sched.kv.num_queries == 12
 
 
 def test_abort_frees_everything_wherever_the_request_is():
