@@ -1,8 +1,13 @@
-"""RMSNorm, computed in fp32 like Hugging Face's LlamaRMSNorm (so outputs match bit for bit)."""
+"""RMSNorm with Hugging Face's LlamaRMSNorm semantics (normalize in fp32, then scale).
+
+``F.rms_norm`` is one fused kernel and gives the same bits as the textbook
+``weight * (x * rsqrt(mean(x^2) + eps))`` in fp32, at a fraction of the memory traffic.
+"""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,10 +16,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        variance = x32.pow(2).mean(-1, keepdim=True)
-        x32 = x32 * torch.rsqrt(variance + self.eps)
-        return self.weight * x32.to(dtype)
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.shape, self.weight, self.eps)
+        # Lower precision: normalize in fp32, round to the input dtype, then scale (as HF does).
+        normed = F.rms_norm(x.float(), self.shape, None, self.eps)
+        return self.weight * normed.to(x.dtype)

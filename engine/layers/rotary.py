@@ -63,8 +63,20 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
-        cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)  # [num_tokens, 1, head_dim]
-        sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        return q, k
+        return self.rotate(positions, q), self.rotate(positions, k)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``x * cos + rotate_half(x) * sin``, computed half by half into one output.
+
+        Same bits as the textbook form (``a + (-b) == a - b``), with no ``cat`` or ``neg``.
+        ``x``: [num_tokens, num_heads, head_dim], any strides.
+        """
+        half = x.shape[-1] // 2
+        # The tables repeat their first half, so half of each is all we need.
+        cos = self.cos_cache[positions, :half].to(x.dtype).unsqueeze(1)  # [num_tokens, 1, half]
+        sin = self.sin_cache[positions, :half].to(x.dtype).unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
+        torch.add(x2 * cos, x1 * sin, out=out[..., half:])
+        return out

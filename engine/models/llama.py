@@ -52,12 +52,16 @@ class LlamaAttention(nn.Module):
         num_tokens = hidden_states.shape[0]
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [num_tokens, num_heads, head_dim]
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
+            k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
+            q, k = rotary(positions, q, k)
+        else:
+            # q and k side by side in qkv: rotate both in one pass.
+            qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim))
+            qk = rotary.rotate(positions, qk)  # [num_tokens, num_heads + num_kv_heads, head_dim]
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
