@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup run offline test lint bench model
+.PHONY: setup run offline test test-slow lint bench model
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -28,6 +28,11 @@ offline: model
 
 test: model
 	$(BIN)/pytest -q -x -p no:cacheprovider tests
+
+# The slow tests: the real default model, 50,000-line and 200 MB uploads, a 30 s S3 outage,
+# 64 concurrent clients, deep fuzzing. Their figures print at the end.
+test-slow: model
+	$(BIN)/pytest -q -p no:cacheprovider -m slow tests
 
 lint: setup
 	$(BIN)/ruff check .

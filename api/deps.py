@@ -48,7 +48,10 @@ ContextDep = Annotated[AppContext, Depends(get_context)]
 def get_tenant(request: Request, ctx: ContextDep) -> TenantRef:
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
+    if scheme and scheme.lower() != "bearer":  # not echoed: it may be the key itself
+        raise ApiError(401, "Unsupported authorization scheme: send "
+                       "'Authorization: Bearer <key>'.", code="invalid_api_key")
+    if not key.strip():
         raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                        code="invalid_api_key")
     with ctx.db.read_session() as session:

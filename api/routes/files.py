@@ -36,7 +36,16 @@ def get_file(session: Session, *, tenant_id: str, file_id: str) -> File:
     return row
 
 
-@router.post("/v1/files", summary="Upload a JSONL batch input file (multipart: file, purpose)")
+# The body is parsed by hand (streamed); this tells clients and the OpenAPI schema its shape.
+UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file", "purpose"],
+    "properties": {"file": {"type": "string", "format": "binary"},
+                   "purpose": {"type": "string", "enum": ["batch"]}},
+}}}}}
+
+
+@router.post("/v1/files", summary="Upload a JSONL batch input file (multipart: file, purpose)",
+             openapi_extra=UPLOAD_BODY)
 async def create_file(request: Request, tenant: TenantDep, ctx: ContextDep) -> dict:
     settings = ctx.settings
     length = request.headers.get("content-length")

@@ -14,7 +14,7 @@ from sqlalchemy import update
 
 from api import uploads
 from api.keys import create_key, revoke_key
-from api.models import ApiKey, Batch
+from api.models import Batch
 from tests.conftest_services import chat_line, completion_line, jsonl, make_key, wait_for
 from tests.figures import record
 from worker.service import WorkerService
@@ -55,7 +55,11 @@ CASES = [
     Case("no Authorization header", "auth", "GET", "/v1/batches", {"headers": {
         "Authorization": ""}}, 401, "invalid_api_key", None, "Missing API key"),
     Case("Basic instead of Bearer", "auth", "GET", "/v1/files", {"headers": {
-        "Authorization": "Basic dXNlcjpwYXNz"}}, 401, "invalid_api_key", None, "Bearer"),
+        "Authorization": "Basic dXNlcjpwYXNz"}}, 401, "invalid_api_key", None,
+         "Unsupported authorization scheme"),
+    Case("a key without the Bearer scheme", "auth", "GET", "/v1/files", {"headers": {
+        "Authorization": "bx-just-the-key-here"}}, 401, "invalid_api_key", None,
+         "Unsupported authorization scheme"),
     Case("empty bearer key", "auth", "GET", "/v1/files", {"headers": {
         "Authorization": "Bearer   "}}, 401, "invalid_api_key", None, "Missing API key"),
     Case("wrong API key", "auth", "GET", "/v1/files", {"headers": {
@@ -209,8 +213,7 @@ def ids(client, ctx, settings) -> dict[str, str]:
     with ctx.db.session() as session:
         session.execute(update(Batch).where(Batch.id == done_batch).values(status="completed"))
         revoked = create_key(session, tenant_name="acme")
-        session.flush()
-        revoke_key(session, key_id=session.get(ApiKey, revoked.key_id).id)
+        revoke_key(session, key_id=revoked.key_id)
     return {"file": own_file, "bad_file": upload(client, b'{"custom_id": 1}\n'),
             "other_file": other_file, "other_batch": other_batch, "done_batch": done_batch,
             "revoked": revoked.key}
@@ -385,6 +388,7 @@ def test_bad_lines_fail_alone(client, tiny_worker):
         assert fragment in line["error"]["message"], (name, line)
         at_upload = any(e["code"] == code for e in upload_errors.values())
         record(TABLE, entry="line", input=name, status="error line", code=code,
-               param="upload" if at_upload else "worker", message=line["error"]["message"][:70])
+               found_by="upload" if at_upload else "worker",
+               message=line["error"]["message"][:70])
     # Found at upload already: everything but what needs the model.
     assert file["error_count"] == len(LINE_CASES) - 4

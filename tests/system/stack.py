@@ -90,7 +90,11 @@ class PrivatePostgres:
         # As root the server must run as another user: postgres, when the machine has one.
         self._as = None
         if os.geteuid() == 0:
-            user = pwd.getpwnam("postgres")
+            try:
+                user = pwd.getpwnam("postgres")
+            except KeyError:
+                raise RuntimeError("no 'postgres' user to run the server as: PostgreSQL is "
+                                   "not installed as a package") from None
             os.chown(self.root, user.pw_uid, user.pw_gid)
             self._as = ["runuser", "-u", "postgres", "--"]
 
@@ -257,6 +261,23 @@ class PrivateStack:
         self.api_key = make_key(db, "acme")
         db.dispose()
         self.start_api()
+        return self
+
+    def heal(self, workers: tuple[str, ...] = ("w1", "w2")) -> PrivateStack:
+        """Every server and the API up, and these workers running (after a test killed some)."""
+        if self.redis.proc is None or self.redis.proc.poll() is not None:
+            self.redis.start()
+        if self.weed.proc is None or self.weed.proc.poll() is not None:
+            self.weed.start()
+        if not os.path.exists(os.path.join(self.pg.datadir, "postmaster.pid")):
+            self.pg.start()
+        if self.api is None or self.api.poll() is not None:
+            self.start_api()
+        for name in workers:
+            proc = self.workers.get(name)
+            if proc is None or proc.poll() is not None:
+                self.workers.pop(name, None)
+                self.start_worker(name)
         return self
 
     # -- the API process ---------------------------------------------------------------------

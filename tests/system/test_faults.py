@@ -33,23 +33,7 @@ WORKERS = ("w1", "w2")
 @pytest.fixture
 def stack(private_stack):
     """The private stack, healed: every server up, the API up, both workers running."""
-    s = private_stack
-    if s.redis.proc is None or s.redis.proc.poll() is not None:
-        s.redis.start()
-    if s.weed.proc is None or s.weed.proc.poll() is not None:
-        s.weed.start()
-    try:
-        s.pg.start()
-    except Exception:
-        pass  # already running
-    if s.api is None or s.api.poll() is not None:
-        s.start_api()
-    for name in WORKERS:
-        proc = s.workers.get(name)
-        if proc is None or proc.poll() is not None:
-            s.workers.pop(name, None)
-            s.start_worker(name)
-    return s
+    return private_stack.heal(WORKERS)
 
 
 def batch_lines(tag: str, num_lines: int = 300, max_tokens: int = 120) -> list[dict]:
@@ -118,9 +102,12 @@ class Watch:
         self._stop.set()
 
     def progress_after(self, t0: float) -> float | None:
-        """Seconds from ``t0`` to the first new completed line (or the final status) after it."""
-        before = [c for t, c, _ in self.samples if t <= t0]
-        base = before[-1] if before else 0
+        """Seconds from ``t0`` to the first new completed line (or the final status) after it;
+        0 when the batch had already finished by ``t0`` (the fault never held it up)."""
+        before = [(c, s) for t, c, s in self.samples if t <= t0]
+        if before and before[-1][1] in TERMINAL:
+            return 0.0
+        base = before[-1][0] if before else 0
         for t, completed, status in self.samples:
             if t > t0 and (completed > base or status in TERMINAL):
                 return t - t0
@@ -237,6 +224,7 @@ def test_redis_restart(stack):
     watch.wait(lambda t, c, s: c >= 40, 60, "some progress")
     stopped = time.monotonic()
     stack.redis.stop()
+    assert watch.latest()[2] == "in_progress"
     # Work submitted while the broker is down is found by the workers' database polling.
     late_lines = batch_lines("redis-late", num_lines=40, max_tokens=8)
     late_file = upload(client, late_lines)
@@ -320,8 +308,8 @@ def test_s3_outage(stack, outage):
     back = time.monotonic()
     watch_a.done()
     watch_b.done()
-    recovery = max(watch_a.latest()[0], next(t for t, _, s in watch_b.samples
-                                             if s == "in_progress")) - back
+    prepared_b = next(t for t, _, s in watch_b.samples if s != "validating")
+    recovery = max(watch_a.latest()[0], prepared_b) - back
     for watch, lines in ((watch_a, lines_a), (watch_b, lines_b)):
         result = outcome(client, watch.batch_id, [x["custom_id"] for x in lines])
         assert result["batch"]["status"] == "completed", result["batch"]
@@ -410,7 +398,9 @@ def test_cancel_racing_completion(stack):
 
 
 def test_expiry_racing_completion(stack):
-    client, batch, expected, watch, started = start_batch(stack, "expire", window="4s")
+    # Far more work than 4 s allows, so the window ends while lines are still finishing.
+    client, batch, expected, watch, started = start_batch(stack, "expire", window="4s",
+                                                          num_lines=400, max_tokens=200)
     expires = started + 4.0
     watch.done()
     result = outcome(client, batch["id"], expected)
