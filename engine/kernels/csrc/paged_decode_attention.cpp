@@ -204,44 +204,46 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One work item per sequence, its KV heads in turn: the first head's pass pulls the sequence's
+  // blocks into L2 and the others read them from there (the heads of a token share cache lines).
+  at::parallel_for(0, num_seqs, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     std::vector<float> acc;
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t seq = item / num_kv_heads;
-      const int64_t kv_head = item % num_kv_heads;
+    for (int64_t seq = begin; seq < end; ++seq) {
       const int64_t len = lens[seq];
-      const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      float* out_group = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
-      if (len <= 0) {
-        std::fill(out_group, out_group + group * head_dim, 0.0f);
-        continue;
-      }
       const int32_t* table = tables + seq * max_blocks;
-      const float* k_head = k_ptr + kv_head * head_dim;
-      const float* v_head = v_ptr + kv_head * head_dim;
-      auto run = [&](auto kernel) {
-        kernel(q_group, k_head, v_head, table, len, group, head_dim, block_size, token_stride,
-               block_stride, fscale, out_group, scores, acc);
-      };
+      for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
+        const float* q_group = q_ptr + (seq * num_heads + kv_head * group) * head_dim;
+        float* out_group = out_ptr + (seq * num_heads + kv_head * group) * head_dim;
+        if (len <= 0) {
+          std::fill(out_group, out_group + group * head_dim, 0.0f);
+          continue;
+        }
+        const float* k_head = k_ptr + kv_head * head_dim;
+        const float* v_head = v_ptr + kv_head * head_dim;
+        auto run = [&](auto kernel) {
+          kernel(q_group, k_head, v_head, table, len, group, head_dim, block_size, token_stride,
+                 block_stride, fscale, out_group, scores, acc);
+        };
 #if defined(__AVX512F__)
-      if (head_dim == 64 && dispatch_group<4>(group, q_group, k_head, v_head, table, len,
-                                              block_size, token_stride, block_stride, fscale,
-                                              out_group, scores)) {
-        continue;
-      }
-      if (head_dim == 128 && dispatch_group<8>(group, q_group, k_head, v_head, table, len,
-                                               block_size, token_stride, block_stride, fscale,
-                                               out_group, scores)) {
-        continue;
-      }
+        if (head_dim == 64 && dispatch_group<4>(group, q_group, k_head, v_head, table, len,
+                                                block_size, token_stride, block_stride, fscale,
+                                                out_group, scores)) {
+          continue;
+        }
+        if (head_dim == 128 && dispatch_group<8>(group, q_group, k_head, v_head, table, len,
+                                                 block_size, token_stride, block_stride, fscale,
+                                                 out_group, scores)) {
+          continue;
+        }
 #endif
-      if (head_dim == 64) {
-        run(attend_one<64>);
-      } else if (head_dim == 128) {
-        run(attend_one<128>);
-      } else {
-        run(attend_one<0>);
+        if (head_dim == 64) {
+          run(attend_one<64>);
+        } else if (head_dim == 128) {
+          run(attend_one<128>);
+        } else {
+          run(attend_one<0>);
+        }
       }
     }
   });
