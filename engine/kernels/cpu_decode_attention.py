@@ -17,6 +17,8 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.checks import check_query_and_cache
+
 log = logging.getLogger(__name__)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
@@ -59,10 +61,7 @@ def paged_decode_attention(
     module = load()
     if module is None:
         raise RuntimeError("the CPU paged-attention kernel is not available")
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"bad shapes: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
-    if q.shape[1] % k_cache.shape[2] or q.shape[2] != k_cache.shape[3]:
-        raise ValueError("num_heads must be a multiple of num_kv_heads and head_dims must agree")
+    check_query_and_cache(q, k_cache, v_cache, "num_seqs")
     if block_tables.shape[0] != q.shape[0] or context_lens.shape[0] != q.shape[0]:
         raise ValueError("block_tables and context_lens need one row per sequence")
     for name, t, dtype in (

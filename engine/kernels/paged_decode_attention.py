@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.checks import check_query_and_cache
+
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
 # A split is worth its merge cost only if it covers at least this many tokens of the longest
@@ -198,23 +200,8 @@ def _check(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
 ) -> None:
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, num_heads, head_dim], got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
-        )
-    batch, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if head_dim != cache_head_dim:
-        raise ValueError(f"q head_dim {head_dim} != cache head_dim {cache_head_dim}")
-    if num_heads % num_kv_heads:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
-    if block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two, got {block_size}")
+    check_query_and_cache(q, k_cache, v_cache, "batch")
+    batch = q.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch:
         raise ValueError(
             f"block_tables must be [{batch}, max_blocks], got {tuple(block_tables.shape)}"
