@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the one-at-a-time baseline on the first N requests only")
     parser.add_argument("--static-batch-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--matmul-size", type=int, default=None)
     for name in ("hf-single", "hf-static", "hf-continuous"):
         parser.add_argument(f"--skip-{name}", action="store_true")

@@ -24,7 +24,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 4 << 30
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
