@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -27,7 +27,6 @@ class _UserRequest:
     children: list[Request]
     metrics: RequestMetrics
     num_finished: int = 0
-    stop_text_checked: dict[str, int] = field(default_factory=dict)
 
 
 class LLMEngine:
@@ -173,9 +172,9 @@ class LLMEngine:
         num_tokens = max(scheduler_output.num_batched_tokens, 1)
         self.decode_time += elapsed * num_decode / num_tokens
         self.prefill_time += elapsed * (num_tokens - num_decode) / num_tokens
-        self.num_prompt_tokens += sum(
-            s.num_new_tokens for s in scheduler_output.scheduled if not s.sample
-        ) + sum(s.num_new_tokens - 1 for s in scheduler_output.scheduled if s.sample)
+        # Every computed token but the last of each sampling request is prompt (or recompute).
+        num_sampled = sum(1 for s in scheduler_output.scheduled if s.sample)
+        self.num_prompt_tokens += scheduler_output.num_batched_tokens - num_sampled
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generated_tokens += len(updated)
         for request in updated:

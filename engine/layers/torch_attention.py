@@ -38,18 +38,18 @@ class TorchAttentionBackend:
         return self.cpu_kernel and q.device.type == "cpu" and q.dtype == torch.float32
 
     def prepare(self, metadata: AttentionMetadata) -> None:
-        if metadata.num_decodes and not (
-            self.cpu_kernel and metadata.slot_mapping.device.type == "cpu"
-        ):
-            lens = metadata.decode_context_lens.to(torch.int64)
-            block_size = self.block_size
-            max_len = max(metadata.decode_context_lens_list)
-            num_blocks = -(-max_len // block_size)
-            tables = metadata.decode_block_tables[:, :num_blocks].to(torch.int64)
-            positions = torch.arange(num_blocks * block_size, device=lens.device)
-            # [num_decodes, 1, 1, padded_len]: True where the position holds context.
-            metadata.extra["decode_mask"] = (positions[None, :] < lens[:, None])[:, None, None, :]
-            metadata.extra["decode_blocks"] = tables.reshape(-1)
+        """Nothing up front: the gather path builds its state at the first layer that needs it
+        (the C++ kernel reads the block tables as they are)."""
+
+    def _prepare_gather(self, metadata: AttentionMetadata) -> None:
+        """Padded block list and mask of the decodes, shared by every layer of the step."""
+        lens = metadata.decode_context_lens.to(torch.int64)
+        num_blocks = -(-max(metadata.decode_context_lens_list) // self.block_size)
+        tables = metadata.decode_block_tables[:, :num_blocks].to(torch.int64)
+        positions = torch.arange(num_blocks * self.block_size, device=lens.device)
+        # [num_decodes, 1, 1, padded_len]: True where the position holds context.
+        metadata.extra["decode_mask"] = (positions[None, :] < lens[:, None])[:, None, None, :]
+        metadata.extra["decode_blocks"] = tables.reshape(-1)
 
     def forward(
         self,
@@ -74,13 +74,13 @@ class TorchAttentionBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         metadata: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        if self._kernel_fits(q) and "decode_blocks" not in metadata.extra:
+        if self._kernel_fits(q):
             return cpu_decode_attention.paged_decode_attention(
                 q, k_cache, v_cache, metadata.decode_block_tables,
                 metadata.decode_context_lens, scale,
             )
-        if "decode_blocks" not in metadata.extra:  # prepared for the kernel, but it can't run
-            TorchAttentionBackend(self.block_size, use_cpu_kernel=False).prepare(metadata)
+        if "decode_blocks" not in metadata.extra:
+            self._prepare_gather(metadata)
         num_decodes, num_heads, head_dim = q.shape
         num_kv_heads = k_cache.shape[2]
         blocks = metadata.extra["decode_blocks"]

@@ -7,6 +7,7 @@ matmul each (bigger, fewer GEMMs); ``load_weights`` takes Hugging Face names and
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -113,7 +114,7 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, qkv_bias, qk_norm) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        attn = LlamaAttention(config, qkv_bias, qk_norm)  # for its derived sizes only
+        attn = cast(LlamaDecoderLayer, self.layers[0]).self_attn
         self.head_dim: int = attn.head_dim
         self.num_kv_heads: int = attn.num_kv_heads
         self.q_size: int = attn.q_size
