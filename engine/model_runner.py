@@ -6,11 +6,14 @@ It owns the model weights and the paged KV cache, turns a SchedulerOutput into o
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
+from engine.layers.linear import mkl_packing_available, pack_linear_weights
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import get_model_class
@@ -54,6 +57,7 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
+        self.packed_weights = self._maybe_pack_weights()
         self._allocate_kv_cache(hf_config)
         self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -73,6 +77,19 @@ class ModelRunner:
             device=self.device,
         )
         self.graphs.capture()
+
+    def _maybe_pack_weights(self) -> bool:
+        """On the CPU in fp32 with the native kernels on, prepack the linear weights for MKL
+        (``engine/layers/linear.py``); the plain ``torch`` backend keeps stock ``F.linear``."""
+        if not (
+            self.device.type == "cpu" and self.dtype == torch.float32
+            and self.config.attention_backend in (None, "cpu")
+            and not os.environ.get("BOXCAR_NO_CPU_KERNELS") and mkl_packing_available()
+        ):
+            return False
+        tied = {id(self.model.lm_head.weight)} if self.model.tie_word_embeddings else set()
+        pack_linear_weights(self.model, shared=tied)
+        return True
 
     def _make_attention_backend(self) -> AttentionBackend:
         name = self.config.attention_backend

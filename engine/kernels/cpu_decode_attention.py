@@ -40,7 +40,10 @@ def load() -> ModuleType | None:
         _module = load_extension(
             name="boxcar_paged_decode_attention",
             sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp-simd"],
+            # -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension
+            # then binds to torch's own libgomp (same soname, already loaded): one thread pool.
+            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as exc:  # no compiler, no headers: fall back, loudly

@@ -31,11 +31,14 @@ def make_case(num_seqs, num_heads, num_kv_heads, head_dim, block_size, lens, see
         (6, 1, 12, 4, [3, 13]),  # head_dim not a multiple of 8
         (8, 2, 128, 16, [1, 50, 200]),  # the head_dim-128 specialisation
         (16, 1, 64, 8, [40, 9]),  # group 16: no specialisation, generic loop
+        # 16-token score groups across block edges; more sequences than threads
+        (9, 3, 64, 8, [1, 15, 16, 31, 32, 33, 47, 600] * 3),
     ],
 )
-def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, lens):
+@pytest.mark.parametrize("scale_factor", [1.0, 12.0])  # 12: a sharp softmax, most exps underflow
+def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, lens, scale_factor):
     q, k, v, tables, ctx = make_case(len(lens), num_heads, num_kv_heads, head_dim, block_size, lens)
-    scale = head_dim**-0.5
+    scale = head_dim**-0.5 * scale_factor
     got = kernel.paged_decode_attention(q, k, v, tables, ctx, scale)
     want = kernel.paged_decode_attention_ref(q, k, v, tables, ctx, scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
