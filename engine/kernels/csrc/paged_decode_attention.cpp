@@ -327,5 +327,8 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  // Without the GIL while it runs, like torch's own ops: other Python threads of the process
+  // (an API beside the engine, a result writer) go on meanwhile.
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }
