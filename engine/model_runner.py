@@ -13,11 +13,12 @@ import torch
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
+from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
 from engine.layers.linear import mkl_packing_available, pack_linear_weights
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.models.llama import LlamaForCausalLM
 from engine.models.registry import get_model_class
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler
 
@@ -57,7 +58,10 @@ class ModelRunner:
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
-        self.packed_weights = self._maybe_pack_weights()
+        self.packed_weights = False
+        self.greedy_screen: GreedyScreen | None = None
+        if self._native_cpu_path():
+            self._pack_weights()
         self._allocate_kv_cache(hf_config)
         self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
@@ -78,18 +82,24 @@ class ModelRunner:
         )
         self.graphs.capture()
 
-    def _maybe_pack_weights(self) -> bool:
-        """On the CPU in fp32 with the native kernels on, prepack the linear weights for MKL
-        (``engine/layers/linear.py``); the plain ``torch`` backend keeps stock ``F.linear``."""
-        if not (
+    def _native_cpu_path(self) -> bool:
+        """CPU, fp32, and the native kernels on (the ``torch`` backend keeps stock torch)."""
+        return (
             self.device.type == "cpu" and self.dtype == torch.float32
             and self.config.attention_backend in (None, "cpu")
             and not os.environ.get("BOXCAR_NO_CPU_KERNELS") and mkl_packing_available()
-        ):
-            return False
-        tied = {id(self.model.lm_head.weight)} if self.model.tie_word_embeddings else set()
-        pack_linear_weights(self.model, shared=tied)
-        return True
+        )
+
+    def _pack_weights(self) -> None:
+        """Prepack the linear weights for MKL (``engine/layers/linear.py``) and, where the CPU
+        has bf16 units, screen greedy rows' output projection (``greedy_screen.py``). The output
+        layer keeps its fp32 weight when the embedding or the screen reads it."""
+        head = self.model.lm_head.weight
+        if bf16_is_native():
+            self.greedy_screen = GreedyScreen(head.detach()[: self.vocab_size])
+        keep = self.model.tie_word_embeddings or self.greedy_screen is not None
+        pack_linear_weights(self.model, shared={id(head)} if keep else set())
+        self.packed_weights = True
 
     def _make_attention_backend(self) -> AttentionBackend:
         name = self.config.attention_backend
@@ -217,14 +227,32 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
         if not sample_indices:
             return ModelRunnerOutput({})
-        # Only the rows we sample from go through the (large) output projection.
+        # Only the rows we sample from go through the (large) output projection; plain greedy
+        # rows take the screened argmax instead where there is one.
         index = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
-        logits = self.model.compute_logits(hidden.index_select(0, index))
-        token_ids, logprobs = self.sampler(logits.float().cpu(), sample_requests)
-        out = ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(sample_requests, token_ids, strict=True)}
+        hidden = hidden.index_select(0, index)
+        tokens: list[int] = [0] * len(sample_requests)
+        logprobs: dict[str, TokenLogprob] = {}
+        full = list(range(len(sample_requests)))
+        if self.greedy_screen is not None:
+            full = [i for i in full if Sampler.needs_full_logits(sample_requests[i])]
+            full_set = set(full)
+            screened = [i for i in range(len(sample_requests)) if i not in full_set]
+            if screened:
+                rows = hidden if not full else hidden[screened]
+                for i, token in zip(screened, self.greedy_screen.argmax(rows).tolist(),
+                                    strict=True):
+                    tokens[i] = token
+        if full:
+            requests = [sample_requests[i] for i in full]
+            rows = hidden if len(full) == len(sample_requests) else hidden[full]
+            logits = self.model.compute_logits(rows)
+            token_ids, row_logprobs = self.sampler(logits.float().cpu(), requests)
+            for i, request, token, lp in zip(full, requests, token_ids, row_logprobs,
+                                             strict=True):
+                tokens[i] = token
+                if lp is not None:
+                    logprobs[request.request_id] = lp
+        return ModelRunnerOutput(
+            {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}, logprobs
         )
-        for request, lp in zip(sample_requests, logprobs, strict=True):
-            if lp is not None:
-                out.logprobs[request.request_id] = lp
-        return out

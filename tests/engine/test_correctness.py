@@ -22,6 +22,8 @@ MODES = {
     },
     "one-seq-at-a-time": {"max_num_seqs": 1},
     "block-size-32": {"block_size": 32},
+    # stock torch everywhere: F.linear, gather + SDPA attention, full fp32 output projection
+    "plain-torch": {"attention_backend": "torch"},
 }
 
 ARCHS = {

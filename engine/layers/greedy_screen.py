@@ -1,0 +1,79 @@
+"""Exact greedy tokens without the full fp32 output projection (CPU, fp32 models).
+
+The output layer is the largest GEMM of a decode step (49152 x 576 for the default model: 16 ms
+of a ~200 ms step at 64 rows). A greedy request only needs the argmax of its fp32 logits, so:
+
+1. screen: all logits in bf16 on the CPU's bf16 units (AMX / AVX512-BF16), ~5x faster;
+2. bound: each screened logit is within ``B[r, v] = c * |h_r| * |w_v| + |y~[r, v]| * u'`` of
+   the fp32 one, where ``c`` covers rounding h and w to bf16 (2u + u^2, u = 2^-8) and fp32
+   accumulation over K terms (2 * gamma_K: one for the screen, one for the fp32 product it
+   stands in for), by Cauchy-Schwarz on sum |h_i w_i|; ``u'`` covers rounding the screened
+   logit itself to bf16;
+3. candidates: the tokens whose upper bound reaches the best lower bound of the row. The fp32
+   argmax is always among them; on the default model they number 4 per row on average;
+4. the candidates' logits are computed in fp32 and the largest wins (the lowest id on a tie,
+   as ``argmax`` does).
+
+Rows that need the full distribution (sampling, penalties, logprobs, masked tokens) keep the
+full fp32 projection: ``Sampler.needs_full_logits`` says which.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+_U = 2.0**-8  # unit roundoff of bf16 (round to nearest even)
+_SAFETY = 1.25
+
+
+def bf16_is_native() -> bool:
+    """True where the CPU multiplies bf16 in hardware (else the screen would be slower)."""
+    cpu = torch.cpu
+    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+                or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
+
+
+class GreedyScreen:
+    """``argmax(hidden @ weight.T)`` per row, exactly, from a bf16 screen (module docstring)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        if weight.dtype != torch.float32 or weight.device.type != "cpu":
+            raise ValueError("the greedy screen is for CPU float32 output layers")
+        self.weight = weight  # [vocab, hidden], shared with the model
+        hidden = weight.shape[1]
+        gamma = hidden * 2.0**-24 / (1 - hidden * 2.0**-24)
+        self.relative = _SAFETY * (2 * _U + _U * _U + 2 * gamma * (1 + _U) ** 2)
+        self.output_rounding = _SAFETY * _U / (1 - _U)
+        self.row_norms = weight.norm(dim=1)  # [vocab]
+        weight_bf16 = weight.to(torch.bfloat16)
+        self._packed = None
+        try:  # oneDNN's prepacked layout: measured 3.3 ms against 5.7 ms unpacked at 64 rows
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight_bf16)
+        except (AttributeError, RuntimeError):
+            self._weight_bf16 = weight_bf16
+
+    def _screen(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
+        if self._packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(hidden_bf16, self._packed, None, "none",
+                                                     [], "")
+        else:
+            out = F.linear(hidden_bf16, self._weight_bf16)
+        return out.float()
+
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, hidden] float32 -> [rows] int64 token ids."""
+        rows = hidden.shape[0]
+        if rows == 0:
+            return torch.empty(0, dtype=torch.int64)
+        approx = self._screen(hidden.to(torch.bfloat16))  # [rows, vocab]
+        bound = (hidden.norm(dim=1, keepdim=True) * self.relative) * self.row_norms
+        bound += approx.abs() * self.output_rounding
+        best_lower = (approx - bound).amax(dim=1, keepdim=True)
+        row_ids, token_ids = torch.nonzero(approx + bound >= best_lower, as_tuple=True)
+        exact = (hidden[row_ids] * self.weight[token_ids]).sum(dim=1)
+        best = torch.full((rows,), float("-inf")).scatter_reduce(
+            0, row_ids, exact, reduce="amax")
+        winners = torch.where(exact == best[row_ids], token_ids, self.weight.shape[0])
+        return torch.full((rows,), self.weight.shape[0], dtype=torch.int64).scatter_reduce(
+            0, row_ids, winners, reduce="amin")
