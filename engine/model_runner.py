@@ -244,11 +244,11 @@ class ModelRunner:
                                     strict=True):
                     tokens[i] = token
         if full:
-            requests = [sample_requests[i] for i in full]
+            full_requests = [sample_requests[i] for i in full]
             rows = hidden if len(full) == len(sample_requests) else hidden[full]
             logits = self.model.compute_logits(rows)
-            token_ids, row_logprobs = self.sampler(logits.float().cpu(), requests)
-            for i, request, token, lp in zip(full, requests, token_ids, row_logprobs,
+            token_ids, row_logprobs = self.sampler(logits.float().cpu(), full_requests)
+            for i, request, token, lp in zip(full, full_requests, token_ids, row_logprobs,
                                              strict=True):
                 tokens[i] = token
                 if lp is not None:
