@@ -14,6 +14,7 @@ because both the API and the workers use it (api/ imports neither engine/ nor wo
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -274,3 +275,13 @@ def _parse_value(text: str) -> Any:
         except ValueError:
             pass
     return text
+
+
+class ForwardCollector:
+    """Another registry's families, so one endpoint serves both (prometheus_client protocol)."""
+
+    def __init__(self, registry: Any) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Any]:
+        yield from self._registry.collect()

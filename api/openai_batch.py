@@ -347,6 +347,23 @@ def _completion_logprobs(entries: Sequence[TokenLogprobResult]) -> dict[str, Any
     }
 
 
+def _completion_object(
+    object_name: str, id_prefix: str, choices: list[dict[str, Any]],
+    source: Sequence[ChoiceResult], *, model: str, prompt_tokens: int, cached_tokens: int,
+    completion_id: str | None, created: int | None,
+) -> dict[str, Any]:
+    """The envelope both completion objects share around their ``choices``."""
+    return {
+        "id": completion_id or f"{id_prefix}-{new_request_id()}",
+        "object": object_name,
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(source, prompt_tokens, cached_tokens),
+        "system_fingerprint": None,
+    }
+
+
 def chat_completion_body(
     choices: Sequence[ChoiceResult],
     *,
@@ -357,23 +374,18 @@ def chat_completion_body(
     created: int | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` object, as OpenAI's /v1/chat/completions returns it."""
-    return {
-        "id": completion_id or f"chatcmpl-{new_request_id()}",
-        "object": "chat.completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "message": {"role": "assistant", "content": c.text, "refusal": None},
-                "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
-                "finish_reason": _finish_reason(c.finish_reason),
-            }
-            for c in choices
-        ],
-        "usage": _usage(choices, prompt_tokens, cached_tokens),
-        "system_fingerprint": None,
-    }
+    rendered = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
+            "finish_reason": _finish_reason(c.finish_reason),
+        }
+        for c in choices
+    ]
+    return _completion_object("chat.completion", "chatcmpl", rendered, choices, model=model,
+                              prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                              completion_id=completion_id, created=created)
 
 
 def text_completion_body(
@@ -386,23 +398,18 @@ def text_completion_body(
     created: int | None = None,
 ) -> dict[str, Any]:
     """A ``text_completion`` object, as OpenAI's /v1/completions returns it."""
-    return {
-        "id": completion_id or f"cmpl-{new_request_id()}",
-        "object": "text_completion",
-        "created": int(time.time()) if created is None else created,
-        "model": model,
-        "choices": [
-            {
-                "index": c.index,
-                "text": c.text,
-                "logprobs": None if c.logprobs is None else _completion_logprobs(c.logprobs),
-                "finish_reason": _finish_reason(c.finish_reason),
-            }
-            for c in choices
-        ],
-        "usage": _usage(choices, prompt_tokens, cached_tokens),
-        "system_fingerprint": None,
-    }
+    rendered = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": None if c.logprobs is None else _completion_logprobs(c.logprobs),
+            "finish_reason": _finish_reason(c.finish_reason),
+        }
+        for c in choices
+    ]
+    return _completion_object("text_completion", "cmpl", rendered, choices, model=model,
+                              prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                              completion_id=completion_id, created=created)
 
 
 def output_line(custom_id: str, body: dict[str, Any], *, request_id: str) -> dict[str, Any]:

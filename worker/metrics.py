@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterator
 from typing import Any
 
-from api.metrics_catalog import empty_snapshot, families_from_snapshots
+from api.metrics_catalog import ForwardCollector, empty_snapshot, families_from_snapshots
 
 # Timeline points: one a second, five minutes of them (the dashboard's charts, doctor rule 7).
 TIMELINE_INTERVAL_S = 1.0
@@ -256,21 +256,11 @@ class MeteredEngine:
         return outputs
 
 
-class _Forward:
-    """Another registry's families, so one endpoint serves both."""
-
-    def __init__(self, registry: Any) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Any]:
-        yield from self._registry.collect()
-
-
 def worker_registry(recorder: EngineRecorder) -> Any:
     """What a worker's own /metrics port serves: the process's counters and its engine's."""
     from prometheus_client import REGISTRY, CollectorRegistry
 
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Forward(REGISTRY))
+    registry.register(ForwardCollector(REGISTRY))
     registry.register(recorder)  # type: ignore[arg-type]
     return registry

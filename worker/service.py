@@ -18,6 +18,7 @@ import secrets
 import socket
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 from api.db import Database
@@ -68,49 +69,38 @@ class _EngineThread(threading.Thread):
 
     def __init__(self) -> None:
         super().__init__(name="boxcar-engine", daemon=True)
-        self._jobs: queue.Queue[Callable[[], None]] = queue.Queue()
+        self._jobs: queue.Queue[tuple[Callable[[], None], bool]] = queue.Queue()
 
     def run(self) -> None:
         while True:
-            job = self._jobs.get()
+            job, last = self._jobs.get()
             try:
                 job()
             except Exception:
                 log.exception("engine thread job failed")
-            if getattr(job, "last", False):
+            if last:
                 return
 
     def call(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` on this thread and return its result (or raise its exception)."""
-        done = threading.Event()
-        box: dict[str, Any] = {}
+        future: Future[Any] = Future()
 
         def job() -> None:
             try:
-                box["value"] = fn()
+                future.set_result(fn())
             except BaseException as exc:  # handed to the caller
-                box["error"] = exc
-            finally:
-                done.set()
+                future.set_exception(exc)
 
-        self._jobs.put(job)
-        done.wait()
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        self._jobs.put((job, False))
+        return future.result()
 
     def run_forever(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` (the drain loop) as this thread's last job."""
-
-        def job() -> None:
-            fn()
-
-        job.last = True  # type: ignore[attr-defined]
-        self._jobs.put(job)
+        self._jobs.put((fn, True))
 
     def finish(self) -> None:
         """End the thread once the jobs before this one are done (a no-op if it already ends)."""
-        self.run_forever(lambda: None)
+        self._jobs.put((lambda: None, True))
 
 
 class WorkerService:

