@@ -20,7 +20,7 @@ model: setup
 # The main job through the REST API on the embedded service: start it, submit
 # examples/requests.jsonl, poll with a progress bar, download the results.
 run: model
-	$(BIN)/python -m worker.demo examples/requests.jsonl -o results.jsonl
+	$(BIN)/python -m cli.demo examples/requests.jsonl -o results.jsonl
 
 # The same file offline, straight through the engine (no service).
 offline: model

@@ -5,14 +5,14 @@ from __future__ import annotations
 from fastapi import FastAPI
 from prometheus_client import make_asgi_app
 
-from api.db import Database
 from api.deps import AppContext
 from api.errors import install_error_handlers
-from api.queue import TaskQueue, make_queue
 from api.routes import batches, files, health, jobs, ui, webhooks
-from api.settings import Settings, get_settings
-from api.storage import ObjectStorage, make_storage
-from api.worker_metrics import metrics_registry
+from metrics.api_collector import metrics_registry
+from service.db import Database
+from service.queue import TaskQueue, make_queue
+from service.settings import Settings, get_settings
+from service.storage import ObjectStorage, make_storage
 
 
 def build_context(
@@ -47,5 +47,6 @@ def create_app(
     install_error_handlers(app)
     for module in (files, batches, jobs, webhooks, health, ui):
         app.include_router(module.router)
-    app.mount("/metrics", make_asgi_app(metrics_registry(context)))
+    app.mount("/metrics", make_asgi_app(metrics_registry(
+        context.db, context.settings.worker_metrics_interval)))
     return app

@@ -9,12 +9,12 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from api.db import Database
 from api.errors import ApiError
-from api.keys import authenticate
-from api.queue import TaskQueue
-from api.settings import Settings
-from api.storage import ObjectStorage
+from service.db import Database
+from service.keys import authenticate
+from service.queue import TaskQueue
+from service.settings import Settings
+from service.storage import ObjectStorage
 
 
 @dataclass

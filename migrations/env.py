@@ -6,8 +6,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from api.models import Base
-from api.settings import get_settings
+from service.models import Base
+from service.settings import get_settings
 
 config = context.config
 target_metadata = Base.metadata
@@ -27,7 +27,7 @@ def run_migrations_offline() -> None:
 
 def run_migrations_online() -> None:
     connection = config.attributes.get("connection")
-    if connection is not None:  # handed in by api.migrate
+    if connection is not None:  # handed in by service.migrate
         _run(connection)
         return
     engine = create_engine(_url(), poolclass=pool.NullPool)

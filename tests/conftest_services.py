@@ -99,8 +99,8 @@ def any_db_url(request) -> str:
 
 
 def migrated(url: str):
-    from api.db import Database
-    from api.migrate import upgrade
+    from service.db import Database
+    from service.migrate import upgrade
 
     db = Database(url)
     upgrade(db)
@@ -241,7 +241,7 @@ def _try_create_bucket(client, name: str) -> bool:
 
 
 def make_key(db, tenant: str = "acme") -> str:
-    from api.keys import create_key
+    from service.keys import create_key
 
     with db.session() as session:
         return create_key(session, tenant_name=tenant).key

@@ -15,9 +15,9 @@ from celery import Celery, signals
 from kombu import Queue
 from pydantic import StringConstraints, TypeAdapter
 
-from api.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
-from api.settings import Settings, get_settings
-from worker.service import WorkerService
+from service.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
+from service.settings import Settings, get_settings
+from worker.process import WorkerService
 
 log = logging.getLogger(__name__)
 

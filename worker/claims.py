@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from api.db import utcnow
-from api.models import (
+from service.db import utcnow
+from service.models import (
     IN_PROGRESS,
     JOB_IN_PROGRESS,
     JOB_QUEUED,
@@ -31,7 +31,7 @@ from api.models import (
     RequestLine,
     Shard,
 )
-from worker.work import HeldShard, LineWork
+from worker.items import HeldShard, LineWork
 
 
 def _claimable(now: dt.datetime):

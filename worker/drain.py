@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from api.metrics import ENGINE_STEPS, LINES_FINISHED
-from api.models import LINE_COMPLETED, LINE_FAILED
-from api.openai_batch import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, SERVER_ERROR
+from metrics.counters import ENGINE_STEPS, LINES_FINISHED
+from openai_format.batch import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, SERVER_ERROR
+from service.models import LINE_COMPLETED, LINE_FAILED
 from worker.engine_adapter import response_body, to_engine_input
+from worker.items import LineResult, LineWork
 from worker.line_queue import LineQueue
-from worker.work import LineResult, LineWork
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from api.openai_batch import (
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from openai_format.batch import (
     CHAT_URL,
     ChatCompletionRequest,
     ChoiceResult,
@@ -17,8 +19,6 @@ from api.openai_batch import (
     text_completion_body,
     to_sampling_kwargs,
 )
-from engine.outputs import RequestOutput, TokenLogprob
-from engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,11 @@ import logging
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session
 
-from api import ids
-from api.db import Database, utcnow
-from api.metrics import BATCHES_FINALIZED
-from api.models import (
+from metrics.counters import BATCHES_FINALIZED
+from openai_format.batch import error_line, output_line
+from service import ids
+from service.db import Database, utcnow
+from service.models import (
     CANCELLED,
     CANCELLING,
     COMPLETED,
@@ -38,10 +39,9 @@ from api.models import (
     RequestLine,
     Shard,
 )
-from api.objects import batch_object
-from api.openai_batch import error_line, output_line
-from api.storage import ObjectStorage
-from api.webhooks import queue_event
+from service.objects import batch_object
+from service.storage import ObjectStorage
+from service.webhooks import queue_event
 from worker.prepare import claim_batch_lease
 
 log = logging.getLogger(__name__)

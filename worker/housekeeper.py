@@ -17,10 +17,10 @@ from typing import TypeVar
 
 from sqlalchemy import select
 
-from api.db import Database, utcnow
-from api.models import VALIDATING, Batch
-from api.settings import Settings
-from api.storage import ObjectStorage
+from service.db import Database, utcnow
+from service.models import VALIDATING, Batch
+from service.settings import Settings
+from service.storage import ObjectStorage
 from worker.finalize import finalizable_batches, finalize_batch
 from worker.prepare import prepare_batch
 

@@ -9,14 +9,14 @@ import threading
 import time
 from collections.abc import Callable
 
-from api.db import Database, utcnow
-from api.metrics import BACKLOG_LINES, SHARDS_CLAIMED
-from api.models import IN_PROGRESS
-from api.settings import Settings
+from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
+from service.db import Database, utcnow
+from service.models import IN_PROGRESS
+from service.settings import Settings
 from worker import claims
 from worker.drain import Drainer
+from worker.items import HeldShards
 from worker.result_writer import settle_job
-from worker.work import HeldShards
 
 log = logging.getLogger(__name__)
 

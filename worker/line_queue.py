@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from worker.work import LineWork
+from worker.items import LineWork
 
 
 class LineQueue:

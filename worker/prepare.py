@@ -15,9 +15,10 @@ from collections.abc import Iterator
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
-from api.db import Database, utcnow
-from api.lines import sort_key, stored_body
-from api.models import (
+from openai_format.batch import CustomIdTracker, LineError, parse_line
+from service.db import Database, utcnow
+from service.lines import sort_key, stored_body
+from service.models import (
     CANCELLING,
     FAILED,
     IN_PROGRESS,
@@ -29,10 +30,9 @@ from api.models import (
     RequestLine,
     Shard,
 )
-from api.objects import batch_object
-from api.openai_batch import CustomIdTracker, LineError, parse_line
-from api.storage import ObjectStorage, iter_lines
-from api.webhooks import queue_event
+from service.objects import batch_object
+from service.storage import ObjectStorage, iter_lines
+from service.webhooks import queue_event
 
 log = logging.getLogger(__name__)
 

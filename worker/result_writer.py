@@ -16,8 +16,8 @@ from collections.abc import Callable
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
-from api.db import Database, utcnow
-from api.models import (
+from service.db import Database, utcnow
+from service.models import (
     JOB_COMPLETED,
     JOB_FAILED,
     JOB_IN_PROGRESS,
@@ -27,10 +27,10 @@ from api.models import (
     Job,
     RequestLine,
 )
-from api.objects import job_object
-from api.webhooks import queue_event
+from service.objects import job_object
+from service.webhooks import queue_event
 from worker.claims import finish_shard
-from worker.work import HeldShards, LineResult
+from worker.items import HeldShards, LineResult
 
 log = logging.getLogger(__name__)
 

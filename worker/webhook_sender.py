@@ -16,10 +16,10 @@ import time
 import httpx
 from sqlalchemy import select, update
 
-from api.db import Database, utcnow
-from api.metrics import WEBHOOK_ATTEMPTS
-from api.models import DELIVERY_DELIVERED, DELIVERY_FAILED, DELIVERY_PENDING, WebhookDelivery
-from api.webhooks import check_url_target, delivery_secret, headers_for
+from metrics.counters import WEBHOOK_ATTEMPTS
+from service.db import Database, utcnow
+from service.models import DELIVERY_DELIVERED, DELIVERY_FAILED, DELIVERY_PENDING, WebhookDelivery
+from service.webhooks import check_url_target, delivery_secret, headers_for
 
 log = logging.getLogger(__name__)
 

@@ -10,18 +10,18 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from api import ids
-from api.db import utcnow
 from api.deps import AppContext, ContextDep, TenantDep
 from api.errors import ApiError, not_found
-from api.metrics import BATCHES_CREATED
-from api.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
-from api.objects import batch_object, line_totals, page
-from api.openai_batch import ENDPOINTS
 from api.routes.files import get_file
-from api.settings import parse_completion_window
 from api.uploads import store_inline_requests
-from api.webhooks import check_url_literal
+from metrics.counters import BATCHES_CREATED
+from openai_format.batch import ENDPOINTS
+from service import ids
+from service.db import utcnow
+from service.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
+from service.objects import batch_object, line_totals, page
+from service.settings import parse_completion_window
+from service.webhooks import check_url_literal
 
 router = APIRouter(tags=["batches"])
 

@@ -11,14 +11,14 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
-from api import ids
-from api.db import utcnow
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
-from api.metrics import FILES_UPLOADED
-from api.models import File
-from api.objects import file_object, page
 from api.uploads import JsonlIngest, MultipartStream
+from metrics.counters import FILES_UPLOADED
+from service import ids
+from service.db import utcnow
+from service.models import File
+from service.objects import file_object, page
 
 router = APIRouter(tags=["files"])
 

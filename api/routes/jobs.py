@@ -10,16 +10,16 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api import ids
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
-from api.lines import sort_key, stored_body
-from api.metrics import JOBS_CREATED
-from api.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
-from api.objects import job_object, page
-from api.openai_batch import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, LineError, parse_line
 from api.routes.batches import check_metadata
-from api.webhooks import check_url_literal
+from metrics.counters import JOBS_CREATED
+from openai_format.batch import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, LineError, parse_line
+from service import ids
+from service.lines import sort_key, stored_body
+from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
+from service.objects import job_object, page
+from service.webhooks import check_url_literal
 
 router = APIRouter(tags=["jobs"])
 

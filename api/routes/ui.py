@@ -16,13 +16,13 @@ from fastapi import APIRouter
 from fastapi.responses import FileResponse
 from sqlalchemy import select
 
-from api.db import utcnow
 from api.deps import ContextDep, TenantDep
 from api.errors import not_found
-from api.metrics_snapshot import merge_snapshots, percentiles
-from api.models import Batch, Job
 from api.routes.batches import render
-from api.worker_metrics import JOB_STATUSES, live_workers, queue_depth
+from metrics.api_collector import JOB_STATUSES, live_workers, queue_depth
+from metrics.snapshot import merge_snapshots, percentiles
+from service.db import utcnow
+from service.models import Batch, Job
 
 router = APIRouter(tags=["dashboard"], include_in_schema=False)
 

@@ -9,14 +9,14 @@ from fastapi import APIRouter, Query
 from pydantic import BaseModel
 from sqlalchemy import select
 
-from api import ids
-from api.db import utcnow
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
-from api.keys import new_webhook_secret
-from api.models import Tenant, WebhookDelivery, WebhookEndpoint
-from api.objects import delivery_object, endpoint_object, page
-from api.webhooks import EVENTS, check_url_literal
+from service import ids
+from service.db import utcnow
+from service.keys import new_webhook_secret
+from service.models import Tenant, WebhookDelivery, WebhookEndpoint
+from service.objects import delivery_object, endpoint_object, page
+from service.webhooks import EVENTS, check_url_literal
 
 router = APIRouter(tags=["webhooks"])
 

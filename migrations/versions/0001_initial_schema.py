@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-import api.db
+import service.db
 
 revision = "0001"
 down_revision = None
@@ -24,7 +24,7 @@ def upgrade() -> None:
         sa.Column("id", sa.String(length=64), nullable=False),
         sa.Column("name", sa.String(length=200), nullable=False),
         sa.Column("webhook_secret", sa.String(length=100), nullable=False),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_table(
@@ -34,8 +34,8 @@ def upgrade() -> None:
         sa.Column("key_hash", sa.String(length=64), nullable=False),
         sa.Column("key_prefix", sa.String(length=16), nullable=False),
         sa.Column("name", sa.String(length=200), nullable=True),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("revoked_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("revoked_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["tenant_id"],
             ["tenants.id"],
@@ -58,8 +58,8 @@ def upgrade() -> None:
         sa.Column("num_lines", sa.Integer(), nullable=False),
         sa.Column("num_errors", sa.Integer(), nullable=False),
         sa.Column("line_errors", sa.JSON(), nullable=True),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("deleted_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("deleted_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["tenant_id"],
             ["tenants.id"],
@@ -80,9 +80,9 @@ def upgrade() -> None:
         sa.Column("priority", sa.Integer(), nullable=False),
         sa.Column("webhook_url", sa.String(length=2000), nullable=True),
         sa.Column("metadata", sa.JSON(), nullable=True),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("completed_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("failed_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("completed_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("failed_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["tenant_id"],
             ["tenants.id"],
@@ -105,12 +105,12 @@ def upgrade() -> None:
         sa.Column("payload", sa.Text(), nullable=False),
         sa.Column("status", sa.String(length=16), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
-        sa.Column("next_attempt_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("next_attempt_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.Column("last_status_code", sa.Integer(), nullable=True),
         sa.Column("last_error", sa.Text(), nullable=True),
         sa.Column("attempt_log", sa.JSON(), nullable=True),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("delivered_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("delivered_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["tenant_id"],
             ["tenants.id"],
@@ -131,8 +131,8 @@ def upgrade() -> None:
         sa.Column("url", sa.String(length=2000), nullable=False),
         sa.Column("events", sa.JSON(), nullable=True),
         sa.Column("secret", sa.String(length=100), nullable=False),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("deleted_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("deleted_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["tenant_id"],
             ["tenants.id"],
@@ -161,15 +161,15 @@ def upgrade() -> None:
         sa.Column("model", sa.String(length=200), nullable=True),
         sa.Column("webhook_url", sa.String(length=2000), nullable=True),
         sa.Column("priority", sa.Integer(), nullable=False),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("in_progress_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("expires_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("finalizing_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("completed_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("failed_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("expired_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("cancelling_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("cancelled_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("in_progress_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("expires_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("finalizing_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("completed_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("failed_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("expired_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("cancelling_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("cancelled_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.Column("num_total", sa.Integer(), nullable=False),
         sa.Column("num_completed", sa.Integer(), nullable=False),
         sa.Column("num_failed", sa.Integer(), nullable=False),
@@ -177,7 +177,7 @@ def upgrade() -> None:
         sa.Column("output_tokens", sa.Integer(), nullable=False),
         sa.Column("cached_tokens", sa.Integer(), nullable=False),
         sa.Column("lease_owner", sa.String(length=100), nullable=True),
-        sa.Column("lease_expires_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("lease_expires_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["input_file_id"],
             ["files.id"],
@@ -214,7 +214,7 @@ def upgrade() -> None:
         sa.Column("completion_tokens", sa.Integer(), nullable=False),
         sa.Column("cached_tokens", sa.Integer(), nullable=False),
         sa.Column("worker_id", sa.String(length=100), nullable=True),
-        sa.Column("finished_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("finished_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["batch_id"],
             ["batches.id"],
@@ -242,9 +242,9 @@ def upgrade() -> None:
         sa.Column("num_lines", sa.Integer(), nullable=False),
         sa.Column("attempts", sa.Integer(), nullable=False),
         sa.Column("lease_owner", sa.String(length=100), nullable=True),
-        sa.Column("lease_expires_at", api.db.UTCDateTime(timezone=True), nullable=True),
-        sa.Column("created_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("finished_at", api.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("lease_expires_at", service.db.UTCDateTime(timezone=True), nullable=True),
+        sa.Column("created_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("finished_at", service.db.UTCDateTime(timezone=True), nullable=True),
         sa.ForeignKeyConstraint(
             ["batch_id"],
             ["batches.id"],

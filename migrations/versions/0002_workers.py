@@ -10,7 +10,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-import api.db
+import service.db
 
 revision = "0002"
 down_revision = "0001"
@@ -23,8 +23,8 @@ def upgrade() -> None:
         "workers",
         sa.Column("id", sa.String(length=100), nullable=False),
         sa.Column("model", sa.String(length=200), nullable=True),
-        sa.Column("started_at", api.db.UTCDateTime(timezone=True), nullable=False),
-        sa.Column("heartbeat_at", api.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("started_at", service.db.UTCDateTime(timezone=True), nullable=False),
+        sa.Column("heartbeat_at", service.db.UTCDateTime(timezone=True), nullable=False),
         sa.Column("metrics", sa.JSON(), nullable=True),
         sa.PrimaryKeyConstraint("id"),
     )

@@ -6,8 +6,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import build_context, create_app
-from api.queue import EmbeddedQueue
-from api.settings import Settings
+from service.queue import EmbeddedQueue
+from service.settings import Settings
 from tests.conftest_services import *  # noqa: F403
 from tests.conftest_services import make_key, migrated
 

@@ -13,11 +13,11 @@ from fastapi.testclient import TestClient
 from sqlalchemy import update
 
 from api import uploads
-from api.keys import create_key, revoke_key
-from api.models import Batch
+from service.keys import create_key, revoke_key
+from service.models import Batch
 from tests.conftest_services import chat_line, completion_line, jsonl, make_key, wait_for
 from tests.figures import record
-from worker.service import WorkerService
+from worker.process import WorkerService
 
 ENGINE_OPTIONS = {"device": "cpu", "max_num_seqs": 8, "num_kv_blocks": 256, "num_threads": 1}
 TABLE = "Bad-input corpus: precise errors at every entry point"

@@ -104,8 +104,8 @@ def test_large_upload_streams_in_chunks(client, ctx, settings):
 def test_multipart_parser_handles_any_chunking(tmp_path):
     import httpx
 
-    from api.storage import LocalStorage, get_bytes
     from api.uploads import JsonlIngest, MultipartStream
+    from service.storage import LocalStorage, get_bytes
 
     data = jsonl([chat_line(f"id-{i}", "z" * (i * 7)) for i in range(30)] + ["{bad"])
     request = httpx.Request("POST", "http://x/v1/files", data={"purpose": "batch"},

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
 from api.app import build_context, create_app
-from api.settings import Settings
+from service.settings import Settings
 from tests.api.conftest import RecordingQueue
 from tests.conftest_services import free_port, make_key, migrated, wait_for
 from tests.figures import record

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from api.storage import LocalStorage, S3Storage, get_bytes, iter_lines, make_storage, put_bytes
+from service.storage import LocalStorage, S3Storage, get_bytes, iter_lines, make_storage, put_bytes
 from tests.conftest_services import migrated
 
 PART = 5 << 20
@@ -75,8 +75,8 @@ def test_migrations_build_the_models_schema(any_db_url):
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
-    from api.migrate import current
-    from api.models import Base
+    from service.migrate import current
+    from service.models import Base
 
     db = migrated(any_db_url)
     assert current(db) is not None

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 from tests.conftest_services import chat_line, jsonl, make_key, wait_for
 from tests.figures import record
 from tests.worker.fake_engine import FakeEngine
-from worker.service import WorkerService
+from worker.process import WorkerService
 
 
 def _client(app, key: str) -> TestClient:

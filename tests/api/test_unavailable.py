@@ -7,7 +7,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import build_context, create_app
-from api.db import Database
+from service.db import Database
 from tests.api.conftest import RecordingQueue
 from tests.conftest_services import chat_line, jsonl
 

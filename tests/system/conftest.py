@@ -16,9 +16,10 @@ import pytest
 import uvicorn
 
 from api.app import create_app
-from api.db import Database
-from api.migrate import upgrade
-from api.settings import Settings
+from cli.embedded import EmbeddedServer
+from service.db import Database
+from service.migrate import upgrade
+from service.settings import Settings
 from tests.conftest_services import *  # noqa: F403
 from tests.conftest_services import (
     REDIS_URL,
@@ -30,7 +31,6 @@ from tests.conftest_services import (
     pg_schema,
     wait_for,
 )
-from worker.embedded import EmbeddedServer
 
 # Small and quick on two CPU cores; the KV cache sized in blocks, not bytes.
 ENGINE_OPTIONS = {"device": "cpu", "max_num_seqs": 8, "num_kv_blocks": 256, "num_threads": 1}
@@ -89,7 +89,7 @@ class Production:
         log_path = os.path.join(self.logdir, f"{name}.log")
         log = open(log_path, "wb")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "worker", "--concurrency", "2",
+            [sys.executable, "-m", "cli.main", "worker", "--concurrency", "2",
              "--hostname", f"{name}@boxcar-test"],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,

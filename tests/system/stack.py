@@ -157,8 +157,8 @@ class PrivateStack:
     env: dict[str, str] = field(default_factory=dict)
 
     def start(self) -> PrivateStack:
-        from api.db import Database
-        from api.migrate import upgrade
+        from service.db import Database
+        from service.migrate import upgrade
         from tests.conftest_services import _try_create_bucket, make_key
         from tests.system.conftest import ENGINE_OPTIONS
 
@@ -227,7 +227,7 @@ class PrivateStack:
         self.api_port = self.api_port or free_port()
         log = open(os.path.join(self.logdir, "api.log"), "ab")
         self.api = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "api", "--host", "127.0.0.1",
+            [sys.executable, "-m", "cli.main", "api", "--host", "127.0.0.1",
              "--port", str(self.api_port)],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
@@ -253,7 +253,7 @@ class PrivateStack:
         log = open(log_path, "ab")
         offset = log.tell()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.cli", "worker", "--concurrency", "2",
+            [sys.executable, "-m", "cli.main", "worker", "--concurrency", "2",
              "--hostname", f"{name}@boxcar-fault"],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)

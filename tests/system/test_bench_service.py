@@ -1,11 +1,11 @@
 """The service benchmark harness: the same JSONL through `boxcar run` and the service gives the
-same answers' counts (the 10% throughput target is for a real model: see worker.bench_service)."""
+same answers' counts (the 10% throughput target is for a real model: see bench.service)."""
 
 from __future__ import annotations
 
+from bench.service import compare
 from tests.conftest_services import chat_line, jsonl
 from tests.system.conftest import ENGINE_OPTIONS
-from worker.bench_service import compare
 
 
 def test_offline_and_service_answer_the_same_lines(tmp_path, tiny_model_dir):

@@ -20,8 +20,8 @@ from typing import Any
 import httpx
 import pytest
 
+from cli import main as cli
 from tests.conftest_services import completion_line, wait_for
-from worker import cli
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "chrome")
 

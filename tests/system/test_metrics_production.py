@@ -8,11 +8,11 @@ import json
 
 import httpx
 
-from api.db import Database
+from cli import main as cli
+from cli.doctor_commands import parse_exposition
+from cli.status import collect
+from service.db import Database
 from tests.conftest_services import chat_line, free_port, jsonl, wait_for
-from worker import cli
-from worker.doctor_commands import parse_exposition
-from worker.status import collect
 
 
 def test_worker_and_api_metrics(production, capsys):

@@ -9,12 +9,12 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import build_context, create_app
-from api.queue import EmbeddedQueue
-from api.settings import Settings
+from service.queue import EmbeddedQueue
+from service.settings import Settings
 from tests.conftest_services import *  # noqa: F403
 from tests.conftest_services import jsonl, make_key, migrated, wait_for
 from tests.worker.fake_engine import FakeEngine
-from worker.service import WorkerService
+from worker.process import WorkerService
 
 
 @dataclass

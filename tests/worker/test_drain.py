@@ -61,7 +61,7 @@ def test_lines_run_in_prefix_order(make_stack, sqlite_url):
     with stack.ctx.db.read_session() as session:
         from sqlalchemy import select
 
-        from api.models import RequestLine
+        from service.models import RequestLine
 
         ids = dict(session.execute(select(RequestLine.pk, RequestLine.custom_id)).all())
     order = [ids[int(rid.split("-")[1])][:4] for rid in engine.added]

@@ -6,8 +6,8 @@ import threading
 
 from tests.conftest_services import chat_line
 from tests.worker.fake_engine import FakeEngine
-from worker import service as service_module
-from worker.service import WorkerService
+from worker import process as service_module
+from worker.process import WorkerService
 
 
 class ThreadRecordingEngine(FakeEngine):

@@ -7,12 +7,12 @@ import time
 
 from sqlalchemy import select, update
 
-from api.models import LINE_COMPLETED, RequestLine, Shard
+from service.models import LINE_COMPLETED, RequestLine, Shard
 from tests.conftest_services import chat_line, wait_for
 from tests.worker.fake_engine import FakeEngine
+from worker.items import LineResult, LineWork
 from worker.prepare import prepare_batch
 from worker.result_writer import write_results
-from worker.work import LineResult, LineWork
 
 
 def ids_of(lines):

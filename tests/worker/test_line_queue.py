@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from worker.items import LineWork
 from worker.line_queue import LineQueue
-from worker.work import LineWork
 
 
 def work(pk: int, tenant: str, *, batch: str = "b", priority: int = 0) -> LineWork:

@@ -1,4 +1,4 @@
-"""worker.metrics: the recorder's arithmetic on EngineStats deltas and finished requests, the
+"""metrics.recorder: the recorder's arithmetic on EngineStats deltas and finished requests, the
 Prometheus round trip, the metered engine (fake and real), and the worker publishing its
 snapshot for the API (/metrics, /ui/api/summary) and ``boxcar status``."""
 
@@ -10,13 +10,13 @@ from dataclasses import replace
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
-from api.metrics_catalog import ENGINE_METRICS, empty_snapshot, families_from_snapshots
-from api.metrics_snapshot import delta_snapshot, merge_snapshots, quantile
+from cli.doctor_commands import parse_exposition, window_snapshot
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from metrics.catalog import ENGINE_METRICS, empty_snapshot, families_from_snapshots
+from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
+from metrics.snapshot import delta_snapshot, merge_snapshots, quantile
 from tests.conftest_services import chat_line, wait_for
 from tests.worker.fake_engine import FakeEngine
-from worker.doctor_commands import parse_exposition, window_snapshot
-from worker.metrics import EngineRecorder, MeteredEngine, engine_config
 
 CONFIG = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4,
           "enable_prefix_caching": True}
@@ -183,7 +183,7 @@ def test_metered_real_engine_matches_its_stats(tiny_model_dir) -> None:
 
 
 def test_worker_publishes_for_api_metrics_dashboard_and_status(make_stack, sqlite_url) -> None:
-    from worker.status import collect, format_status
+    from cli.status import collect, format_status
 
     stack = make_stack(sqlite_url, worker_metrics_interval=0.1)
     worker = stack.add_worker(FakeEngine(max_num_seqs=4))

@@ -11,7 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from api.webhooks import check_url_literal, check_url_target, verify
+from service.webhook_verify import ReplayGuard, Webhook, WebhookVerificationError
+from service.webhooks import check_url_literal, check_url_target, verify
 from tests.conftest_services import chat_line, wait_for
 from tests.worker.fake_engine import FakeEngine
 
@@ -130,3 +131,27 @@ def test_delivery_to_a_private_address_fails_without_sending(make_stack, sqlite_
                    and d[0]["status"] == "failed" and d, 10, 0.05, "the delivery to fail")
     assert "non-public" in log[0]["last_error"] and log[0]["attempts"] == 2
     assert receiver.received == []
+
+
+def test_real_deliveries_verify_and_replays_do_not(make_stack, sqlite_url):
+    receiver = Receiver(fail_first=1)  # the first attempt fails: a retry follows
+    try:
+        stack = make_stack(sqlite_url)
+        stack.add_worker(FakeEngine())
+        endpoint = stack.client.post("/v1/webhook_endpoints", json={
+            "url": f"{receiver.url}/hook", "events": ["batch.completed"]}).json()
+        stack.create_batch([chat_line("a", "hi", max_tokens=2)])
+        wait_for(lambda: len(receiver.received) >= 2, 30, 0.05, "a delivery and its retry")
+        hook = Webhook(endpoint["secret"], replay_guard=ReplayGuard())
+        (_, first, body1), (_, second, body2) = receiver.received[:2]
+        assert first["webhook-id"] == second["webhook-id"]
+        for headers, body in ((first, body1), (second, body2)):
+            if headers["webhook-timestamp"] == first["webhook-timestamp"] and headers is second:
+                continue  # both attempts in one second: the retry is byte-for-byte the same
+            assert hook.verify(body, headers)["type"] == "batch.completed"
+        with pytest.raises(WebhookVerificationError, match="replay"):
+            hook.verify(body2, second)
+        with pytest.raises(WebhookVerificationError):
+            Webhook(stack.client.get("/v1/tenant").json()["webhook_secret"]).verify(body1, first)
+    finally:
+        receiver.close()

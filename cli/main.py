@@ -1,0 +1,186 @@
+"""The ``boxcar`` command line: ``run`` (offline batch), ``model pull``, and the service's commands.
+
+Heavy modules (torch, the engine) are imported inside the handlers so ``boxcar --help`` is fast.
+A subcommand sets ``handler=fn(args) -> int`` with ``set_defaults``; ``cli.service_commands``
+(when present) adds the service's subcommands the same way through ``register(subparsers)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Sequence
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1073741824"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    number, unit = match.groups()
+    size = int(float(number) * _SIZE_UNITS[unit.lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return size
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig's knobs as options (shared with the service's ``worker`` command)."""
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=DEFAULT_MODEL,
+                       help="a model folder, a .gguf file or a cached model name "
+                       f"(default: {DEFAULT_MODEL})")
+    group.add_argument("--max-num-seqs", type=int, default=None,
+                       help="most sequences in one step")
+    group.add_argument("--max-num-batched-tokens", type=int, default=None,
+                       help="token budget of one step")
+    group.add_argument("--kv-cache-memory", type=parse_size, default=None,
+                       help="KV cache size, e.g. 512MiB or 2GiB")
+    group.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
+    group.add_argument("--max-model-len", type=int, default=None,
+                       help="context length (default: the model's)")
+    group.add_argument("--no-prefix-caching", action="store_true",
+                       help="disable the prefix cache")
+    group.add_argument("--no-chunked-prefill", action="store_true",
+                       help="prefill each prompt in one step")
+    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
+    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
+    group.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
+    group.add_argument("--seed", type=int, default=None, help="engine seed")
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict:
+    """EngineConfig fields from parsed options; unset options keep EngineConfig's defaults."""
+    fields = {
+        "model": args.model,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+        "block_size": args.block_size,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+        "device": args.device,
+        "num_threads": args.threads,
+        "seed": args.seed,
+    }
+    kwargs = {k: v for k, v in fields.items() if v is not None}
+    if args.no_prefix_caching:
+        kwargs["enable_prefix_caching"] = False
+    if args.no_chunked_prefill:
+        kwargs["enable_chunked_prefill"] = False
+    return kwargs
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from cli.offline import IN_FLIGHT_PER_SEQ, run_batch_file, write_metrics_json
+    from engine import EngineConfig, LLMEngine
+    from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
+
+    try:
+        config = EngineConfig(**engine_config_kwargs(args))
+    except ValueError as exc:
+        print(f"boxcar run: {exc}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(config)
+    recorder = EngineRecorder(engine_config(engine))
+    max_in_flight = args.max_in_flight or IN_FLIGHT_PER_SEQ * config.max_num_seqs
+    summary = run_batch_file(
+        MeteredEngine(engine, recorder),
+        args.input,
+        args.output,
+        errors_path=args.errors,
+        max_in_flight=max_in_flight,
+        progress=not args.no_progress,
+    )
+    print(summary.format())
+    where = f"{args.output}" + (f", errors in {args.errors}" if args.errors else "")
+    print(f"results in {where}")
+    if args.metrics_json:
+        write_metrics_json(
+            args.metrics_json,
+            summary,
+            model=engine.model_name,
+            input=str(args.input),
+            engine_config=engine_config_kwargs(args),
+            metrics=recorder.snapshot(),
+        )
+        print(f"metrics in {args.metrics_json} (diagnose: boxcar doctor {args.metrics_json})")
+    return 0
+
+
+def _cmd_model_pull(args: argparse.Namespace) -> int:
+    from engine import model_cache
+
+    try:
+        path = model_cache.pull(args.name or model_cache.DEFAULT_MODEL)
+    except ValueError as exc:
+        print(f"boxcar model pull: {exc}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="boxcar", description="Self-hosted batch LLM inference (OpenAI Batch format)."
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    run = subparsers.add_parser(
+        "run", help="run an OpenAI batch .jsonl file offline",
+        description="Run every line of an OpenAI batch input file on this machine and write "
+        "the output (and error) lines as they finish.",
+    )
+    run.add_argument("input", help="OpenAI batch input (.jsonl)")
+    run.add_argument("-o", "--output", required=True, help="where the output lines go")
+    run.add_argument("--errors", default=None,
+                     help="write error lines here instead of into the output file")
+    run.add_argument("--metrics-json", default=None,
+                     help="write the run's summary and engine stats here as JSON")
+    run.add_argument("--max-in-flight", type=int, default=None,
+                     help="most requests in the engine at once (default: 4x max-num-seqs)")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_engine_arguments(run)
+    run.set_defaults(handler=_cmd_run)
+
+    model = subparsers.add_parser("model", help="manage the local model cache")
+    model_commands = model.add_subparsers(dest="model_command", metavar="COMMAND")
+    pull = model_commands.add_parser("pull", help="fetch a model into the local cache")
+    pull.add_argument("name", nargs="?", default=None,
+                      help=f"model name (default: {DEFAULT_MODEL})")
+    pull.set_defaults(handler=_cmd_model_pull)
+    model.set_defaults(handler=lambda _args: _usage(model))
+
+    try:
+        from cli import service_commands
+    except ImportError:
+        pass
+    else:
+        service_commands.register(subparsers)
+    from cli import doctor_commands
+
+    doctor_commands.register(subparsers)
+    return parser
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None) or getattr(args, "func", None)
+    if handler is None:
+        return _usage(parser)
+    return handler(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

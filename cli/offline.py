@@ -1,0 +1,359 @@
+"""``boxcar run``: drive an OpenAI batch file through one in-process engine, streaming.
+
+The input is read lazily; at most ``max_in_flight`` requests sit in the engine at once (a few
+times ``max_num_seqs``, so every step stays full without holding the file in memory); each result
+line is written the moment its request finishes, so output order follows completion, as OpenAI's
+does. A bad line (bad JSON, missing or repeated custom_id, unknown url, invalid values, a prompt
+longer than the context) becomes an error line and every other line still runs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Protocol
+
+from engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams
+from openai_format.batch import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID_REQUEST,
+    INVALID_VALUE,
+    BatchLine,
+    ChoiceResult,
+    CustomIdTracker,
+    LineError,
+    TokenLogprobResult,
+    chat_completion_body,
+    new_request_id,
+    output_line,
+    parse_line,
+    text_completion_body,
+    to_sampling_kwargs,
+)
+
+IN_FLIGHT_PER_SEQ = 4
+PROGRESS_INTERVAL_S = 0.5
+
+
+class BatchEngine(Protocol):
+    """What this module needs of ``engine.LLMEngine``."""
+
+    tokenizer: Any
+    max_model_len: int
+    model_name: str
+
+    def encode(self, prompt: str) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished_requests(self) -> bool: ...
+    def get_stats(self) -> EngineStats: ...
+
+
+@dataclass
+class _InFlight:
+    line: BatchLine
+    request_id: str  # the response's request_id, as OpenAI's
+
+
+@dataclass
+class RunSummary:
+    """What one run did; ``as_dict`` is the ``--metrics-json`` document."""
+
+    num_lines: int = 0
+    num_ok: int = 0
+    num_failed: int = 0
+    errors_by_code: dict[str, int] = field(default_factory=dict)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+    elapsed_s: float = 0.0
+    max_in_flight: int = 0
+    max_in_flight_seen: int = 0
+    ttft_s: dict[str, float | None] = field(default_factory=dict)
+    tpot_s: dict[str, float | None] = field(default_factory=dict)
+    e2e_latency_s: dict[str, float | None] = field(default_factory=dict)
+    prefix_cache_hit_rate: float = 0.0
+    num_preemptions: int = 0
+    engine_stats: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def generated_tokens_per_s(self) -> float:
+        return self.num_generated_tokens / self.elapsed_s if self.elapsed_s else 0.0
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        total = self.num_prompt_tokens + self.num_generated_tokens
+        return total / self.elapsed_s if self.elapsed_s else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["generated_tokens_per_s"] = self.generated_tokens_per_s
+        data["total_tokens_per_s"] = self.total_tokens_per_s
+        return data
+
+    def format(self) -> str:
+        def ms(stats: dict[str, float | None]) -> str:
+            return " ".join(
+                f"{k}={v * 1000:.0f}ms" if v is not None else f"{k}=-" for k, v in stats.items()
+            )
+
+        errors = ", ".join(f"{code}: {n}" for code, n in sorted(self.errors_by_code.items()))
+        return "\n".join([
+            f"requests   {self.num_ok} ok, {self.num_failed} failed"
+            + (f" ({errors})" if errors else ""),
+            f"tokens     {self.num_prompt_tokens} prompt ({self.num_cached_tokens} cached), "
+            f"{self.num_generated_tokens} generated in {self.elapsed_s:.1f}s",
+            f"throughput {self.generated_tokens_per_s:.1f} generated tok/s, "
+            f"{self.total_tokens_per_s:.1f} total tok/s",
+            f"TTFT       {ms(self.ttft_s)}",
+            f"TPOT       {ms(self.tpot_s)}",
+            f"prefix cache hit rate {self.prefix_cache_hit_rate:.1%}, "
+            f"preemptions {self.num_preemptions}",
+        ])
+
+
+def percentiles(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict[str, float | None]:
+    """Linear-interpolated percentiles, None when there are no values."""
+    ordered = sorted(values)
+    result: dict[str, float | None] = {}
+    for q in qs:
+        if not ordered:
+            result[f"p{q}"] = None
+            continue
+        pos = (len(ordered) - 1) * q / 100
+        lo, hi = math.floor(pos), math.ceil(pos)
+        result[f"p{q}"] = ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+    return result
+
+
+def count_lines(path: str | Path) -> int:
+    """Non-blank lines of ``path``: the progress bar's total, in one cheap pass."""
+    with open(path, "rb") as f:
+        return sum(1 for raw in f if raw.strip())
+
+
+def _read_lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
+    for line_no, raw in enumerate(f, start=1):
+        if raw.strip():
+            yield line_no, raw
+
+
+def run_batch_file(
+    engine: BatchEngine,
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    errors_path: str | Path | None = None,
+    model_name: str | None = None,
+    max_in_flight: int | None = None,
+    progress: bool = True,
+    count_total: bool = True,
+) -> RunSummary:
+    """Run every line of ``input_path``; results (and errors, unless ``errors_path``) go to
+    ``output_path``. Returns the run's summary; never raises on a bad line."""
+    if max_in_flight is None:
+        config = getattr(engine, "config", None)
+        max_in_flight = IN_FLIGHT_PER_SEQ * getattr(config, "max_num_seqs", 64)
+    if max_in_flight < 1:
+        raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
+    runner = _Runner(engine, model_name or engine.model_name, max_in_flight)
+    total = count_lines(input_path) if count_total else None
+    with ExitStack() as stack:
+        f_in = stack.enter_context(open(input_path, "rb"))
+        out = stack.enter_context(open(output_path, "w", encoding="utf-8"))
+        err = out
+        if errors_path is not None:
+            err = stack.enter_context(open(errors_path, "w", encoding="utf-8"))
+        bar = stack.enter_context(_progress_bar(total, progress))
+        runner.run(_read_lines(f_in), out, err, bar)
+    return runner.summary()
+
+
+def _progress_bar(total: int | None, enabled: bool) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(
+        total=total, unit="req", desc="boxcar run", file=sys.stderr, disable=not enabled,
+        dynamic_ncols=True,
+    )
+
+
+class _Runner:
+    """The drain loop's state: in-flight requests, counters, latency samples."""
+
+    def __init__(self, engine: BatchEngine, model_name: str, max_in_flight: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_in_flight = max_in_flight
+        self.ids = CustomIdTracker()
+        self.in_flight: dict[str, _InFlight] = {}
+        self.result = RunSummary(max_in_flight=max_in_flight)
+        self.errors: Counter[str] = Counter()
+        self.ttfts: list[float] = []
+        self.tpots: list[float] = []
+        self.e2es: list[float] = []
+        self.token_text: dict[int, str] = {}
+        self.started = time.monotonic()
+
+    def run(self, lines: Iterator[tuple[int, bytes]], out: IO[str], err: IO[str], bar: Any) -> None:
+        exhausted = False
+        last_progress = 0.0
+        generated_before = self.engine.get_stats().num_generated_tokens
+        while True:
+            while not exhausted and len(self.in_flight) < self.max_in_flight:
+                item = next(lines, None)
+                if item is None:
+                    exhausted = True
+                    break
+                error = self.submit(*item)
+                if error is not None:
+                    self.write_error(error, err)
+                    bar.update(1)
+            self.result.max_in_flight_seen = max(
+                self.result.max_in_flight_seen, len(self.in_flight)
+            )
+            if not self.in_flight:
+                break
+            if not self.engine.has_unfinished_requests():
+                raise RuntimeError(f"engine lost {len(self.in_flight)} requests")
+            finished = self.engine.step()
+            for request_output in finished:
+                self.write_result(request_output, out)
+            if finished:
+                out.flush()
+                bar.update(len(finished))
+            now = time.monotonic()
+            if now - last_progress >= PROGRESS_INTERVAL_S:
+                last_progress = now
+                # The engine's count includes requests still running, so the rate is live.
+                generated = self.engine.get_stats().num_generated_tokens - generated_before
+                rate = generated / max(now - self.started, 1e-9)
+                bar.set_postfix(gen_tok_s=f"{rate:.1f}", in_flight=len(self.in_flight))
+        self.result.elapsed_s = time.monotonic() - self.started
+
+    def submit(self, line_no: int, raw: bytes) -> LineError | None:
+        """Parse one line and add it to the engine, or say why it cannot run."""
+        self.result.num_lines += 1
+        parsed = parse_line(raw, line_no=line_no)
+        if isinstance(parsed, LineError):
+            return parsed
+        duplicate = self.ids.check(parsed.custom_id, line_no=line_no)
+        if duplicate is not None:
+            return duplicate
+
+        def error(code: str, what: str) -> LineError:
+            return LineError(code, f"line {line_no}: {what}", line_no, parsed.custom_id)
+
+        body = parsed.body
+        try:
+            if parsed.is_chat:
+                prompt_ids = self.engine.apply_chat_template(body.template_messages())
+            else:
+                prompt = body.single_prompt
+                prompt_ids = self.engine.encode(prompt) if isinstance(prompt, str) else prompt
+        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError is no ValueError; a
+            # conversation the template rejects is the line's fault, not the run's.
+            return error(INVALID_REQUEST, f"body.messages could not be templated: {exc}")
+        if not prompt_ids:
+            return error(INVALID_VALUE, "the prompt has no tokens")
+        context = self.engine.max_model_len
+        if len(prompt_ids) >= context:
+            return error(
+                CONTEXT_LENGTH_EXCEEDED,
+                f"the prompt is {len(prompt_ids)} tokens; the model's context is {context} "
+                "tokens, including the completion",
+            )
+        try:
+            params = SamplingParams(**to_sampling_kwargs(body))
+        except ValueError as exc:
+            return error(INVALID_VALUE, f"body: {exc}")
+        request_id = new_request_id()
+        try:
+            self.engine.add_request(request_id, prompt_ids, params)
+        except ValueError as exc:
+            # What the checks above leave: token ids outside the model's vocabulary.
+            return error(INVALID_VALUE, f"the engine refused the prompt: {exc}")
+        self.in_flight[request_id] = _InFlight(parsed, request_id)
+        return None
+
+    def write_error(self, error: LineError, f: IO[str]) -> None:
+        self.result.num_failed += 1
+        self.errors[error.code] += 1
+        _write(f, error.to_line())
+
+    def write_result(self, request_output: RequestOutput, f: IO[str]) -> None:
+        entry = self.in_flight.pop(request_output.request_id)
+        metrics = request_output.metrics
+        choices = [
+            ChoiceResult(
+                index=c.index,
+                text=c.text,
+                num_tokens=len(c.token_ids),
+                finish_reason=c.finish_reason,
+                logprobs=None if c.logprobs is None else [self._logprob(lp) for lp in c.logprobs],
+            )
+            for c in request_output.outputs
+        ]
+        build = chat_completion_body if entry.line.is_chat else text_completion_body
+        body = build(
+            choices,
+            model=self.model_name,
+            prompt_tokens=len(request_output.prompt_token_ids),
+            cached_tokens=metrics.num_cached_tokens,
+        )
+        _write(f, output_line(entry.line.custom_id, body, request_id=entry.request_id))
+        self.result.num_ok += 1
+        self.result.num_prompt_tokens += len(request_output.prompt_token_ids)
+        self.result.num_cached_tokens += metrics.num_cached_tokens
+        self.result.num_generated_tokens += body["usage"]["completion_tokens"]
+        for values, value in (
+            (self.ttfts, metrics.ttft), (self.tpots, metrics.tpot), (self.e2es, metrics.e2e_latency)
+        ):
+            if value is not None:
+                values.append(value)
+
+    def _text(self, token_id: int) -> str:
+        text = self.token_text.get(token_id)
+        if text is None:
+            text = self.engine.tokenizer.decode([token_id])
+            self.token_text[token_id] = text
+        return text
+
+    def _logprob(self, lp: TokenLogprob) -> TokenLogprobResult:
+        return TokenLogprobResult(
+            token=self._text(lp.token_id),
+            logprob=lp.logprob,
+            top=[(self._text(token_id), logprob) for token_id, logprob in lp.top],
+        )
+
+    def summary(self) -> RunSummary:
+        result = self.result
+        result.errors_by_code = dict(self.errors)
+        result.ttft_s = percentiles(self.ttfts)
+        result.tpot_s = percentiles(self.tpots)
+        result.e2e_latency_s = percentiles(self.e2es)
+        stats = self.engine.get_stats()
+        result.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
+        result.num_preemptions = stats.num_preemptions
+        result.engine_stats = asdict(stats) | {"prefix_cache_hit_rate": stats.prefix_cache_hit_rate}
+        return result
+
+
+def _write(f: IO[str], line: dict[str, Any]) -> None:
+    f.write(json.dumps(line, ensure_ascii=False) + "\n")
+
+
+def write_metrics_json(path: str | Path, summary: RunSummary, **extra: Any) -> None:
+    """The summary and engine stats as one JSON document (read by ``boxcar doctor``)."""
+    document = summary.as_dict() | extra
+    Path(path).write_text(json.dumps(document, indent=2, default=str) + "\n", encoding="utf-8")

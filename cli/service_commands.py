@@ -1,0 +1,207 @@
+"""The service's subcommands of ``boxcar``: serve, api, worker, keys create, db upgrade, status.
+
+Settings come from ``BOXCAR_*`` variables (``service.settings``); options given here override them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+
+def _settings_from(args: argparse.Namespace):
+    """The environment's settings, with the engine options given on the command line."""
+    from cli.main import engine_config_kwargs
+    from service.settings import Settings
+
+    settings = Settings()
+    updates: dict = {}
+    if getattr(args, "model", None) is not None or hasattr(args, "max_num_seqs"):
+        engine = engine_config_kwargs(args)
+        model = engine.pop("model", None)
+        if model:
+            updates["model"] = model
+        if engine:
+            updates["engine_options"] = {**settings.engine_options, **engine}
+    for name in ("database_url", "storage_url", "broker_url"):
+        value = getattr(args, name, None)
+        if value:
+            updates[name] = value
+    return settings.model_copy(update=updates) if updates else settings
+
+
+def _add_engine_options(parser: argparse.ArgumentParser) -> None:
+    from cli.main import add_engine_arguments
+
+    add_engine_arguments(parser)
+    parser.set_defaults(model=None)  # unset: BOXCAR_MODEL decides
+
+
+def _logging(verbose: bool) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "botocore", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from cli.embedded import EmbeddedServer
+
+    _logging(args.verbose)
+    settings = _settings_from(args)
+    server = EmbeddedServer(settings, host=args.host, port=args.port).start()
+    print(f"boxcar is serving {settings.model} at {server.base_url} "
+          f"(docs: {server.base_url}/docs)")
+    print(f"API key: {server.api_key}")
+    print("Ctrl-C stops it.", flush=True)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+    return 0
+
+
+def _cmd_api(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from api.app import create_app
+    from service.db import Database
+    from service.migrate import upgrade
+
+    _logging(args.verbose)
+    settings = _settings_from(args)
+    if args.migrate:
+        upgrade(Database(settings.database_url))
+    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _cmd_worker(args: argparse.Namespace) -> int:
+    # The Celery app reads its settings once, at import: hand the options over first.
+    settings = _settings_from(args)
+    os.environ["BOXCAR_MODEL"] = settings.model
+    os.environ["BOXCAR_ENGINE_OPTIONS"] = json.dumps(settings.engine_options)
+    if not settings.broker_url:
+        print("boxcar worker: set BOXCAR_BROKER_URL (e.g. redis://localhost:6379/0); "
+              "`boxcar serve` runs a worker without a broker", file=sys.stderr)
+        return 2
+    _logging(args.verbose)
+    from worker.celery_app import app
+
+    argv = ["worker", "--pool=threads", f"--concurrency={args.concurrency}",
+            f"--loglevel={'DEBUG' if args.verbose else 'INFO'}", "--without-gossip",
+            "--without-mingle", "--without-heartbeat"]
+    if args.hostname:
+        argv.append(f"--hostname={args.hostname}")
+    app.worker_main(argv)
+    return 0
+
+
+def _cmd_keys_create(args: argparse.Namespace) -> int:
+    from service.db import Database
+    from service.keys import create_key
+
+    settings = _settings_from(args)
+    with Database(settings.database_url).session() as session:
+        created = create_key(session, tenant_name=args.tenant, name=args.name)
+    if args.json:
+        print(json.dumps({"key": created.key, "key_id": created.key_id,
+                          "tenant_id": created.tenant_id, "tenant": created.tenant_name,
+                          "webhook_secret": created.webhook_secret}))
+    else:
+        print(f"API key (shown once): {created.key}")
+        print(f"tenant: {created.tenant_name} ({created.tenant_id})")
+        print(f"webhook signing secret: {created.webhook_secret}")
+    return 0
+
+
+def _cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from service.db import Database
+    from service.migrate import current, upgrade
+
+    db = Database(_settings_from(args).database_url)
+    upgrade(db, args.revision)
+    print(f"database at revision {current(db)}")
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    import time
+
+    from cli.status import collect, format_status
+    from service.db import Database
+
+    settings = _settings_from(args)
+    db = Database(settings.database_url)
+    while True:
+        report = collect(db, interval=settings.worker_metrics_interval)
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            if args.watch:
+                print("\033[H\033[J", end="")  # clear the terminal between redraws
+            print(format_status(report), flush=True)
+        if not args.watch:
+            return 0
+        time.sleep(args.watch)
+
+
+def _usage(parser: argparse.ArgumentParser) -> int:
+    parser.print_help(sys.stderr)
+    return 2
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the service's subcommands to ``boxcar``'s parser."""
+    serve = subparsers.add_parser(
+        "serve", help="API + one worker in one process (SQLite, local folder, no broker)",
+        description="Run the whole service on this machine: the OpenAI-compatible API and one "
+        "worker, with SQLite and a local folder under .boxcar/ (BOXCAR_* variables override).")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("-v", "--verbose", action="store_true")
+    _add_engine_options(serve)
+    serve.set_defaults(handler=_cmd_serve)
+
+    api = subparsers.add_parser("api", help="the API server (production)")
+    api.add_argument("--host", default="0.0.0.0")
+    api.add_argument("--port", type=int, default=8000)
+    api.add_argument("--migrate", action="store_true", help="apply migrations first")
+    api.add_argument("-v", "--verbose", action="store_true")
+    api.set_defaults(handler=_cmd_api)
+
+    worker = subparsers.add_parser("worker", help="a Celery worker holding one engine "
+                                   "(production; one per GPU)")
+    worker.add_argument("--concurrency", type=int, default=4,
+                        help="threads taking broker messages (the engine is one)")
+    worker.add_argument("--hostname", default=None, help="Celery node name")
+    worker.add_argument("-v", "--verbose", action="store_true")
+    _add_engine_options(worker)
+    worker.set_defaults(handler=_cmd_worker)
+
+    keys = subparsers.add_parser("keys", help="API keys")
+    keys_commands = keys.add_subparsers(dest="keys_command", metavar="COMMAND")
+    create = keys_commands.add_parser("create", help="make an API key for a tenant")
+    create.add_argument("--tenant", default="default", help="tenant name (made if new)")
+    create.add_argument("--name", default=None, help="a label for the key")
+    create.add_argument("--json", action="store_true")
+    create.set_defaults(handler=_cmd_keys_create)
+    keys.set_defaults(handler=lambda _args: _usage(keys))
+
+    db = subparsers.add_parser("db", help="database schema")
+    db_commands = db.add_subparsers(dest="db_command", metavar="COMMAND")
+    up = db_commands.add_parser("upgrade", help="apply migrations (Alembic)")
+    up.add_argument("revision", nargs="?", default="head")
+    up.set_defaults(handler=_cmd_db_upgrade)
+    db.set_defaults(handler=lambda _args: _usage(db))
+
+    status = subparsers.add_parser("status", help="the queue, the workers and the batches")
+    status.add_argument("--json", action="store_true", help="the report as JSON")
+    status.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                        help="redraw every SECONDS until Ctrl-C")
+    status.set_defaults(handler=_cmd_status)

@@ -1,0 +1,101 @@
+"""``boxcar status``: the queue, the workers and the batches, read from the database.
+
+``collect`` gathers one report (a JSON-able dict, what ``--json`` prints); ``format_status``
+draws it for a terminal, a progress bar per unfinished batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import func, select
+
+from metrics.api_collector import live_workers, queue_depth
+from service.db import Database, utcnow
+from service.models import (
+    BATCH_TERMINAL,
+    Batch,
+    Job,
+    RequestLine,
+    Shard,
+    WebhookDelivery,
+)
+from service.objects import line_totals
+
+NUM_ACTIVE_BATCHES = 20  # unfinished batches listed with a progress bar
+BAR_WIDTH = 30
+
+
+def collect(db: Database, *, interval: float) -> dict[str, Any]:
+    now = utcnow()
+    with db.read_session() as session:
+        def grouped(column: Any) -> dict[str, int]:
+            return dict(session.execute(select(column, func.count()).group_by(column)).all())
+
+        active = list(session.scalars(
+            select(Batch).where(Batch.status.not_in(BATCH_TERMINAL)).order_by(Batch.pk)
+            .limit(NUM_ACTIVE_BATCHES)))
+        report: dict[str, Any] = {
+            "batches": grouped(Batch.status),
+            "jobs": grouped(Job.status),
+            "shards": grouped(Shard.status),
+            "lines": grouped(RequestLine.status),
+            "webhook_deliveries": grouped(WebhookDelivery.status),
+            "queue_depth_lines": queue_depth(session),
+            "lease_holders": sorted(session.scalars(
+                select(Shard.lease_owner).where(Shard.lease_expires_at > now).distinct()
+            ).all()),
+            "workers": [_worker(w, now) for w in live_workers(session, interval=interval)],
+            "active_batches": [],
+        }
+        for batch in active:
+            totals = line_totals(session, batch.id)
+            report["active_batches"].append({
+                "id": batch.id, "status": batch.status, "total": totals.total,
+                "completed": totals.completed, "failed": totals.failed,
+                "output_tokens": totals.output_tokens})
+    return report
+
+
+def _worker(row: Any, now: Any) -> dict[str, Any]:
+    snapshot = row.metrics or {}
+    gauges = snapshot.get("gauges", {})
+    timeline = snapshot.get("timeline") or [{}]
+    return {"id": row.id, "model": row.model,
+            "heartbeat_age_s": round((now - row.heartbeat_at).total_seconds(), 1),
+            "running": gauges.get("running", 0), "waiting": gauges.get("waiting", 0),
+            "kv_usage": gauges.get("kv_usage", 0.0),
+            "generation_tokens_per_s": timeline[-1].get("generation_tokens_per_s", 0.0)}
+
+
+def bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
+    filled = round(width * done / total) if total else 0
+    return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _counts(counts: dict[str, int]) -> str:
+    return ", ".join(f"{status} {n}" for status, n in sorted(counts.items())) or "none"
+
+
+def format_status(report: dict[str, Any]) -> str:
+    shards = report["shards"]
+    lines = [
+        f"queue     {report['queue_depth_lines']} lines waiting in {shards.get('pending', 0)} "
+        f"shards; {shards.get('running', 0)} shards running",
+        f"workers   {len(report['workers'])} live",
+    ]
+    for w in report["workers"]:
+        lines.append(
+            f"  {w['id']}  {w['model'] or '-'}  heartbeat {w['heartbeat_age_s']:.0f}s ago  "
+            f"running {w['running']:.0f}  waiting {w['waiting']:.0f}  "
+            f"KV {100 * w['kv_usage']:.0f}%  {w['generation_tokens_per_s']:.1f} tok/s")
+    lines.append(f"batches   {_counts(report['batches'])}")
+    for b in report["active_batches"]:
+        done = b["completed"] + b["failed"]
+        share = f"{100 * done / b['total']:3.0f}%" if b["total"] else "  -"
+        failed = f"  ({b['failed']} failed)" if b["failed"] else ""
+        lines.append(f"  {b['id']}  {b['status']:<11} {bar(done, b['total'])} {share}  "
+                     f"{done}/{b['total']}{failed}")
+    lines.append(f"jobs      {_counts(report['jobs'])}")
+    lines.append(f"webhooks  {_counts(report['webhook_deliveries'])}")
+    return "\n".join(lines)

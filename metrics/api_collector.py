@@ -1,0 +1,117 @@
+"""What the API's /metrics serves: this process's counters, the service's state counted in the
+database (batches, jobs and shards by status, queue depth, live workers), and every live worker's
+engine metrics from the snapshot it writes to the ``workers`` table (labelled ``worker``).
+
+Workers publish their snapshots to the database rather than the API scraping them because the
+database is the one thing every process shares in both modes: nothing has to know where workers
+run, and ``boxcar serve`` and a production fleet go through the same code.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from metrics.catalog import ForwardCollector, families_from_snapshots
+from service.db import Database, utcnow
+from service.models import (
+    CANCELLED,
+    CANCELLING,
+    COMPLETED,
+    EXPIRED,
+    FAILED,
+    FINALIZING,
+    IN_PROGRESS,
+    JOB_COMPLETED,
+    JOB_FAILED,
+    JOB_IN_PROGRESS,
+    JOB_QUEUED,
+    SHARD_DONE,
+    SHARD_PENDING,
+    SHARD_RUNNING,
+    VALIDATING,
+    Batch,
+    Job,
+    Shard,
+    WorkerStatus,
+)
+
+log = logging.getLogger(__name__)
+
+BATCH_STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED, FAILED, EXPIRED, CANCELLING,
+                  CANCELLED)
+JOB_STATUSES = (JOB_QUEUED, JOB_IN_PROGRESS, JOB_COMPLETED, JOB_FAILED)
+SHARD_STATUSES = (SHARD_PENDING, SHARD_RUNNING, SHARD_DONE)
+# A worker silent for this many snapshot intervals (and at least WORKER_STALE_MIN_S) is gone.
+WORKER_STALE_INTERVALS = 5
+WORKER_STALE_MIN_S = 15.0
+
+
+def live_workers(session: Session, *, interval: float) -> list[WorkerStatus]:
+    """Workers whose heartbeat is recent, oldest first."""
+    stale = max(WORKER_STALE_MIN_S, WORKER_STALE_INTERVALS * interval)
+    since = utcnow() - dt.timedelta(seconds=stale)
+    return list(session.scalars(
+        select(WorkerStatus).where(WorkerStatus.heartbeat_at >= since)
+        .order_by(WorkerStatus.started_at)
+    ).all())
+
+
+def counts_by(session: Session, column: Any, statuses: tuple[str, ...]) -> dict[str, int]:
+    found = dict(session.execute(select(column, func.count()).group_by(column)).all())
+    return {status: int(found.get(status, 0)) for status in (*statuses, *found)}
+
+
+def queue_depth(session: Session) -> int:
+    """Lines in shards no worker has claimed yet."""
+    return int(session.scalar(select(func.coalesce(func.sum(Shard.num_lines), 0))
+                              .where(Shard.status == SHARD_PENDING)) or 0)
+
+
+class ServiceCollector:
+    """A prometheus_client collector reading the database at each scrape."""
+
+    def __init__(self, db: Database, worker_metrics_interval: float) -> None:
+        self._db = db
+        self._interval = worker_metrics_interval
+
+    def collect(self) -> Iterator[Any]:
+        try:
+            with self._db.read_session() as session:
+                batches = counts_by(session, Batch.status, BATCH_STATUSES)
+                jobs = counts_by(session, Job.status, JOB_STATUSES)
+                shards = counts_by(session, Shard.status, SHARD_STATUSES)
+                depth = queue_depth(session)
+                workers = [(w.id, w.metrics) for w in live_workers(
+                    session, interval=self._interval)]
+        except Exception:  # a scrape reports what it can; the API's own counters still go out
+            log.exception("could not read the service's state for /metrics")
+            return
+        for name, help, counts in (("boxcar_batches", "Batches by status", batches),
+                                   ("boxcar_jobs", "Single jobs by status", jobs),
+                                   ("boxcar_shards", "Shards by status", shards)):
+            family = GaugeMetricFamily(name, help, labels=["status"])
+            for status, count in counts.items():
+                family.add_metric([status], count)
+            yield family
+        yield GaugeMetricFamily("boxcar_queue_depth_lines",
+                                "Request lines in shards no worker has claimed yet", value=depth)
+        yield GaugeMetricFamily("boxcar_workers", "Workers with a recent heartbeat",
+                                value=len(workers))
+        yield from families_from_snapshots([({"worker": wid}, snapshot)
+                                            for wid, snapshot in workers if snapshot])
+
+
+def metrics_registry(db: Database, worker_metrics_interval: float) -> CollectorRegistry:
+    """The API's /metrics: the process's own registry plus the service collector."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ForwardCollector(REGISTRY))  # type: ignore[arg-type]
+    registry.register(ServiceCollector(db, worker_metrics_interval))  # type: ignore[arg-type]
+    return registry

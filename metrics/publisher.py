@@ -1,0 +1,76 @@
+"""A worker's heartbeat: its engine metrics snapshot written to the database every few seconds.
+
+Why the database: it is the one thing every process of every mode shares (SQLite embedded,
+PostgreSQL in production), so the API aggregates all workers' engines for /metrics and the
+dashboard without knowing where workers run, and ``boxcar status`` lists them. A row whose
+heartbeat is older than ``stale_after`` is a dead worker: readers skip it, the next worker to
+start deletes it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import threading
+
+from sqlalchemy import delete
+
+from metrics.recorder import EngineRecorder
+from service.db import Database, utcnow
+from service.models import WorkerStatus
+
+log = logging.getLogger(__name__)
+
+# Rows of workers silent this long are deleted when another worker starts (SIGKILLed workers
+# never delete their own).
+PRUNE_AFTER = dt.timedelta(hours=1)
+
+
+class MetricsPublisher:
+    def __init__(self, db: Database, recorder: EngineRecorder, *, worker_id: str,
+                 model: str | None, interval: float) -> None:
+        self.db = db
+        self.recorder = recorder
+        self.worker_id = worker_id
+        self.model = model
+        self.interval = interval
+        self._started_at = utcnow()
+
+    def run(self, stop: threading.Event) -> None:
+        self._prune()
+        while True:
+            try:
+                self.publish()
+            except Exception:  # a missed heartbeat must not kill the worker
+                log.exception("could not publish the worker's metrics")
+            if stop.wait(self.interval):
+                return
+
+    def publish(self) -> None:
+        self.recorder.tick()
+        snapshot = self.recorder.snapshot()
+        with self.db.session() as session:
+            row = session.get(WorkerStatus, self.worker_id)
+            if row is None:
+                session.add(WorkerStatus(id=self.worker_id, model=self.model,
+                                         started_at=self._started_at, heartbeat_at=utcnow(),
+                                         metrics=snapshot))
+            else:
+                row.heartbeat_at = utcnow()
+                row.metrics = snapshot
+
+    def remove(self) -> None:
+        """A clean stop: the worker leaves the list at once."""
+        try:
+            with self.db.session() as session:
+                session.execute(delete(WorkerStatus).where(WorkerStatus.id == self.worker_id))
+        except Exception:
+            log.exception("could not remove worker %s from the workers table", self.worker_id)
+
+    def _prune(self) -> None:
+        try:
+            with self.db.session() as session:
+                session.execute(delete(WorkerStatus).where(
+                    WorkerStatus.heartbeat_at < utcnow() - PRUNE_AFTER))
+        except Exception:
+            log.exception("could not prune old worker rows")

@@ -1,0 +1,271 @@
+"""SQLAlchemy models: tenants and keys, files, batches, jobs, shards, request lines, webhooks.
+
+The database is the source of truth. A request line's result lives on its row, written once:
+every result write is conditional on the line still being open, and a line is unique on
+(batch_id, custom_id), so output files built from these rows never repeat or lose a line.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from service.db import Base, utcnow
+
+# Batch statuses (OpenAI's).
+VALIDATING = "validating"
+FAILED = "failed"
+IN_PROGRESS = "in_progress"
+FINALIZING = "finalizing"
+COMPLETED = "completed"
+EXPIRED = "expired"
+CANCELLING = "cancelling"
+CANCELLED = "cancelled"
+BATCH_TERMINAL = (FAILED, COMPLETED, EXPIRED, CANCELLED)
+
+# Request line statuses; "pending" and "running" are open, the rest are final.
+LINE_PENDING = "pending"
+LINE_RUNNING = "running"
+LINE_COMPLETED = "completed"
+LINE_FAILED = "failed"
+LINE_CANCELLED = "cancelled"
+LINE_EXPIRED = "expired"
+LINE_OPEN = (LINE_PENDING, LINE_RUNNING)
+
+# Shard statuses.
+SHARD_PENDING = "pending"
+SHARD_RUNNING = "running"
+SHARD_DONE = "done"
+
+# Job statuses.
+JOB_QUEUED = "queued"
+JOB_IN_PROGRESS = "in_progress"
+JOB_COMPLETED = "completed"
+JOB_FAILED = "failed"
+
+# Webhook delivery statuses.
+DELIVERY_PENDING = "pending"
+DELIVERY_DELIVERED = "delivered"
+DELIVERY_FAILED = "failed"
+
+# Single jobs outrank every bulk shard.
+JOB_PRIORITY_BASE = 1000
+
+
+def _json() -> Any:
+    return mapped_column(JSON, nullable=True)
+
+
+class Tenant(Base):
+    __tablename__ = "tenants"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    name: Mapped[str] = mapped_column(String(200))
+    webhook_secret: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_prefix: Mapped[str] = mapped_column(String(16))
+    name: Mapped[str | None] = mapped_column(String(200))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[dt.datetime | None]
+
+
+class File(Base):
+    __tablename__ = "files"
+    __table_args__ = (Index("ix_files_tenant_pk", "tenant_id", "pk"),)
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    filename: Mapped[str] = mapped_column(String(500))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(Integer)
+    storage_key: Mapped[str] = mapped_column(String(500))
+    num_lines: Mapped[int] = mapped_column(Integer, default=0)
+    num_errors: Mapped[int] = mapped_column(Integer, default=0)
+    line_errors: Mapped[list[dict[str, Any]] | None] = _json()
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[dt.datetime | None]
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+    __table_args__ = (
+        Index("ix_batches_tenant_pk", "tenant_id", "pk"),
+        Index("ix_batches_status", "status"),
+    )
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(ForeignKey("files.id"))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default=VALIDATING)
+    # The final status finalize is heading for (completed, expired, cancelled).
+    outcome: Mapped[str | None] = mapped_column(String(16))
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    errors: Mapped[list[dict[str, Any]] | None] = _json()
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    model: Mapped[str | None] = mapped_column(String(200))
+    webhook_url: Mapped[str | None] = mapped_column(String(2000))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    in_progress_at: Mapped[dt.datetime | None]
+    expires_at: Mapped[dt.datetime | None]
+    finalizing_at: Mapped[dt.datetime | None]
+    completed_at: Mapped[dt.datetime | None]
+    failed_at: Mapped[dt.datetime | None]
+    expired_at: Mapped[dt.datetime | None]
+    cancelling_at: Mapped[dt.datetime | None]
+    cancelled_at: Mapped[dt.datetime | None]
+
+    # Set at finalize; live values are counted from the lines while the batch runs.
+    num_total: Mapped[int] = mapped_column(Integer, default=0)
+    num_completed: Mapped[int] = mapped_column(Integer, default=0)
+    num_failed: Mapped[int] = mapped_column(Integer, default=0)
+    input_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+
+    # Lease for the one-worker stages (validating -> in_progress, finalizing).
+    lease_owner: Mapped[str | None] = mapped_column(String(100))
+    lease_expires_at: Mapped[dt.datetime | None]
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (Index("ix_jobs_tenant_pk", "tenant_id", "pk"),)
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default=JOB_QUEUED)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    webhook_url: Mapped[str | None] = mapped_column(String(2000))
+    metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    completed_at: Mapped[dt.datetime | None]
+    failed_at: Mapped[dt.datetime | None]
+
+
+class Shard(Base):
+    """A unit of work with a lease: a few hundred lines of one batch, or one single job."""
+
+    __tablename__ = "shards"
+    __table_args__ = (
+        Index("ix_shards_claim", "status", "priority", "created_at"),
+        Index("ix_shards_batch", "batch_id"),
+    )
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    status: Mapped[str] = mapped_column(String(16), default=SHARD_PENDING)
+    num_lines: Mapped[int] = mapped_column(Integer, default=0)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_owner: Mapped[str | None] = mapped_column(String(100))
+    lease_expires_at: Mapped[dt.datetime | None]
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[dt.datetime | None]
+
+
+class RequestLine(Base):
+    """One request (a batch input line or a single job's body) and, once final, its result."""
+
+    __tablename__ = "request_lines"
+    __table_args__ = (
+        UniqueConstraint("batch_id", "custom_id", name="uq_request_lines_batch_custom_id"),
+        Index("ix_request_lines_batch_status", "batch_id", "status"),
+        Index("ix_request_lines_shard_status", "shard_id", "status"),
+        Index("ix_request_lines_job", "job_id"),
+    )
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[str] = mapped_column(String(64))
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id"))
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
+    shard_id: Mapped[str | None] = mapped_column(String(100))
+    line_no: Mapped[int] = mapped_column(Integer)
+    position: Mapped[int | None] = mapped_column(Integer)  # order within the batch's run
+    # None for lines that never had a usable one (their error line carries what there was).
+    custom_id: Mapped[str | None] = mapped_column(String(512))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    body: Mapped[dict[str, Any] | None] = _json()
+    sort_key: Mapped[str] = mapped_column(String(200), default="")
+    status: Mapped[str] = mapped_column(String(16), default=LINE_PENDING)
+    response: Mapped[dict[str, Any] | None] = _json()  # the response body of a completed line
+    error: Mapped[dict[str, Any] | None] = _json()  # {"code", "message"} of a failed line
+    request_id: Mapped[str | None] = mapped_column(String(64))
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    worker_id: Mapped[str | None] = mapped_column(String(100))
+    finished_at: Mapped[dt.datetime | None]
+
+
+class WebhookEndpoint(Base):
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"), index=True)
+    url: Mapped[str] = mapped_column(String(2000))
+    events: Mapped[list[str] | None] = _json()  # None: every event
+    secret: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[dt.datetime | None]
+
+
+class WebhookDelivery(Base):
+    """One event to one URL: the delivery log, and the retry queue while pending."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        Index("ix_webhook_deliveries_due", "status", "next_attempt_at"),
+        Index("ix_webhook_deliveries_tenant_pk", "tenant_id", "pk"),
+    )
+
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    id: Mapped[str] = mapped_column(String(64), unique=True)  # the webhook-id header
+    tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
+    endpoint_id: Mapped[str | None] = mapped_column(String(64))  # None: the object's own url
+    event_type: Mapped[str] = mapped_column(String(64))
+    object_id: Mapped[str] = mapped_column(String(64))
+    url: Mapped[str] = mapped_column(String(2000))
+    payload: Mapped[str] = mapped_column(Text)  # the exact bytes signed and sent
+    status: Mapped[str] = mapped_column(String(16), default=DELIVERY_PENDING)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[dt.datetime | None]
+    last_status_code: Mapped[int | None] = mapped_column(Integer)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    attempt_log: Mapped[list[dict[str, Any]] | None] = _json()
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    delivered_at: Mapped[dt.datetime | None]
+
+
+class WorkerStatus(Base):
+    """A live worker: its heartbeat and latest engine metrics snapshot (``metrics.catalog``),
+    written every few seconds; the API's /metrics, the dashboard and ``boxcar status`` read it."""
+
+    __tablename__ = "workers"
+
+    id: Mapped[str] = mapped_column(String(100), primary_key=True)
+    model: Mapped[str | None] = mapped_column(String(200))
+    started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
+    metrics: Mapped[dict[str, Any] | None] = _json()

@@ -1,0 +1,157 @@
+"""cli.main: argparse wiring, fast --help, the run and model pull handlers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from cli import main as cli
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_help_is_fast_and_imports_nothing_heavy() -> None:
+    code = (
+        "import sys\n"
+        "from cli.main import main\n"
+        "try:\n"
+        "    main(['--help'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "heavy = [m for m in ('torch', 'transformers', 'engine.llm_engine') if m in sys.modules]\n"
+        "print('HEAVY', heavy)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+        check=True,
+    ).stdout
+    assert "run" in out and "model" in out
+    assert "HEAVY []" in out
+
+
+def test_no_command_prints_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "usage: boxcar" in capsys.readouterr().err
+
+
+def test_run_options_map_to_engine_config() -> None:
+    args = cli.build_parser().parse_args([
+        "run", "in.jsonl", "-o", "out.jsonl", "--errors", "err.jsonl", "--model", "/m",
+        "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--kv-cache-memory", "64MiB",
+        "--block-size", "32", "--no-prefix-caching", "--no-chunked-prefill", "--dtype", "float32",
+        "--threads", "2", "--metrics-json", "m.json",
+    ])
+    assert args.handler is cli._cmd_run
+    assert (args.input, args.output, args.errors, args.metrics_json) == (
+        "in.jsonl", "out.jsonl", "err.jsonl", "m.json"
+    )
+    assert cli.engine_config_kwargs(args) == {
+        "model": "/m", "max_num_seqs": 8, "max_num_batched_tokens": 256,
+        "kv_cache_memory": 64 << 20, "block_size": 32, "dtype": "float32", "num_threads": 2,
+        "enable_prefix_caching": False, "enable_chunked_prefill": False,
+    }
+    from engine import EngineConfig
+
+    EngineConfig(**cli.engine_config_kwargs(args))
+
+
+def test_run_defaults_leave_engine_defaults() -> None:
+    args = cli.build_parser().parse_args(["run", "in.jsonl", "-o", "out.jsonl"])
+    assert cli.engine_config_kwargs(args) == {"model": cli.DEFAULT_MODEL}
+    assert args.errors is None and args.max_in_flight is None
+
+
+def test_run_requires_output(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["run", "in.jsonl"])
+    assert "--output" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [("1024", 1024), ("512MiB", 512 << 20), ("2G", 2 << 30), ("1.5GB", 3 << 29), ("64k", 65536)],
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert cli.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "lots", "-1G", "0"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(argparse.ArgumentTypeError):
+        cli.parse_size(text)
+
+
+def test_model_pull(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from engine import model_cache
+
+    pulled = []
+
+    def fake_pull(name: str) -> Path:
+        if name == "nope":
+            raise ValueError("unknown model 'nope'")
+        pulled.append(name)
+        return Path("/cache") / name
+
+    monkeypatch.setattr(model_cache, "pull", fake_pull)
+    assert cli.main(["model", "pull"]) == 0
+    assert cli.main(["model", "pull", "other"]) == 0
+    assert pulled == [model_cache.DEFAULT_MODEL, "other"]
+    assert capsys.readouterr().out.split() == [
+        f"/cache/{model_cache.DEFAULT_MODEL}", "/cache/other"
+    ]
+    assert cli.main(["model", "pull", "nope"]) == 2
+    assert "unknown model" in capsys.readouterr().err
+
+
+def test_service_commands_are_registered(monkeypatch: pytest.MonkeyPatch) -> None:
+    module = types.ModuleType("cli.service_commands")
+
+    def register(subparsers: argparse._SubParsersAction) -> None:
+        command = subparsers.add_parser("fake-serve")
+        command.set_defaults(handler=lambda args: 7)
+
+    module.register = register  # type: ignore[attr-defined]
+    # Both places an import looks: the real module may already be imported.
+    import cli as cli_package
+
+    monkeypatch.setitem(sys.modules, "cli.service_commands", module)
+    monkeypatch.setattr(cli_package, "service_commands", module, raising=False)
+    assert cli.main(["fake-serve"]) == 7
+
+
+def test_run_end_to_end(tmp_path: Path, request: pytest.FixtureRequest,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        model_dir = request.getfixturevalue("tiny_model_dir")
+    except pytest.FixtureLookupError:
+        pytest.skip("tests/conftest.py has no tiny_model_dir fixture yet")
+    lines = [
+        {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "The quick", "max_tokens": 2, "temperature": 0}},
+        {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {}},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out, errors, metrics = tmp_path / "out.jsonl", tmp_path / "err.jsonl", tmp_path / "m.json"
+    code = cli.main([
+        "run", str(source), "-o", str(out), "--errors", str(errors), "--metrics-json",
+        str(metrics), "--model", str(model_dir), "--dtype", "float32", "--device", "cpu",
+        "--max-num-seqs", "2", "--kv-cache-memory", "8MiB", "--threads", "1", "--no-progress",
+    ])
+    assert code == 0
+    assert "2 ok, 1 failed" in capsys.readouterr().out
+    assert sorted(json.loads(line)["custom_id"] for line in out.read_text().splitlines()) == [
+        "a", "b"
+    ]
+    assert json.loads(errors.read_text())["error"]["code"] == "invalid_url"
+    data = json.loads(metrics.read_text())
+    assert data["num_ok"] == 2 and data["engine_config"]["max_num_seqs"] == 2
+    assert "engine_stats" in data and data["model"]

@@ -1,0 +1,353 @@
+"""cli.offline.run_batch_file end to end: a fake engine first, then the real one."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from cli.offline import count_lines, percentiles, run_batch_file, write_metrics_json
+from engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    TokenLogprob,
+)
+from engine.sampling_params import SamplingParams
+
+
+class FakeTokenizer:
+    """One token per character (id = code point % 256)."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def decode(self, token_ids: list[int], **_: object) -> str:
+        return "".join(chr(t) for t in token_ids)
+
+
+class FakeConfig:
+    max_num_seqs = 2
+
+
+class FakeEngine:
+    """Generates ``max_tokens`` copies of 'x', serving ``max_num_seqs`` requests per step."""
+
+    def __init__(self, max_model_len: int = 64) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.config = FakeConfig()
+        self.max_model_len = max_model_len
+        self.model_name = "fake-model"
+        self.requests: dict[str, tuple[list[int], SamplingParams, RequestMetrics, list[int]]] = {}
+        self.max_seen = 0
+        self.num_added = 0
+
+    def encode(self, prompt: str) -> list[int]:
+        return [ord(c) % 256 for c in prompt]
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if any(m["role"] == "tool" for m in messages):
+            raise ValueError("this template has no tool role")
+        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+        return self.encode(text)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if max(ids) >= 256:
+            raise ValueError("prompt token ids must be in [0, 256)")
+        assert len(ids) < self.max_model_len
+        metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(ids))
+        self.requests[request_id] = (ids, params, metrics, [])
+        self.num_added += 1
+        self.max_seen = max(self.max_seen, len(self.requests))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def step(self) -> list[RequestOutput]:
+        finished = []
+        for request_id in list(self.requests)[: self.config.max_num_seqs]:
+            ids, params, metrics, out = self.requests[request_id]
+            out.append(ord("x"))
+            now = time.monotonic()
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            limit = min(params.max_tokens or 4, self.max_model_len - len(ids))
+            if len(out) >= limit:
+                metrics.finished_time = now
+                metrics.num_generated_tokens = len(out) * params.n
+                del self.requests[request_id]
+                logprobs = None
+                if params.logprobs is not None:
+                    top = [(ord("x"), -0.5), (ord("y"), -1.5)][: params.logprobs]
+                    logprobs = [TokenLogprob(ord("x"), -0.5, top) for _ in out]
+                completions = [
+                    CompletionOutput(i, "x" * len(out), list(out), "length", None, logprobs)
+                    for i in range(params.n)
+                ]
+                finished.append(RequestOutput(request_id, None, ids, completions, True, metrics))
+        return finished
+
+    def get_stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=0, num_waiting=0, num_kv_blocks=8, num_free_kv_blocks=8, kv_usage=0.0,
+            num_preemptions=1, prefix_cache_queries=4, prefix_cache_hits=1, num_steps=3,
+            num_prompt_tokens=0, num_generated_tokens=0, batch_size_hist={1: 3},
+            scheduled_tokens_hist={4: 3},
+        )
+
+
+def chat_line(custom_id: str, content: str = "Hi", **body: object) -> str:
+    body = {"model": "m", "messages": [{"role": "user", "content": content}], **body}
+    return json.dumps(
+        {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+    )
+
+
+def completion_line(custom_id: str, prompt: object = "Once", **body: object) -> str:
+    return json.dumps({
+        "custom_id": custom_id, "method": "POST", "url": "/v1/completions",
+        "body": {"model": "m", "prompt": prompt, **body},
+    })
+
+
+def write_input(tmp_path: Path, lines: list[str]) -> Path:
+    path = tmp_path / "input.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def read_lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
+
+
+MIXED = [
+    chat_line("chat-1", max_tokens=3),
+    completion_line("cmpl-1", max_tokens=2),
+    "{not json",
+    json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}),
+    chat_line("chat-1"),  # duplicate
+    chat_line("too-long", "y" * 80),
+    chat_line("bad-temp", temperature=5),
+    json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
+    completion_line("bad-ids", [1, 300]),
+    chat_line("tool", max_tokens=2).replace('"role": "user"', '"role": "tool"'),
+    "",
+    completion_line("ids", [72, 105], max_tokens=3, logprobs=1),
+    chat_line("chat-n", n=2, max_tokens=2, logprobs=True, top_logprobs=2),
+    chat_line("other-model", model="gpt-4o", max_tokens=1),
+]
+EXPECTED_ERRORS = {
+    None: {"invalid_json", "missing_custom_id"},
+    "bad-url": {"invalid_url"},
+    "chat-1": {"duplicate_custom_id"},
+    "too-long": {"context_length_exceeded"},
+    "bad-temp": {"invalid_value"},
+    "bad-ids": {"invalid_value"},
+    "tool": {"invalid_request"},
+}
+EXPECTED_OK = {"chat-1", "cmpl-1", "ids", "chat-n", "other-model"}
+
+
+def test_run_batch_file_mixed(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    output = tmp_path / "out.jsonl"
+    summary = run_batch_file(engine, write_input(tmp_path, MIXED), output, progress=False)
+
+    lines = read_lines(output)
+    ok = [line for line in lines if line["error"] is None]
+    errors = [line for line in lines if line["error"] is not None]
+    assert sorted(line["custom_id"] for line in ok) == sorted(EXPECTED_OK)
+    found: dict[str | None, set[str]] = {}
+    for line in errors:
+        assert line["response"] is None
+        assert line["error"]["message"].startswith("line ")
+        found.setdefault(line["custom_id"], set()).add(line["error"]["code"])
+    assert found == EXPECTED_ERRORS
+    assert len(lines) == len(MIXED) - 1  # the blank line is skipped
+
+    by_id = {line["custom_id"]: line["response"] for line in ok}
+    for custom_id, response in by_id.items():
+        assert response["status_code"] == 200 and response["request_id"]
+        body = response["body"]
+        assert body["model"] == "fake-model"
+        if custom_id in ("cmpl-1", "ids"):
+            Completion.model_validate(body)
+        else:
+            ChatCompletion.model_validate(body)
+    assert by_id["cmpl-1"]["body"]["choices"][0]["text"] == "xx"
+    assert by_id["ids"]["body"]["usage"]["prompt_tokens"] == 2
+    assert by_id["ids"]["body"]["choices"][0]["logprobs"]["tokens"] == ["x", "x", "x"]
+    chat_n = ChatCompletion.model_validate(by_id["chat-n"]["body"])
+    assert [c.index for c in chat_n.choices] == [0, 1]
+    assert chat_n.usage.completion_tokens == 4
+    assert [t.token for t in chat_n.choices[0].logprobs.content[0].top_logprobs] == ["x", "y"]
+
+    assert summary.num_lines == len(MIXED) - 1
+    assert summary.num_ok == len(EXPECTED_OK) and summary.num_failed == 8
+    assert summary.errors_by_code["invalid_value"] == 2
+    assert summary.num_generated_tokens == 3 + 2 + 3 + 4 + 1
+    assert summary.num_preemptions == 1 and summary.prefix_cache_hit_rate == 0.25
+    assert summary.ttft_s["p50"] is not None
+    assert "5 ok, 8 failed" in summary.format()
+
+
+def test_errors_go_to_separate_file(tmp_path: Path) -> None:
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    run_batch_file(
+        FakeEngine(), write_input(tmp_path, MIXED), output, errors_path=errors, progress=False
+    )
+    assert {line["custom_id"] for line in read_lines(output)} == EXPECTED_OK
+    assert all(line["error"] is None for line in read_lines(output))
+    error_lines = read_lines(errors)
+    assert len(error_lines) == 8 and all(line["response"] is None for line in error_lines)
+
+
+def test_window_is_bounded_and_every_id_once(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    lines = [completion_line(f"r{i}", max_tokens=1 + i % 4) for i in range(50)]
+    output = tmp_path / "out.jsonl"
+    summary = run_batch_file(
+        engine, write_input(tmp_path, lines), output, max_in_flight=5, progress=False
+    )
+    ids = [line["custom_id"] for line in read_lines(output)]
+    assert sorted(ids) == sorted(f"r{i}" for i in range(50))
+    assert engine.num_added == 50
+    assert engine.max_seen == 5 and summary.max_in_flight_seen == 5
+    assert summary.num_ok == 50 and summary.num_failed == 0
+
+
+def test_default_window_is_a_few_times_max_num_seqs(tmp_path: Path) -> None:
+    engine = FakeEngine()
+    lines = [completion_line(f"r{i}", max_tokens=2) for i in range(30)]
+    summary = run_batch_file(
+        engine, write_input(tmp_path, lines), tmp_path / "out.jsonl", progress=False
+    )
+    assert summary.max_in_flight == 4 * FakeConfig.max_num_seqs
+    assert engine.max_seen == summary.max_in_flight
+
+
+def test_input_is_read_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a window of 2, the engine never holds more than 2 requests, however long the file."""
+    import cli.offline as offline
+
+    lines = [completion_line(f"r{i}", max_tokens=3) for i in range(20)]
+    path = write_input(tmp_path, lines)
+    read: list[int] = []
+    original = offline._read_lines
+
+    def spy(f):  # noqa: ANN001, ANN202
+        for item in original(f):
+            read.append(item[0])
+            yield item
+
+    monkeypatch.setattr(offline, "_read_lines", spy)
+    engine = FakeEngine()
+    added_when: list[int] = []
+    original_add = engine.add_request
+
+    def add(request_id, prompt, params):  # noqa: ANN001, ANN202
+        added_when.append(len(read))
+        original_add(request_id, prompt, params)
+
+    engine.add_request = add  # type: ignore[method-assign]
+    run_batch_file(engine, path, tmp_path / "out.jsonl", max_in_flight=2, progress=False)
+    # When the 10th request goes in, only 10 lines have been read.
+    assert added_when[9] == 10
+
+
+def test_empty_input(tmp_path: Path) -> None:
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n", encoding="utf-8")
+    summary = run_batch_file(FakeEngine(), path, tmp_path / "out.jsonl", progress=False)
+    assert summary.num_lines == 0 and (tmp_path / "out.jsonl").read_text() == ""
+
+
+def test_metrics_json_and_helpers(tmp_path: Path) -> None:
+    path = write_input(tmp_path, MIXED)
+    assert count_lines(path) == len(MIXED) - 1
+    summary = run_batch_file(FakeEngine(), path, tmp_path / "out.jsonl", progress=True)
+    metrics = tmp_path / "metrics.json"
+    write_metrics_json(metrics, summary, model="fake-model")
+    data = json.loads(metrics.read_text())
+    assert data["num_ok"] == 5 and data["model"] == "fake-model"
+    assert data["engine_stats"]["num_kv_blocks"] == 8
+    assert {"generated_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate"} <= set(data)
+    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0])["p50"] == 3.0
+    assert percentiles([0.0, 10.0], (95,))["p95"] == pytest.approx(9.5)
+
+
+# --- the real engine ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def real_engine(request: pytest.FixtureRequest):  # noqa: ANN201
+    try:
+        model_dir = request.getfixturevalue("tiny_model_dir")
+    except pytest.FixtureLookupError:
+        pytest.skip("tests/conftest.py has no tiny_model_dir fixture yet")
+    from engine import EngineConfig, LLMEngine
+
+    config = EngineConfig(
+        model=str(model_dir), max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=64,
+        block_size=16, device="cpu", dtype="float32", max_model_len=256,
+    )
+    return LLMEngine(config)
+
+
+def test_real_engine_end_to_end(tmp_path: Path, real_engine) -> None:  # noqa: ANN001
+    system = "You are a helpful assistant that answers briefly. " * 3
+    lines = [
+        json.dumps({
+            "custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "m", "max_tokens": 4 + i % 3, "temperature": 0, "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"Question number {i}?"},
+            ]},
+        })
+        for i in range(8)
+    ]
+    lines += [
+        completion_line("cmpl", "Once upon a time", max_tokens=5, temperature=0, logprobs=2),
+        completion_line("cmpl-ids", [1, 2, 3], max_tokens=3, seed=1),
+        completion_line("seeded-n", "Hello", max_tokens=3, n=2, seed=3),
+        "{bad json",
+        chat_line("chat-0"),
+        completion_line("huge", "word " * 400, max_tokens=4),
+        completion_line("bad-ids", [1, 10**9], max_tokens=2),
+    ]
+    output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
+    summary = run_batch_file(
+        real_engine, write_input(tmp_path, lines), output, errors_path=errors,
+        max_in_flight=6, progress=False,
+    )
+    ok = read_lines(output)
+    assert sorted(line["custom_id"] for line in ok) == sorted(
+        [f"chat-{i}" for i in range(8)] + ["cmpl", "cmpl-ids", "seeded-n"]
+    )
+    for line in ok:
+        body = line["response"]["body"]
+        if line["custom_id"].startswith("chat"):
+            parsed = ChatCompletion.model_validate(body)
+        else:
+            parsed = Completion.model_validate(body)
+        assert parsed.usage.completion_tokens >= 1
+    by_id = {line["custom_id"]: line["response"]["body"] for line in ok}
+    assert len(by_id["seeded-n"]["choices"]) == 2
+    logprobs = by_id["cmpl"]["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == by_id["cmpl"]["usage"]["completion_tokens"]
+    codes = {line["custom_id"]: line["error"]["code"] for line in read_lines(errors)}
+    assert codes == {
+        None: "invalid_json", "chat-0": "duplicate_custom_id",
+        "huge": "context_length_exceeded", "bad-ids": "invalid_value",
+    }
+    assert summary.num_ok == 11 and summary.num_failed == 4
+    assert summary.max_in_flight_seen <= 6
+    # The shared system prompt is a prefix-cache hit for the later chats.
+    assert summary.num_cached_tokens > 0

@@ -1,0 +1,403 @@
+"""openai_format.batch: every line error class, valid lines, sampling mapping, output shapes."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+from openai.types import Completion
+from openai.types.chat import ChatCompletion
+
+from engine.sampling_params import SamplingParams
+from openai_format.batch import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    BatchLine,
+    ChatCompletionRequest,
+    ChoiceResult,
+    CompletionRequest,
+    CustomIdTracker,
+    LineError,
+    TokenLogprobResult,
+    chat_completion_body,
+    error_line,
+    output_line,
+    parse_line,
+    text_completion_body,
+    to_sampling_kwargs,
+)
+
+CHAT_LINE = {
+    "custom_id": "req-1",
+    "method": "POST",
+    "url": CHAT_URL,
+    "body": {
+        "model": "anything",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Hi"},
+        ],
+        "max_tokens": 8,
+    },
+}
+COMPLETION_LINE = {
+    "custom_id": "req-2",
+    "method": "POST",
+    "url": COMPLETIONS_URL,
+    "body": {"model": "anything", "prompt": "Once upon a time"},
+}
+
+
+def parse(data: object, *, line_no: int = 7, endpoint: str | None = None) -> BatchLine | LineError:
+    raw = data if isinstance(data, str | bytes) else json.dumps(data)
+    return parse_line(raw, line_no=line_no, endpoint=endpoint)
+
+
+def chat(**body: object) -> dict:
+    line = copy.deepcopy(CHAT_LINE)
+    line["body"].update(body)
+    return line
+
+
+def completion(**body: object) -> dict:
+    line = copy.deepcopy(COMPLETION_LINE)
+    line["body"].update(body)
+    return line
+
+
+def expect_error(data: object, code: str, *fragments: str, **kwargs: object) -> LineError:
+    result = parse(data, **kwargs)
+    assert isinstance(result, LineError), result
+    assert result.code == code, result
+    assert result.message.startswith("line 7: "), result.message
+    for fragment in fragments:
+        assert fragment in result.message, result.message
+    assert result.line_no == 7
+    return result
+
+
+# --- valid lines -------------------------------------------------------------------------------
+
+
+def test_valid_chat_line() -> None:
+    line = parse(CHAT_LINE)
+    assert isinstance(line, BatchLine)
+    assert line.custom_id == "req-1" and line.is_chat and line.line_no == 7
+    assert isinstance(line.body, ChatCompletionRequest)
+    assert line.body.template_messages() == [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi"},
+    ]
+
+
+def test_valid_completion_line_bytes_and_token_ids() -> None:
+    line = parse(json.dumps(COMPLETION_LINE).encode())
+    assert isinstance(line, BatchLine) and not line.is_chat
+    assert isinstance(line.body, CompletionRequest)
+    assert line.body.single_prompt == "Once upon a time"
+    ids = parse(completion(prompt=[1, 2, 3]))
+    assert isinstance(ids, BatchLine) and ids.body.single_prompt == [1, 2, 3]
+    wrapped = parse(completion(prompt=[[4, 5]]))
+    assert isinstance(wrapped, BatchLine) and wrapped.body.single_prompt == [4, 5]
+
+
+def test_text_parts_developer_role_and_unknown_fields() -> None:
+    line = parse(chat(
+        messages=[
+            {"role": "developer", "content": [{"type": "text", "text": "Be "},
+                                              {"type": "text", "text": "brief."}]},
+            {"role": "user", "content": "Hi", "unknown": 1},
+            {"role": "assistant", "content": None},
+            {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+        ],
+        some_future_field={"x": 1},
+        vendor_extension=True,
+    ))
+    assert isinstance(line, BatchLine)
+    assert line.body.template_messages() == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": ""},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1"},
+    ]
+
+
+def test_model_mismatch_is_not_an_error() -> None:
+    assert isinstance(parse(chat(model="gpt-4o")), BatchLine)
+    assert isinstance(parse(chat(model=None)), BatchLine)
+
+
+# --- line errors -------------------------------------------------------------------------------
+
+
+def test_bad_utf8() -> None:
+    expect_error(b'{"custom_id": "\xff"}', "invalid_json", "UTF-8")
+
+
+@pytest.mark.parametrize("raw", ["{bad", '{"custom_id": "a",}', "", "   ", "[1, 2"])
+def test_bad_json(raw: str) -> None:
+    expect_error(raw, "invalid_json")
+
+
+@pytest.mark.parametrize("raw", ["[1, 2]", '"text"', "42", "null"])
+def test_not_an_object(raw: str) -> None:
+    expect_error(raw, "invalid_request", "JSON object")
+
+
+@pytest.mark.parametrize("custom_id", [None, "", 42, ["a"]])
+def test_missing_custom_id(custom_id: object) -> None:
+    data = copy.deepcopy(CHAT_LINE)
+    if custom_id is None:
+        del data["custom_id"]
+    else:
+        data["custom_id"] = custom_id
+    error = expect_error(data, "missing_custom_id", "custom_id")
+    assert error.custom_id is None
+
+
+@pytest.mark.parametrize("method", ["GET", "post", None])
+def test_method_not_post(method: object) -> None:
+    data = chat()
+    data["method"] = method
+    error = expect_error(data, "invalid_method", "POST")
+    assert error.custom_id == "req-1"
+
+
+@pytest.mark.parametrize("url", ["/v1/embeddings", "/v1/chat/completion", None, 3])
+def test_unknown_url(url: object) -> None:
+    data = chat()
+    data["url"] = url
+    expect_error(data, "invalid_url", "url")
+
+
+def test_url_must_match_batch_endpoint() -> None:
+    expect_error(COMPLETION_LINE, "invalid_url", "endpoint", endpoint=CHAT_URL)
+    assert isinstance(parse(COMPLETION_LINE, endpoint=COMPLETIONS_URL), BatchLine)
+
+
+@pytest.mark.parametrize("body", [None, "text", [1]])
+def test_body_not_an_object(body: object) -> None:
+    data = chat()
+    if body is None:
+        del data["body"]
+    else:
+        data["body"] = body
+    expect_error(data, "invalid_request", "body")
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"messages": "hi"}, "body.messages must be a list"),
+        ({"messages": [{"content": "x"}]}, "body.messages[0].role is required"),
+        ({"messages": [{"role": "user", "content": 5}]}, "body.messages[0].content must be"),
+        ({"temperature": "0.5"}, "body.temperature must be a number"),
+        ({"temperature": True}, "body.temperature must be a number"),
+        ({"max_tokens": 2.5}, "body.max_tokens must be an integer"),
+        ({"stop": 5}, "body.stop must be a string or a list of strings"),
+        ({"logprobs": 1}, "body.logprobs must be a boolean"),
+        ({"ignore_eos": "yes"}, "body.ignore_eos must be a boolean"),
+    ],
+)
+def test_chat_body_wrong_types(body: dict, fragment: str) -> None:
+    expect_error(chat(**body), "invalid_request", fragment)
+
+
+def test_chat_body_missing_messages() -> None:
+    data = chat()
+    del data["body"]["messages"]
+    expect_error(data, "invalid_request", "body.messages is required")
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"temperature": 2.5}, "body.temperature must be between 0 and 2"),
+        ({"temperature": -0.1}, "body.temperature must be between 0 and 2"),
+        ({"top_p": 0}, "body.top_p must be greater than 0"),
+        ({"top_p": 1.5}, "body.top_p"),
+        ({"n": 0}, "body.n must be between 1"),
+        ({"max_tokens": 0}, "body.max_tokens must be an integer >= 1"),
+        ({"max_completion_tokens": -1}, "body.max_completion_tokens"),
+        ({"presence_penalty": 3}, "body.presence_penalty must be between -2 and 2"),
+        ({"frequency_penalty": -2.5}, "body.frequency_penalty"),
+        ({"repetition_penalty": 0}, "body.repetition_penalty"),
+        ({"min_p": 1.5}, "body.min_p"),
+        ({"top_k": -3}, "body.top_k"),
+        ({"min_tokens": -1}, "body.min_tokens"),
+        ({"min_tokens": 9, "max_tokens": 4}, "body.min_tokens must be <= max_tokens"),
+        ({"stop": ["ok", ""]}, "body.stop must not contain empty strings"),
+        ({"top_logprobs": 2}, "body.top_logprobs requires body.logprobs"),
+        ({"logprobs": True, "top_logprobs": 21}, "body.top_logprobs must be between 0 and 20"),
+        ({"messages": []}, "body.messages must not be empty"),
+        ({"messages": [{"role": "bot", "content": "x"}]}, "body.messages[0].role must be"),
+        ({"messages": [{"role": "user"}]}, "content is required for role 'user'"),
+        ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "only text parts"),
+        ({"stream": True}, "body.stream"),
+        ({"response_format": {"type": "json_object"}}, "body.response_format"),
+    ],
+)
+def test_chat_body_invalid_values(body: dict, fragment: str) -> None:
+    error = expect_error(chat(**body), "invalid_value", fragment)
+    assert error.custom_id == "req-1"
+
+
+def test_nan_temperature_is_rejected() -> None:
+    raw = json.dumps(chat()).replace('"max_tokens": 8', '"temperature": NaN')
+    expect_error(raw, "invalid_value", "body.temperature")
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "fragment"),
+    [
+        ({"prompt": None}, "invalid_request", "body.prompt"),
+        ({"prompt": 5}, "invalid_request", "body.prompt must be a string or a list of token ids"),
+        ({"prompt": [1, -2]}, "invalid_request", "body.prompt"),
+        ({"prompt": ""}, "invalid_value", "body.prompt must not be empty"),
+        ({"prompt": []}, "invalid_value", "body.prompt must not be empty"),
+        ({"prompt": ["a", "b"]}, "invalid_value", "one prompt"),
+        ({"echo": True}, "invalid_value", "body.echo"),
+        ({"suffix": "x"}, "invalid_value", "body.suffix"),
+        ({"best_of": 3}, "invalid_value", "body.best_of"),
+        ({"logprobs": 21}, "invalid_value", "body.logprobs must be between 0 and 20"),
+        ({"logprobs": True}, "invalid_request", "body.logprobs must be an integer"),
+        ({"temperature": 9}, "invalid_value", "body.temperature must be between 0 and 2"),
+    ],
+)
+def test_completion_body_errors(body: dict, code: str, fragment: str) -> None:
+    expect_error(completion(**body), code, fragment)
+
+
+def test_completion_missing_prompt() -> None:
+    data = completion()
+    del data["body"]["prompt"]
+    expect_error(data, "invalid_request", "body.prompt is required")
+
+
+def test_custom_id_tracker() -> None:
+    tracker = CustomIdTracker()
+    assert tracker.check("a", line_no=1) is None
+    assert tracker.check("b", line_no=2) is None
+    error = tracker.check("a", line_no=3)
+    assert isinstance(error, LineError)
+    assert error.code == "duplicate_custom_id" and error.custom_id == "a" and error.line_no == 3
+    assert error.message.startswith("line 3: ")
+    assert "a" in tracker and len(tracker) == 2
+
+
+# --- sampling mapping -------------------------------------------------------------------------
+
+
+def test_sampling_defaults_follow_openai() -> None:
+    chat_kwargs = to_sampling_kwargs(parse(chat(max_tokens=None)).body)
+    assert chat_kwargs["temperature"] == 1.0 and chat_kwargs["top_p"] == 1.0
+    assert chat_kwargs["max_tokens"] is None and chat_kwargs["logprobs"] is None
+    assert to_sampling_kwargs(parse(COMPLETION_LINE).body)["max_tokens"] == 16
+    SamplingParams(**chat_kwargs)
+
+
+def test_sampling_mapping_chat() -> None:
+    body = parse(chat(
+        temperature=0, top_p=0.9, n=2, stop="END", seed=7, presence_penalty=0.5,
+        frequency_penalty=-0.5, logprobs=True, top_logprobs=3, max_tokens=10,
+        max_completion_tokens=12, top_k=40, min_p=0.05, repetition_penalty=1.1, min_tokens=2,
+        ignore_eos=True, stop_token_ids=[5],
+    )).body
+    kwargs = to_sampling_kwargs(body)
+    assert kwargs == {
+        "n": 2, "temperature": 0, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 7,
+        "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
+        "stop": ["END"], "stop_token_ids": [5], "max_tokens": 12, "min_tokens": 2,
+        "ignore_eos": True, "logprobs": 3,
+    }
+    params = SamplingParams(**kwargs)
+    assert params.greedy and params.stop == ["END"]
+
+
+def test_sampling_mapping_logprobs_and_top_k() -> None:
+    assert to_sampling_kwargs(parse(chat(logprobs=True)).body)["logprobs"] == 0
+    assert to_sampling_kwargs(parse(chat(logprobs=False)).body)["logprobs"] is None
+    assert to_sampling_kwargs(parse(completion(logprobs=4)).body)["logprobs"] == 4
+    for disabled in (-1, 0):
+        assert to_sampling_kwargs(parse(chat(top_k=disabled)).body)["top_k"] is None
+
+
+# --- output shapes -----------------------------------------------------------------------------
+
+
+LOGPROBS = [
+    TokenLogprobResult("Hel", -0.1, [("Hel", -0.1), ("Hi", -2.5)]),
+    TokenLogprobResult("lo", -0.2, [("lo", -0.2), ("p", -3.0)]),
+]
+
+
+def test_chat_completion_body_validates_with_openai_types() -> None:
+    body = chat_completion_body(
+        [ChoiceResult(0, "Hello", 2, "stop", LOGPROBS), ChoiceResult(1, "Hey there", 3, "length")],
+        model="SmolLM2-135M-Instruct",
+        prompt_tokens=10,
+        cached_tokens=4,
+        created=1700000000,
+    )
+    parsed = ChatCompletion.model_validate(body)
+    assert parsed.object == "chat.completion" and parsed.id.startswith("chatcmpl-")
+    assert parsed.created == 1700000000 and parsed.model == "SmolLM2-135M-Instruct"
+    assert [c.finish_reason for c in parsed.choices] == ["stop", "length"]
+    assert parsed.choices[0].message.role == "assistant"
+    assert parsed.choices[0].message.content == "Hello"
+    content = parsed.choices[0].logprobs.content
+    assert [t.token for t in content] == ["Hel", "lo"]
+    assert content[0].bytes == list(b"Hel") and content[0].top_logprobs[1].token == "Hi"
+    assert parsed.choices[1].logprobs is None
+    usage = parsed.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (10, 5, 15)
+    assert usage.prompt_tokens_details.cached_tokens == 4
+    assert set(body) == {
+        "id", "object", "created", "model", "choices", "usage", "system_fingerprint",
+    }
+    assert set(body["choices"][0]) == {"index", "message", "logprobs", "finish_reason"}
+
+
+def test_text_completion_body_validates_with_openai_types() -> None:
+    body = text_completion_body(
+        [ChoiceResult(0, "Hello", 2, "length", LOGPROBS)], model="m", prompt_tokens=3
+    )
+    parsed = Completion.model_validate(body)
+    assert parsed.object == "text_completion" and parsed.id.startswith("cmpl-")
+    choice = parsed.choices[0]
+    assert choice.text == "Hello" and choice.finish_reason == "length"
+    assert choice.logprobs.tokens == ["Hel", "lo"]
+    assert choice.logprobs.token_logprobs == [-0.1, -0.2]
+    assert choice.logprobs.text_offset == [0, 3]
+    assert choice.logprobs.top_logprobs[0] == {"Hel": -0.1, "Hi": -2.5}
+    assert parsed.usage.total_tokens == 5 and parsed.usage.prompt_tokens_details.cached_tokens == 0
+    assert set(body["choices"][0]) == {"index", "text", "logprobs", "finish_reason"}
+
+
+def test_abort_finish_reason_is_reported_as_stop() -> None:
+    body = text_completion_body([ChoiceResult(0, "", 0, "abort")], model="m", prompt_tokens=1)
+    assert Completion.model_validate(body).choices[0].finish_reason == "stop"
+
+
+def test_output_line_shape() -> None:
+    body = chat_completion_body([ChoiceResult(0, "Hi", 1, "stop")], model="m", prompt_tokens=2)
+    line = output_line("req-1", body, request_id="abc")
+    assert set(line) == {"id", "custom_id", "response", "error"}
+    assert line["id"].startswith("batch_req_") and line["custom_id"] == "req-1"
+    assert line["response"] == {"status_code": 200, "request_id": "abc", "body": body}
+    assert line["error"] is None
+    json.dumps(line)
+
+
+def test_error_line_shape() -> None:
+    line = error_line("req-9", "invalid_value", "line 3: body.n must be between 1 and 128")
+    assert set(line) == {"id", "custom_id", "response", "error"}
+    assert line["id"].startswith("batch_req_") and line["custom_id"] == "req-9"
+    assert line["response"] is None
+    assert line["error"] == {"code": "invalid_value",
+                             "message": "line 3: body.n must be between 1 and 128"}
+    error = parse("{oops")
+    assert error.to_line()["custom_id"] is None
+    assert error.to_line()["error"]["code"] == "invalid_json"
