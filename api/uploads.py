@@ -1,7 +1,7 @@
 """Uploads: a multipart body streamed into object storage while each JSONL line is checked.
 
 Nothing holds the whole file: the multipart parser hands the file part over in chunks, each
-complete line is validated as it passes (``openai_format.batch.parse_line``), and the bytes go on
+complete line is validated as it passes (``openai_format.parse.parse_line``), and the bytes go on
 to the storage writer. The file record keeps the counts and the first line-level problems.
 """
 
@@ -16,7 +16,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
-from openai_format.batch import CustomIdTracker, LineError, parse_line
+from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service import ids
 from service.models import File
 from service.storage import ObjectStorage

@@ -22,22 +22,24 @@ from typing import IO, Any, Protocol
 
 from engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from openai_format.batch import (
+from openai_format.parse import (
     CONTEXT_LENGTH_EXCEEDED,
     INVALID_REQUEST,
-    INVALID_VALUE,
     BatchLine,
-    ChoiceResult,
     CustomIdTracker,
     LineError,
+    parse_line,
+)
+from openai_format.responses import (
+    ChoiceResult,
     TokenLogprobResult,
     chat_completion_body,
     new_request_id,
     output_line,
-    parse_line,
     text_completion_body,
-    to_sampling_kwargs,
 )
+from openai_format.sampling import to_sampling_kwargs
+from openai_format.types import INVALID_VALUE
 
 IN_FLIGHT_PER_SEQ = 4
 PROGRESS_INTERVAL_S = 0.5

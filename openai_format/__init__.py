@@ -1,0 +1,8 @@
+"""The OpenAI Batch format, engine-free and database-free (pydantic only), shared by
+``boxcar run`` and the service:
+
+- ``types``: the request bodies of /v1/chat/completions and /v1/completions, their value ranges;
+- ``parse``: one input line -> ``BatchLine`` or ``LineError`` (the line error codes);
+- ``sampling``: a request body -> the engine's ``SamplingParams`` keyword arguments;
+- ``responses``: engine-free results -> completion objects, output and error lines.
+"""

@@ -2,7 +2,7 @@
 
 Types are strict (``"0.7"`` is not a number, ``1`` is not a boolean); unknown fields are ignored,
 as OpenAI does. Range errors are raised as ``invalid_value`` custom errors with a short
-"must be ..." message that ``openai_format.batch`` prefixes with the field's path; type errors keep
+"must be ..." message that ``openai_format.parse`` prefixes with the field's path; type errors keep
 pydantic's types and are reported as ``invalid_request``. Fields we know but cannot honour
 (``stream: true``, ``echo: true``, ``suffix``, non-text content parts, JSON response formats)
 are rejected rather than silently ignored.
@@ -20,7 +20,7 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 
-# Error types raised by the validators below; openai_format.batch maps them to line error codes.
+# Error types raised by the validators below; openai_format.parse maps them to line error codes.
 INVALID_VALUE = "invalid_value"
 INVALID_TYPE = "invalid_type"
 

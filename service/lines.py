@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from openai_format.batch import BatchLine, ChatCompletionRequest
+from openai_format.parse import BatchLine
+from openai_format.types import ChatCompletionRequest
 
 SORT_KEY_CHARS = 200
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from metrics.counters import ENGINE_STEPS, LINES_FINISHED
-from openai_format.batch import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, SERVER_ERROR
+from openai_format.parse import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, SERVER_ERROR
 from service.models import LINE_COMPLETED, LINE_FAILED
 from worker.engine_adapter import response_body, to_engine_input
 from worker.items import LineResult, LineWork

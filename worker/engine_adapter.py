@@ -9,16 +9,14 @@ from typing import Any
 
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
-from openai_format.batch import (
-    CHAT_URL,
-    ChatCompletionRequest,
+from openai_format.responses import (
     ChoiceResult,
-    CompletionRequest,
     TokenLogprobResult,
     chat_completion_body,
     text_completion_body,
-    to_sampling_kwargs,
 )
+from openai_format.sampling import to_sampling_kwargs
+from openai_format.types import CHAT_URL, ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session
 
 from metrics.counters import BATCHES_FINALIZED
-from openai_format.batch import error_line, output_line
+from openai_format.responses import error_line, output_line
 from service import ids
 from service.db import Database, utcnow
 from service.models import (

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from sqlalchemy import insert, select, text, update
 from sqlalchemy.orm import Session
 
-from openai_format.batch import CustomIdTracker, LineError, parse_line
+from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service.db import Database, utcnow
 from service.lines import sort_key, stored_body
 from service.models import (

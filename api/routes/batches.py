@@ -15,7 +15,7 @@ from api.errors import ApiError, not_found
 from api.routes.files import get_file
 from api.uploads import store_inline_requests
 from metrics.counters import BATCHES_CREATED
-from openai_format.batch import ENDPOINTS
+from openai_format.types import ENDPOINTS
 from service import ids
 from service.db import utcnow
 from service.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File

@@ -14,7 +14,8 @@ from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
 from api.routes.batches import check_metadata
 from metrics.counters import JOBS_CREATED
-from openai_format.batch import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, LineError, parse_line
+from openai_format.parse import LineError, parse_line
+from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
 from service import ids
 from service.lines import sort_key, stored_body
 from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard

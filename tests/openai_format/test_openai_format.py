@@ -1,4 +1,5 @@
-"""openai_format.batch: every line error class, valid lines, sampling mapping, output shapes."""
+"""openai_format (parse, sampling, responses): every line error class, valid lines, the
+sampling mapping, output shapes."""
 
 from __future__ import annotations
 
@@ -10,23 +11,17 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from engine.sampling_params import SamplingParams
-from openai_format.batch import (
-    CHAT_URL,
-    COMPLETIONS_URL,
-    BatchLine,
-    ChatCompletionRequest,
+from openai_format.parse import BatchLine, CustomIdTracker, LineError, parse_line
+from openai_format.responses import (
     ChoiceResult,
-    CompletionRequest,
-    CustomIdTracker,
-    LineError,
     TokenLogprobResult,
     chat_completion_body,
     error_line,
     output_line,
-    parse_line,
     text_completion_body,
-    to_sampling_kwargs,
 )
+from openai_format.sampling import to_sampling_kwargs
+from openai_format.types import CHAT_URL, COMPLETIONS_URL, ChatCompletionRequest, CompletionRequest
 
 CHAT_LINE = {
     "custom_id": "req-1",

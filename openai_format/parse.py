@@ -1,0 +1,199 @@
+"""Parse and check one line of an OpenAI Batch input file.
+
+Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
+"body": {...}}``. ``parse_line`` never raises on user input: it returns a ``BatchLine`` or a
+``LineError`` whose message names the line and the field ("line 7: body.temperature must be
+between 0 and 2").
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from openai_format.responses import error_line
+from openai_format.types import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    ENDPOINTS,
+    INVALID_TYPE,
+    INVALID_VALUE,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+# Line error codes.
+INVALID_JSON = "invalid_json"
+INVALID_REQUEST = "invalid_request"
+MISSING_CUSTOM_ID = "missing_custom_id"
+DUPLICATE_CUSTOM_ID = "duplicate_custom_id"
+INVALID_METHOD = "invalid_method"
+INVALID_URL = "invalid_url"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+SERVER_ERROR = "server_error"
+
+
+
+@dataclass(frozen=True)
+class BatchLine:
+    """One valid input line."""
+
+    custom_id: str
+    url: str
+    body: ChatCompletionRequest | CompletionRequest
+    line_no: int
+
+    @property
+    def is_chat(self) -> bool:
+        return self.url == CHAT_URL
+
+
+@dataclass(frozen=True)
+class LineError:
+    """Why one input line cannot run. ``message`` starts with ``line N:``."""
+
+    code: str
+    message: str
+    line_no: int
+    custom_id: str | None = None
+
+    def to_line(self) -> dict[str, Any]:
+        return error_line(self.custom_id, self.code, self.message)
+
+
+class CustomIdTracker:
+    """Remembers the custom_ids seen while streaming a file; a repeat is an error line."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def __contains__(self, custom_id: object) -> bool:
+        return custom_id in self._seen
+
+    def check(self, custom_id: str, *, line_no: int) -> LineError | None:
+        """Record ``custom_id``; return an error if it was already seen."""
+        if custom_id in self._seen:
+            return LineError(
+                DUPLICATE_CUSTOM_ID,
+                f"line {line_no}: custom_id {custom_id!r} is used by an earlier line",
+                line_no,
+                custom_id,
+            )
+        self._seen.add(custom_id)
+        return None
+
+
+def parse_line(
+    raw: str | bytes, *, line_no: int, endpoint: str | None = None
+) -> BatchLine | LineError:
+    """Parse and check one input line; ``endpoint``, when given, is the batch's only URL."""
+
+    def error(code: str, what: str, custom_id: str | None = None) -> LineError:
+        return LineError(code, f"line {line_no}: {what}", line_no, custom_id)
+
+    if isinstance(raw, bytes):
+        try:
+            raw = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return error(INVALID_JSON, f"not valid UTF-8 (byte {exc.start})")
+    if not raw.strip():
+        return error(INVALID_JSON, "empty line")
+    try:
+        data = json.loads(raw)
+    except json.JSONDecodeError as exc:
+        return error(INVALID_JSON, f"not valid JSON: {exc.msg} (column {exc.colno})")
+    except RecursionError:
+        return error(INVALID_JSON, "not valid JSON: nested too deeply")
+    if not isinstance(data, dict):
+        return error(INVALID_REQUEST, f"expected a JSON object, got {_json_type(data)}")
+
+    custom_id = data.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        what = "is missing" if custom_id is None else "must be a non-empty string"
+        return error(MISSING_CUSTOM_ID, f"custom_id {what}")
+    method = data.get("method")
+    if method != "POST":
+        return error(INVALID_METHOD, f"method must be 'POST', got {method!r}", custom_id)
+    url = data.get("url")
+    if url not in ENDPOINTS:
+        return error(
+            INVALID_URL, f"url must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {url!r}", custom_id
+        )
+    if endpoint is not None and url != endpoint:
+        return error(
+            INVALID_URL, f"url {url!r} does not match the batch's endpoint {endpoint!r}", custom_id
+        )
+    body = data.get("body")
+    if not isinstance(body, dict):
+        what = "is missing" if body is None else f"must be an object, got {_json_type(body)}"
+        return error(INVALID_REQUEST, f"body {what}", custom_id)
+
+    model = ChatCompletionRequest if url == CHAT_URL else CompletionRequest
+    try:
+        parsed = model.model_validate(body)
+    except ValidationError as exc:
+        code, what = _describe(exc)
+        return error(code, what, custom_id)
+    return BatchLine(custom_id, url, parsed, line_no)
+
+
+def _describe(exc: ValidationError) -> tuple[str, str]:
+    """The first pydantic error as (code, "body.field must be ...")."""
+    err = exc.errors(include_url=False)[0]
+    path = _path(err["loc"])
+    kind = err["type"]
+    if kind == INVALID_VALUE:
+        # Model-level checks already name their fields.
+        return INVALID_VALUE, err["msg"] if path == "body" else f"{path} {err['msg']}"
+    if kind == INVALID_TYPE:
+        return INVALID_REQUEST, f"{path} {err['msg']}"
+    if kind == "missing":
+        return INVALID_REQUEST, f"{path} is required"
+    if kind == "literal_error":
+        return INVALID_VALUE, f"{path} must be {err['ctx']['expected']}, got {err['input']!r}"
+    if kind in _TYPE_NAMES:
+        got = _json_type(err["input"])
+        return INVALID_REQUEST, f"{path} must be {_TYPE_NAMES[kind]}, got {got}"
+    return INVALID_REQUEST, f"{path}: {err['msg']}"
+
+
+_TYPE_NAMES = {
+    "int_type": "an integer",
+    "float_type": "a number",
+    "string_type": "a string",
+    "bool_type": "a boolean",
+    "list_type": "a list",
+    "dict_type": "an object",
+    "model_type": "an object",
+    "model_attributes_type": "an object",
+}
+
+
+def _path(loc: Sequence[int | str]) -> str:
+    path = "body"
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__

@@ -1,0 +1,181 @@
+"""Output of an OpenAI Batch: ``chat.completion`` and ``text_completion`` objects from
+engine-free results, and the lines of the output and error files."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TokenLogprobResult:
+    """One generated token's text, log-probability and best alternatives (text, logprob)."""
+
+    token: str
+    logprob: float
+    top: Sequence[tuple[str, float]] = ()
+    # The token's raw bytes when they are not valid UTF-8 on their own (part of a character).
+    token_bytes: bytes | None = None
+
+
+@dataclass(frozen=True)
+class ChoiceResult:
+    """One generated sequence, engine-free: what the builders below need."""
+
+    index: int
+    text: str
+    num_tokens: int
+    finish_reason: str | None
+    logprobs: Sequence[TokenLogprobResult] | None = None
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def _finish_reason(reason: str | None) -> str:
+    # The engine says "stop" (EOS, stop string or stop token) or "length"; anything else
+    # (an abort) is reported as a stop, the only other value OpenAI clients accept here.
+    return "length" if reason == "length" else "stop"
+
+
+def _usage(choices: Sequence[ChoiceResult], prompt_tokens: int, cached_tokens: int) -> dict:
+    completion_tokens = sum(c.num_tokens for c in choices)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _bytes(entry: TokenLogprobResult | tuple[str, float]) -> list[int]:
+    if isinstance(entry, TokenLogprobResult):
+        raw = entry.token_bytes if entry.token_bytes is not None else entry.token.encode()
+        return list(raw)
+    return list(entry[0].encode())
+
+
+def _chat_logprobs(entries: Sequence[TokenLogprobResult]) -> dict[str, Any]:
+    return {
+        "content": [
+            {
+                "token": e.token,
+                "logprob": e.logprob,
+                "bytes": _bytes(e),
+                "top_logprobs": [
+                    {"token": text, "logprob": lp, "bytes": _bytes((text, lp))}
+                    for text, lp in e.top
+                ],
+            }
+            for e in entries
+        ],
+        "refusal": None,
+    }
+
+
+def _completion_logprobs(entries: Sequence[TokenLogprobResult]) -> dict[str, Any]:
+    offsets, offset = [], 0
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e.token)
+    top = []
+    for e in entries:
+        # Legacy completions list the alternatives and the chosen token together.
+        alternatives = dict(e.top)
+        alternatives.setdefault(e.token, e.logprob)
+        top.append(alternatives)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def _completion_object(
+    object_name: str, id_prefix: str, choices: list[dict[str, Any]],
+    source: Sequence[ChoiceResult], *, model: str, prompt_tokens: int, cached_tokens: int,
+    completion_id: str | None, created: int | None,
+) -> dict[str, Any]:
+    """The envelope both completion objects share around their ``choices``."""
+    return {
+        "id": completion_id or f"{id_prefix}-{new_request_id()}",
+        "object": object_name,
+        "created": int(time.time()) if created is None else created,
+        "model": model,
+        "choices": choices,
+        "usage": _usage(source, prompt_tokens, cached_tokens),
+        "system_fingerprint": None,
+    }
+
+
+def chat_completion_body(
+    choices: Sequence[ChoiceResult],
+    *,
+    model: str,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    completion_id: str | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A ``chat.completion`` object, as OpenAI's /v1/chat/completions returns it."""
+    rendered = [
+        {
+            "index": c.index,
+            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
+            "finish_reason": _finish_reason(c.finish_reason),
+        }
+        for c in choices
+    ]
+    return _completion_object("chat.completion", "chatcmpl", rendered, choices, model=model,
+                              prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                              completion_id=completion_id, created=created)
+
+
+def text_completion_body(
+    choices: Sequence[ChoiceResult],
+    *,
+    model: str,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    completion_id: str | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A ``text_completion`` object, as OpenAI's /v1/completions returns it."""
+    rendered = [
+        {
+            "index": c.index,
+            "text": c.text,
+            "logprobs": None if c.logprobs is None else _completion_logprobs(c.logprobs),
+            "finish_reason": _finish_reason(c.finish_reason),
+        }
+        for c in choices
+    ]
+    return _completion_object("text_completion", "cmpl", rendered, choices, model=model,
+                              prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                              completion_id=completion_id, created=created)
+
+
+def output_line(custom_id: str, body: dict[str, Any], *, request_id: str) -> dict[str, Any]:
+    """A successful line of a batch output file."""
+    return {
+        "id": f"batch_req_{new_request_id()}",
+        "custom_id": custom_id,
+        "response": {"status_code": 200, "request_id": request_id, "body": body},
+        "error": None,
+    }
+
+
+def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
+    """A failed line of a batch error file (``custom_id`` is None when the line had none)."""
+    return {
+        "id": f"batch_req_{new_request_id()}",
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
