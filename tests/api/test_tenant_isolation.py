@@ -75,6 +75,37 @@ def attempts(b: dict[str, str]) -> list[tuple[str, str, dict]]:
     ]
 
 
+def _ghost(object_id: str) -> str:
+    """An id of the same kind and shape that no tenant has."""
+    return object_id[:-6] + "000000"
+
+
+def _swap(value, ids):
+    """``value`` (a path, or request kwargs) with each of ``ids`` replaced by its ghost."""
+    if isinstance(value, dict):
+        return {k: _swap(v, ids) for k, v in value.items()}
+    if isinstance(value, str):
+        for object_id in ids:
+            value = value.replace(object_id, _ghost(object_id))
+    return value
+
+
+def _masked(text: str, ids) -> str:
+    for object_id in ids:
+        text = text.replace(object_id, "<id>")
+    return text
+
+
+def test_ids_that_leak_are_caught():
+    """The checks above can fail: an answer naming another id, or differing from the answer for
+    a missing id, is not the same masked text."""
+    b_file, other = "file-" + "1" * 24, "batch_" + "2" * 24
+    leaked = f'{{"error": "{b_file} belongs to another tenant, see {other}"}}'
+    missing = f'{{"error": "No such file: {_ghost(b_file)}"}}'
+    assert _masked(leaked, [b_file]) != _masked(missing, [_ghost(b_file)])
+    assert _ghost(b_file) != b_file and len(_ghost(b_file)) == len(b_file)
+
+
 def test_tenant_a_cannot_touch_tenant_bs_objects(tenants):
     a, b, objects_a, objects_b = tenants
     refused = 0
@@ -82,8 +113,15 @@ def test_tenant_a_cannot_touch_tenant_bs_objects(tenants):
         response = a.request(method, path, **kwargs)
         assert response.status_code == 404, (method, path, response.text)
         assert response.json()["error"]["code"] == "not_found"
-        for object_id in objects_b.values():  # not even echoed back in another shape
-            assert object_id not in response.text or object_id in path + str(kwargs)
+        # Ids do not leak: the answer is the one for an id that does not exist (the requested
+        # id echoed back at most), and no other id of b's appears in it.
+        asked = [oid for oid in objects_b.values() if oid in path + str(kwargs)]
+        ghost_path, ghost_kwargs = _swap(path, asked), _swap(kwargs, asked)
+        ghost = a.request(method, ghost_path, **ghost_kwargs)
+        assert ghost.status_code == 404, (method, ghost_path, ghost.text)
+        assert _masked(response.text, asked) == _masked(ghost.text, map(_ghost, asked)), path
+        for object_id in set(objects_b.values()) - set(asked):
+            assert object_id not in response.text, (path, object_id)
         refused += 1
 
     # Lists show only a's own objects.
