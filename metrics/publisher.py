@@ -17,6 +17,7 @@ from sqlalchemy import delete
 
 from metrics.recorder import EngineRecorder
 from service.db import Database, utcnow
+from service.loop import RoundLoop
 from service.models import WorkerStatus
 
 log = logging.getLogger(__name__)
@@ -26,25 +27,25 @@ log = logging.getLogger(__name__)
 PRUNE_AFTER = dt.timedelta(hours=1)
 
 
-class MetricsPublisher:
+class MetricsPublisher(RoundLoop):
+    round_name = "metrics heartbeat"
+
     def __init__(self, db: Database, recorder: EngineRecorder, *, worker_id: str,
                  model: str | None, interval: float) -> None:
+        super().__init__(interval)
         self.db = db
         self.recorder = recorder
         self.worker_id = worker_id
         self.model = model
-        self.interval = interval
         self._started_at = utcnow()
 
     def run(self, stop: threading.Event) -> None:
         self._prune()
-        while True:
-            try:
-                self.publish()
-            except Exception:  # a missed heartbeat must not kill the worker
-                log.exception("could not publish the worker's metrics")
-            if stop.wait(self.interval):
-                return
+        super().run(stop)
+
+    def run_round(self) -> bool:
+        self.publish()
+        return False
 
     def publish(self) -> None:
         self.recorder.tick()

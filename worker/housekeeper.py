@@ -18,6 +18,7 @@ from typing import TypeVar
 from sqlalchemy import select
 
 from service.db import Database, utcnow
+from service.loop import RoundLoop
 from service.models import VALIDATING, Batch
 from service.settings import Settings
 from service.storage import ObjectStorage
@@ -32,7 +33,9 @@ RETRY_MAX_SECONDS = 8.0
 T = TypeVar("T")
 
 
-class Housekeeper:
+class Housekeeper(RoundLoop):
+    round_name = "housekeeping round"
+
     def __init__(
         self,
         db: Database,
@@ -43,6 +46,7 @@ class Housekeeper:
         on_prepared: Callable[[list[str]], None],
         on_finalized: Callable[[], None],
     ) -> None:
+        super().__init__(settings.poll_interval)
         self.db = db
         self.storage = storage
         self.settings = settings
@@ -51,13 +55,10 @@ class Housekeeper:
         self._on_finalized = on_finalized
         self._candidates: set[str] = set()
         self._lock = threading.Lock()
-        self._wake = threading.Event()
+        self._last_scan = 0.0
         self._busy: set[str] = set()  # batches a thread of this worker is working on now
         # (stage, batch) -> (failures in a row, monotonic time of the next try)
         self._backoff: dict[tuple[str, str], tuple[int, float]] = {}
-
-    def wake(self) -> None:
-        self._wake.set()
 
     def batches_touched(self, batch_ids: set[str]) -> None:
         """These batches may be ready to finalize (a shard finished, a batch stopped)."""
@@ -134,15 +135,9 @@ class Housekeeper:
                 continue
             self.finalize(batch_id)
 
-    def run(self, stop: threading.Event) -> None:
-        last_scan = 0.0
-        while not stop.is_set():
-            try:
-                scan = time.monotonic() - last_scan >= self.settings.finalize_scan_interval
-                if scan:
-                    last_scan = time.monotonic()
-                self.run_once(scan=scan)
-            except Exception:
-                log.exception("housekeeping round failed")
-            self._wake.wait(self.settings.poll_interval)
-            self._wake.clear()
+    def run_round(self) -> bool:
+        scan = time.monotonic() - self._last_scan >= self.settings.finalize_scan_interval
+        if scan:
+            self._last_scan = time.monotonic()
+        self.run_once(scan=scan)
+        return False

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
 from service.db import Database, utcnow
+from service.loop import RoundLoop
 from service.models import IN_PROGRESS
 from service.settings import Settings
 from worker import claims
@@ -21,7 +22,9 @@ from worker.result_writer import settle_job
 log = logging.getLogger(__name__)
 
 
-class LeaseKeeper:
+class LeaseKeeper(RoundLoop):
+    round_name = "lease round"
+
     def __init__(
         self,
         db: Database,
@@ -33,6 +36,7 @@ class LeaseKeeper:
         ring: Callable[[list[str]], None],
         on_batches_touched: Callable[[set[str]], None],
     ) -> None:
+        super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
         self.db = db
         self.settings = settings
         self.worker_id = worker_id
@@ -40,7 +44,7 @@ class LeaseKeeper:
         self.drainer = drainer
         self._ring = ring
         self._on_batches_touched = on_batches_touched
-        self._wake = threading.Event()
+        self._last_check = 0.0
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
 
     def wake(self, *, check: bool = False) -> None:
@@ -128,20 +132,13 @@ class LeaseKeeper:
             log.info("made %d shards with expired leases claimable again", len(reaped))
             self._ring(reaped)
 
-    def run(self, stop: threading.Event) -> None:
-        interval = min(self.settings.poll_interval, self.settings.lease_seconds / 3)
+    def run_round(self) -> bool:
         heartbeat_every = self.settings.lease_seconds / 3
-        last_check = 0.0
-        while not stop.is_set():
-            try:
-                if self._check_now.is_set() or time.monotonic() - last_check >= heartbeat_every:
-                    self._check_now.clear()
-                    last_check = time.monotonic()
-                    self.check()
-                while not stop.is_set() and self.claim_some():
-                    pass
-                BACKLOG_LINES.set(self.drainer.num_backlog)
-            except Exception:
-                log.exception("lease round failed")
-            self._wake.wait(interval)
-            self._wake.clear()
+        if self._check_now.is_set() or time.monotonic() - self._last_check >= heartbeat_every:
+            self._check_now.clear()
+            self._last_check = time.monotonic()
+            self.check()
+        while not self.stopping and self.claim_some():
+            pass
+        BACKLOG_LINES.set(self.drainer.num_backlog)
+        return False

@@ -209,6 +209,8 @@ class WorkerService:
         """Stop the threads; ``release`` hands held shards back at once (a clean shutdown)."""
         self._stop.set()
         self.wake()
+        if self.publisher is not None:
+            self.publisher.wake()  # out of its sleep: it sees the stop
         if self.drainer is not None:
             self.drainer.stop()
         if self._engine_thread is not None:

@@ -18,6 +18,7 @@ from sqlalchemy import select, update
 
 from metrics.counters import WEBHOOK_ATTEMPTS
 from service.db import Database, utcnow
+from service.loop import RoundLoop
 from service.models import DELIVERY_DELIVERED, DELIVERY_FAILED, DELIVERY_PENDING, WebhookDelivery
 from service.webhooks import check_url_target, delivery_secret, headers_for
 
@@ -96,8 +97,10 @@ def send_one(
         return delivery.status
 
 
-class WebhookSender:
+class WebhookSender(RoundLoop):
     """A thread that sends due deliveries every ``interval`` seconds."""
+
+    round_name = "webhook delivery round"
 
     def __init__(
         self,
@@ -108,26 +111,26 @@ class WebhookSender:
         timeout: float = 10.0,
         interval: float = 0.5,
     ) -> None:
+        super().__init__(interval)
         self._db = db
         self._allow_private = allow_private
         self._retry_delays = retry_delays
-        self._interval = interval
         self._client = httpx.Client(timeout=timeout, follow_redirects=False)
-        self._stop = threading.Event()
-        self._wake = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="boxcar-webhooks", daemon=True)
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self.run, args=(self._stopped,),
+                                        name="boxcar-webhooks", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
-    def wake(self) -> None:
-        self._wake.set()
-
     def stop(self, timeout: float = 15.0) -> None:
-        self._stop.set()
-        self._wake.set()
+        self._stopped.set()
+        self.wake()
         self._thread.join(timeout)
         self._client.close()
+
+    def run_round(self) -> bool:
+        return self.run_once() > 0
 
     def run_once(self) -> int:
         pks = _claim_due(self._db, limit=20)
@@ -136,12 +139,4 @@ class WebhookSender:
                      retry_delays=self._retry_delays)
         return len(pks)
 
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                if self.run_once():
-                    continue
-            except Exception:
-                log.exception("webhook delivery round failed")
-            self._wake.wait(self._interval)
-            self._wake.clear()
+

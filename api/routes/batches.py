@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import AppContext, ContextDep, TenantDep
 from api.errors import ApiError, not_found
+from api.pagination import paginate
 from api.routes.files import get_file
 from api.uploads import store_inline_requests
 from metrics.counters import BATCHES_CREATED
@@ -19,7 +20,7 @@ from openai_format.types import ENDPOINTS
 from service import ids
 from service.db import utcnow
 from service.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
-from service.objects import batch_object, line_totals, page
+from service.objects import batch_object, line_totals
 from service.settings import parse_completion_window
 from service.webhooks import check_url_literal
 
@@ -152,12 +153,9 @@ def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict:
     with ctx.db.read_session() as session:
-        query = select(Batch).where(Batch.tenant_id == tenant.id)
-        if after:
-            cursor = get_batch(session, tenant_id=tenant.id, batch_id=after)
-            query = query.where(Batch.pk < cursor.pk)
-        rows = session.scalars(query.order_by(Batch.pk.desc()).limit(limit + 1)).all()
-        return page([render(session, r) for r in rows[:limit]], has_more=len(rows) > limit)
+        cursor = get_batch(session, tenant_id=tenant.id, batch_id=after) if after else None
+        return paginate(session, select(Batch).where(Batch.tenant_id == tenant.id),
+                        cursor=cursor, limit=limit, render=lambda row: render(session, row))
 
 
 @router.get("/v1/batches/{batch_id}")

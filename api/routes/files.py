@@ -13,12 +13,13 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
+from api.pagination import paginate
 from api.uploads import JsonlIngest, MultipartStream
 from metrics.counters import FILES_UPLOADED
 from service import ids
 from service.db import utcnow
 from service.models import File
-from service.objects import file_object, page
+from service.objects import file_object
 
 router = APIRouter(tags=["files"])
 
@@ -122,12 +123,9 @@ def list_files(
         query = select(File).where(File.tenant_id == tenant.id, File.deleted_at.is_(None))
         if purpose:
             query = query.where(File.purpose == purpose)
-        if after:
-            cursor = get_file(session, tenant_id=tenant.id, file_id=after)
-            query = query.where(File.pk < cursor.pk if order == "desc" else File.pk > cursor.pk)
-        query = query.order_by(File.pk.desc() if order == "desc" else File.pk.asc())
-        rows = session.scalars(query.limit(limit + 1)).all()
-        return page([file_object(r) for r in rows[:limit]], has_more=len(rows) > limit)
+        cursor = get_file(session, tenant_id=tenant.id, file_id=after) if after else None
+        return paginate(session, query, cursor=cursor, limit=limit, render=file_object,
+                        descending=order == "desc")
 
 
 @router.get("/v1/files/{file_id}")

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
+from api.pagination import paginate
 from api.routes.batches import check_metadata
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
@@ -19,7 +20,7 @@ from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
 from service import ids
 from service.lines import sort_key, stored_body
 from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
-from service.objects import job_object, page
+from service.objects import job_object
 from service.webhooks import check_url_literal
 
 router = APIRouter(tags=["jobs"])
@@ -96,12 +97,9 @@ def list_jobs(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict:
     with ctx.db.read_session() as session:
-        query = select(Job).where(Job.tenant_id == tenant.id)
-        if after:
-            query = query.where(Job.pk < get_job(session, tenant_id=tenant.id, job_id=after).pk)
-        rows = session.scalars(query.order_by(Job.pk.desc()).limit(limit + 1)).all()
-        items = [job_object(r, job_line(session, r.id)) for r in rows[:limit]]
-        return page(items, has_more=len(rows) > limit)
+        cursor = get_job(session, tenant_id=tenant.id, job_id=after) if after else None
+        return paginate(session, select(Job).where(Job.tenant_id == tenant.id), cursor=cursor,
+                        limit=limit, render=lambda row: job_object(row, job_line(session, row.id)))
 
 
 @router.get("/v1/jobs/{job_id}")

@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
+from api.pagination import paginate
 from service import ids
 from service.db import utcnow
 from service.keys import new_webhook_secret
@@ -79,6 +80,7 @@ def list_deliveries(
         query = select(WebhookDelivery).where(WebhookDelivery.tenant_id == tenant.id)
         if object_id:
             query = query.where(WebhookDelivery.object_id == object_id)
+        cursor = None
         if after:
             cursor = session.scalars(
                 select(WebhookDelivery).where(WebhookDelivery.id == after,
@@ -86,9 +88,7 @@ def list_deliveries(
             ).first()
             if cursor is None:
                 raise not_found("webhook delivery", after)
-            query = query.where(WebhookDelivery.pk < cursor.pk)
-        rows = session.scalars(query.order_by(WebhookDelivery.pk.desc()).limit(limit + 1)).all()
-        return page([delivery_object(r) for r in rows[:limit]], has_more=len(rows) > limit)
+        return paginate(session, query, cursor=cursor, limit=limit, render=delivery_object)
 
 
 @router.get("/v1/tenant")
