@@ -1,6 +1,7 @@
 """The ``boxcar`` command line: ``run`` (offline batch), ``model pull``, and the service's commands.
 
-Heavy modules (torch, the engine) are imported inside the handlers so ``boxcar --help`` is fast.
+Heavy modules (torch, the model runner) are imported inside the handlers so ``boxcar --help`` is
+fast; the engine options come from ``EngineConfig`` (``cli.engine_options``), which is light.
 A subcommand sets ``handler=fn(args) -> int`` with ``set_defaults``; ``cli.service_commands``
 (when present) adds the service's subcommands the same way through ``register(subparsers)``.
 """
@@ -8,72 +9,10 @@ A subcommand sets ``handler=fn(args) -> int`` with ``set_defaults``; ``cli.servi
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from collections.abc import Sequence
 
-DEFAULT_MODEL = "SmolLM2-135M-Instruct"
-
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from ``"1073741824"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` (binary units)."""
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
-    if match is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
-    number, unit = match.groups()
-    size = int(float(number) * _SIZE_UNITS[unit.lower()])
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
-    return size
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """EngineConfig's knobs as options (shared with the service's ``worker`` command)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--model", default=DEFAULT_MODEL,
-                       help="a model folder, a .gguf file or a cached model name "
-                       f"(default: {DEFAULT_MODEL})")
-    group.add_argument("--max-num-seqs", type=int, default=None,
-                       help="most sequences in one step")
-    group.add_argument("--max-num-batched-tokens", type=int, default=None,
-                       help="token budget of one step")
-    group.add_argument("--kv-cache-memory", type=parse_size, default=None,
-                       help="KV cache size, e.g. 512MiB or 2GiB")
-    group.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
-    group.add_argument("--max-model-len", type=int, default=None,
-                       help="context length (default: the model's)")
-    group.add_argument("--no-prefix-caching", action="store_true",
-                       help="disable the prefix cache")
-    group.add_argument("--no-chunked-prefill", action="store_true",
-                       help="prefill each prompt in one step")
-    group.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default=None)
-    group.add_argument("--device", choices=("auto", "cpu", "cuda"), default=None)
-    group.add_argument("--threads", type=int, default=None, help="CPU threads for torch")
-    group.add_argument("--seed", type=int, default=None, help="engine seed")
-
-
-def engine_config_kwargs(args: argparse.Namespace) -> dict:
-    """EngineConfig fields from parsed options; unset options keep EngineConfig's defaults."""
-    fields = {
-        "model": args.model,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "kv_cache_memory": args.kv_cache_memory,
-        "block_size": args.block_size,
-        "max_model_len": args.max_model_len,
-        "dtype": args.dtype,
-        "device": args.device,
-        "num_threads": args.threads,
-        "seed": args.seed,
-    }
-    kwargs = {k: v for k, v in fields.items() if v is not None}
-    if args.no_prefix_caching:
-        kwargs["enable_prefix_caching"] = False
-    if args.no_chunked_prefill:
-        kwargs["enable_chunked_prefill"] = False
-    return kwargs
+from cli.engine_options import DEFAULT_MODEL, add_engine_arguments, engine_config_kwargs
 
 
 def _cmd_run(args: argparse.Namespace) -> int:

@@ -14,7 +14,7 @@ import sys
 
 def _settings_from(args: argparse.Namespace):
     """The environment's settings, with the engine options given on the command line."""
-    from cli.main import engine_config_kwargs
+    from cli.engine_options import engine_config_kwargs
     from service.settings import Settings
 
     settings = Settings()
@@ -34,7 +34,7 @@ def _settings_from(args: argparse.Namespace):
 
 
 def _add_engine_options(parser: argparse.ArgumentParser) -> None:
-    from cli.main import add_engine_arguments
+    from cli.engine_options import add_engine_arguments
 
     add_engine_arguments(parser)
     parser.set_defaults(model=None)  # unset: BOXCAR_MODEL decides

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from cli import main as cli
+from cli.engine_options import parse_size
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -78,13 +79,13 @@ def test_run_requires_output(capsys: pytest.CaptureFixture[str]) -> None:
     [("1024", 1024), ("512MiB", 512 << 20), ("2G", 2 << 30), ("1.5GB", 3 << 29), ("64k", 65536)],
 )
 def test_parse_size(text: str, size: int) -> None:
-    assert cli.parse_size(text) == size
+    assert parse_size(text) == size
 
 
 @pytest.mark.parametrize("text", ["", "lots", "-1G", "0"])
 def test_parse_size_rejects(text: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError):
-        cli.parse_size(text)
+        parse_size(text)
 
 
 def test_model_pull(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -155,3 +156,22 @@ def test_run_end_to_end(tmp_path: Path, request: pytest.FixtureRequest,
     data = json.loads(metrics.read_text())
     assert data["num_ok"] == 2 and data["engine_config"]["max_num_seqs"] == 2
     assert "engine_stats" in data and data["model"]
+
+
+def test_every_engine_config_field_is_an_option() -> None:
+    """The options are generated from EngineConfig: each field is set by its flag, and a field
+    given on the command line reaches EngineConfig unchanged."""
+    from dataclasses import fields
+
+    from engine import EngineConfig
+
+    argv = ["run", "in.jsonl", "-o", "out.jsonl", "--tokenizer", "/t", "--num-kv-blocks", "64",
+            "--watermark", "0.05", "--attention-backend", "torch", "--enforce-eager"]
+    kwargs = cli.engine_config_kwargs(cli.build_parser().parse_args(argv))
+    assert kwargs == {"model": cli.DEFAULT_MODEL, "tokenizer": "/t", "num_kv_blocks": 64,
+                      "watermark": 0.05, "attention_backend": "torch", "enforce_eager": True}
+    config = EngineConfig(**kwargs)
+    assert (config.num_kv_blocks, config.watermark, config.enforce_eager) == (64, 0.05, True)
+    run_parser = cli.build_parser()._subparsers._group_actions[0].choices["run"]
+    dests = {action.dest for action in run_parser._actions}
+    assert {field.name for field in fields(EngineConfig)} <= dests

@@ -1,0 +1,95 @@
+"""The engine's options on the command line, generated from ``EngineConfig``'s fields, so a
+field added to the engine is an option of ``boxcar run``, ``serve`` and ``worker`` at once.
+
+A field ``max_num_seqs`` is ``--max-num-seqs``; a boolean that defaults to True,
+``enable_prefix_caching``, is ``--no-prefix-caching``; one that defaults to False is a plain
+switch. An option not given leaves the field at EngineConfig's default (or, for the service,
+at ``BOXCAR_ENGINE_OPTIONS``). The service's settings keep the same fields as a JSON object
+(``BOXCAR_ENGINE_OPTIONS``), checked when the worker builds its EngineConfig.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import fields
+from typing import Any
+
+from engine.config import EngineConfig
+from engine.model_cache import DEFAULT_MODEL
+
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``"1073741824"``, ``"512MiB"``, ``"2G"``, ``"1.5GB"`` (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", text, re.IGNORECASE)
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 512MiB or 2GiB)")
+    number, unit = match.groups()
+    size = int(float(number) * _SIZE_UNITS[unit.lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
+    return size
+
+
+# What the command line adds to a field: its help, and where it differs from the rule above, its
+# flag, parser or choices. Types, defaults and the set of options come from EngineConfig.
+_HELP: dict[str, dict[str, Any]] = {
+    "model": {"help": "a model folder, a .gguf file or a cached model name "
+                      f"(default: {DEFAULT_MODEL})"},
+    "tokenizer": {"help": "a tokenizer folder (default: the model's)"},
+    "dtype": {"choices": ("auto", "float32", "bfloat16", "float16")},
+    "device": {"choices": ("auto", "cpu", "cuda")},
+    "max_model_len": {"help": "context length (default: the model's)"},
+    "block_size": {"help": "tokens per KV block"},
+    "num_kv_blocks": {"help": "KV blocks (default: sized by --kv-cache-memory)"},
+    "kv_cache_memory": {"type": parse_size, "help": "KV cache size, e.g. 512MiB or 2GiB"},
+    "max_num_batched_tokens": {"help": "token budget of one step"},
+    "max_num_seqs": {"help": "most sequences in one step"},
+    "enable_chunked_prefill": {"help": "prefill each prompt in one step"},
+    "enable_prefix_caching": {"help": "disable the prefix cache"},
+    "watermark": {"help": "share of KV blocks kept free when admitting requests"},
+    "seed": {"help": "engine seed"},
+    "num_threads": {"flag": "--threads", "help": "CPU threads for torch"},
+    "attention_backend": {"choices": ("cpu", "torch", "triton"),
+                          "help": "attention kernels (default: chosen by device)"},
+    "enforce_eager": {"help": "no CUDA graphs"},
+}
+_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _flag(name: str, default: Any) -> str:
+    if default is True:
+        return "--no-" + name.removeprefix("enable_").replace("_", "-")
+    return "--" + name.replace("_", "-")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """EngineConfig's fields as options (``boxcar run`` and the service's ``serve``/``worker``)."""
+    group = parser.add_argument_group("engine")
+    for field in fields(EngineConfig):
+        extra = dict(_HELP.get(field.name, {}))
+        if field.name == "model":
+            group.add_argument("--model", default=DEFAULT_MODEL, help=extra["help"])
+            continue
+        flag = extra.pop("flag", None) or _flag(field.name, field.default)
+        if field.type == "bool":
+            group.add_argument(flag, dest=field.name, action="store_true", default=None, **extra)
+            continue
+        base = field.type.split("|")[0].strip()
+        extra.setdefault("type", _TYPES[base])
+        group.add_argument(flag, dest=field.name, default=None, **extra)
+
+
+def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """EngineConfig fields from parsed options; options not given keep EngineConfig's defaults."""
+    kwargs: dict[str, Any] = {}
+    for field in fields(EngineConfig):
+        value = getattr(args, field.name, None)
+        if value is None:
+            continue
+        if field.type == "bool" and field.default is True:
+            value = not value  # --no-prefix-caching given: enable_prefix_caching=False
+        kwargs[field.name] = value
+    return kwargs
