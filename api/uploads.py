@@ -93,7 +93,7 @@ class JsonlIngest:
             )
         result = parse_line(raw, line_no=self._line_no)
         if isinstance(result, LineError):
-            if result.code != "invalid_json" and "expected a JSON object" not in result.message:
+            if result.is_object:
                 self.num_objects += 1
             self._record(result)
             return

@@ -254,7 +254,7 @@ class _Runner:
             return duplicate
 
         def error(code: str, what: str) -> LineError:
-            return LineError(code, f"line {line_no}: {what}", line_no, parsed.custom_id)
+            return LineError(code, what, line_no, parsed.custom_id)
 
         body = parsed.body
         try:

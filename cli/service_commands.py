@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 
 
@@ -82,16 +81,15 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
-    # The Celery app reads its settings once, at import: hand the options over first.
     settings = _settings_from(args)
-    os.environ["BOXCAR_MODEL"] = settings.model
-    os.environ["BOXCAR_ENGINE_OPTIONS"] = json.dumps(settings.engine_options)
     if not settings.broker_url:
         print("boxcar worker: set BOXCAR_BROKER_URL (e.g. redis://localhost:6379/0); "
               "`boxcar serve` runs a worker without a broker", file=sys.stderr)
         return 2
     _logging(args.verbose)
-    from worker.celery_app import app
+    from worker.celery_app import build_app
+
+    app = build_app(settings)
 
     argv = ["worker", "--pool=threads", f"--concurrency={args.concurrency}",
             f"--loglevel={'DEBUG' if args.verbose else 'INFO'}", "--without-gossip",

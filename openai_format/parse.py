@@ -54,12 +54,18 @@ class BatchLine:
 
 @dataclass(frozen=True)
 class LineError:
-    """Why one input line cannot run. ``message`` starts with ``line N:``."""
+    """Why one input line cannot run: ``detail`` names the field, ``message`` the line too
+    (``line N: detail``). ``is_object`` is False when the line is not a JSON object at all."""
 
     code: str
-    message: str
+    detail: str
     line_no: int
     custom_id: str | None = None
+    is_object: bool = True
+
+    @property
+    def message(self) -> str:
+        return f"line {self.line_no}: {self.detail}"
 
     def to_line(self) -> dict[str, Any]:
         return error_line(self.custom_id, self.code, self.message)
@@ -80,12 +86,9 @@ class CustomIdTracker:
     def check(self, custom_id: str, *, line_no: int) -> LineError | None:
         """Record ``custom_id``; return an error if it was already seen."""
         if custom_id in self._seen:
-            return LineError(
-                DUPLICATE_CUSTOM_ID,
-                f"line {line_no}: custom_id {custom_id!r} is used by an earlier line",
-                line_no,
-                custom_id,
-            )
+            return LineError(DUPLICATE_CUSTOM_ID,
+                             f"custom_id {custom_id!r} is used by an earlier line", line_no,
+                             custom_id)
         self._seen.add(custom_id)
         return None
 
@@ -96,23 +99,26 @@ def parse_line(
     """Parse and check one input line; ``endpoint``, when given, is the batch's only URL."""
 
     def error(code: str, what: str, custom_id: str | None = None) -> LineError:
-        return LineError(code, f"line {line_no}: {what}", line_no, custom_id)
+        return LineError(code, what, line_no, custom_id)
+
+    def not_an_object(code: str, what: str) -> LineError:
+        return LineError(code, what, line_no, is_object=False)
 
     if isinstance(raw, bytes):
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            return error(INVALID_JSON, f"not valid UTF-8 (byte {exc.start})")
+            return not_an_object(INVALID_JSON, f"not valid UTF-8 (byte {exc.start})")
     if not raw.strip():
-        return error(INVALID_JSON, "empty line")
+        return not_an_object(INVALID_JSON, "empty line")
     try:
         data = json.loads(raw)
     except json.JSONDecodeError as exc:
-        return error(INVALID_JSON, f"not valid JSON: {exc.msg} (column {exc.colno})")
+        return not_an_object(INVALID_JSON, f"not valid JSON: {exc.msg} (column {exc.colno})")
     except RecursionError:
-        return error(INVALID_JSON, "not valid JSON: nested too deeply")
+        return not_an_object(INVALID_JSON, "not valid JSON: nested too deeply")
     if not isinstance(data, dict):
-        return error(INVALID_REQUEST, f"expected a JSON object, got {_json_type(data)}")
+        return not_an_object(INVALID_REQUEST, f"expected a JSON object, got {_json_type(data)}")
 
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:

@@ -54,36 +54,37 @@ def make_celery(settings: Settings) -> Celery:
     return app
 
 
-settings = get_settings()
-app = make_celery(settings)
-_service: WorkerService | None = None
+def build_app(settings: Settings | None = None) -> Celery:
+    """The worker's Celery app: its tasks, and the worker process's ``WorkerService`` started
+    when Celery's worker starts and stopped when it stops. Nothing is built at import."""
+    settings = settings or get_settings()
+    app = make_celery(settings)
+    service: WorkerService | None = None
 
+    def get_service() -> WorkerService:
+        nonlocal service
+        if service is None:  # a task ran before worker_init (e.g. eager mode)
+            service = WorkerService(settings).start()
+        return service
 
-def get_service() -> WorkerService:
-    global _service
-    if _service is None:  # a task ran before worker_init (e.g. eager mode)
-        _service = WorkerService(settings).start()
-    return _service
+    def start_service(**_kwargs: Any) -> None:
+        get_service()
 
+    def stop_service(**_kwargs: Any) -> None:
+        if service is not None:
+            service.stop()
 
-@signals.worker_init.connect
-def _start_service(**_kwargs: Any) -> None:
-    get_service()
+    @app.task(name=TASK_RUN_SHARD)
+    def run_shard(shard_id: str) -> bool:
+        """Claim the shard if this worker has room (else a worker's polling will)."""
+        return get_service().offer_shard(ObjectId.validate_python(shard_id))
 
+    @app.task(name=TASK_BATCH_CHANGED)
+    def batch_changed(batch_id: str) -> str | None:
+        """Prepare a new batch, or finalize a cancelled or finished one."""
+        return get_service().handle_batch(ObjectId.validate_python(batch_id))
 
-@signals.worker_shutdown.connect
-def _stop_service(**_kwargs: Any) -> None:
-    if _service is not None:
-        _service.stop()
-
-
-@app.task(name=TASK_RUN_SHARD)
-def run_shard(shard_id: str) -> bool:
-    """Claim the shard if this worker has room (else a worker's polling will)."""
-    return get_service().offer_shard(ObjectId.validate_python(shard_id))
-
-
-@app.task(name=TASK_BATCH_CHANGED)
-def batch_changed(batch_id: str) -> str | None:
-    """Prepare a new batch, or finalize a cancelled or finished one."""
-    return get_service().handle_batch(ObjectId.validate_python(batch_id))
+    # weak=False: the handlers are closures of this call, kept alive by the signals.
+    signals.worker_init.connect(start_service, weak=False)
+    signals.worker_shutdown.connect(stop_service, weak=False)
+    return app

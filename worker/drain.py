@@ -148,15 +148,23 @@ class Drainer:
             return
         try:
             self.engine.add_request(work.request_id, engine_input.prompt, engine_input.params)
-        except ValueError as exc:
-            message = str(exc)
-            too_long = any(w in message for w in ("max_model_len", "context", "too long"))
-            self._fail(work, CONTEXT_LENGTH_EXCEEDED if too_long else INVALID_REQUEST, message)
+        except ValueError as exc:  # the engine's message; the code from the prompt's length
+            too_long = self._prompt_fills_context(engine_input.prompt)
+            self._fail(work, CONTEXT_LENGTH_EXCEEDED if too_long else INVALID_REQUEST, str(exc))
             return
         self._in_engine[work.request_id] = work
         num_tokens = len(engine_input.prompt) if isinstance(engine_input.prompt, list) else (
             max(1, len(engine_input.prompt) // 4))
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
+
+    def _prompt_fills_context(self, prompt: str | list[int]) -> bool:
+        """Whether the prompt leaves no room to generate in the model's context."""
+        max_model_len = getattr(self.engine, "max_model_len", None)
+        if not isinstance(max_model_len, int):
+            return False
+        if isinstance(prompt, str):
+            prompt = self.engine.encode(prompt)
+        return len(prompt) >= max_model_len
 
     def _context_overflow(self, engine_input: Any) -> str | None:
         """Why an explicit max_tokens cannot fit beside the prompt in the model's context (the

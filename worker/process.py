@@ -23,6 +23,7 @@ from typing import Any
 
 from metrics.publisher import MetricsPublisher
 from metrics.recorder import EngineRecorder, MeteredEngine, engine_config, worker_registry
+from service import ids
 from service.db import Database
 from service.models import IN_PROGRESS
 from service.queue import CeleryQueue, EmbeddedQueue, TaskQueue, make_queue
@@ -248,9 +249,8 @@ class WorkerService:
     def offer_shard(self, shard_id: str) -> bool:
         """Claim ``shard_id`` now if this worker has room; True when it did."""
         self.wait_started()
-        is_job = shard_id.startswith("job_")
         if (self._stop.is_set() or shard_id in self.held
-                or not self.leases.has_room(is_job=is_job)):
+                or not self.leases.has_room(is_job=ids.is_job_shard(shard_id))):
             self.leases.wake()
             return False
         return self.leases.claim(shard_id)

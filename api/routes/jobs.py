@@ -66,9 +66,9 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
                       "body": request.body})
     parsed = parse_line(raw, line_no=1, endpoint=endpoint)
     if isinstance(parsed, LineError):
-        raise ApiError(400, parsed.message.removeprefix("line 1: "), code=parsed.code,
+        raise ApiError(400, parsed.detail, code=parsed.code,
                        param="body")
-    shard_id = f"{job_id}:0"
+    shard_id = ids.shard_id(job_id, 0)
     with ctx.db.session() as session:
         job = Job(id=job_id, tenant_id=tenant.id, endpoint=endpoint, status=JOB_QUEUED,
                   priority=request.priority, webhook_url=request.webhook_url,

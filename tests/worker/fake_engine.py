@@ -2,7 +2,8 @@
 
 Each step gives every running request one token (a letter of the prompt, cycling); a request
 finishes at ``max_tokens``. Prompts sharing a prefix report cached tokens in blocks of 4, like
-a prefix cache would. A prompt containing ``TOO_LONG`` is refused like an over-long prompt.
+a prefix cache would. A prompt containing ``TOO_LONG`` encodes to 5000 tokens, longer than the
+context.
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ class FakeEngine:
         self.thread_ids: set[int] = set()
 
     def encode(self, prompt: str) -> list[int]:
+        if "TOO_LONG" in prompt:  # an over-long prompt, as the engine sees one
+            return [ord("x")] * 5000
         return [ord(c) for c in prompt]
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -68,8 +71,9 @@ class FakeEngine:
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if "TOO_LONG" in "".join(chr(t) for t in token_ids):
-            raise ValueError(f"prompt has 5000 tokens >= max_model_len {self.max_model_len}")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens >= max_model_len "
+                             f"{self.max_model_len}")
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))
         self._requests[request_id] = (token_ids, params, [], metrics)
         self._waiting.append(request_id)
