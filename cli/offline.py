@@ -22,6 +22,7 @@ from typing import IO, Any, Protocol
 
 from engine.outputs import EngineStats, RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams
+from openai_format.ids import new_id
 from openai_format.parse import (
     CONTEXT_LENGTH_EXCEEDED,
     INVALID_REQUEST,
@@ -34,7 +35,6 @@ from openai_format.responses import (
     ChoiceResult,
     TokenLogprobResult,
     chat_completion_body,
-    new_request_id,
     output_line,
     text_completion_body,
 )
@@ -279,7 +279,7 @@ class _Runner:
             params = SamplingParams(**to_sampling_kwargs(body))
         except ValueError as exc:
             return error(INVALID_VALUE, f"body: {exc}")
-        request_id = new_request_id()
+        request_id = new_id()
         try:
             self.engine.add_request(request_id, prompt_ids, params)
         except ValueError as exc:

@@ -4,10 +4,11 @@ engine-free results, and the lines of the output and error files."""
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from openai_format.ids import new_id
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,6 @@ class ChoiceResult:
     num_tokens: int
     finish_reason: str | None
     logprobs: Sequence[TokenLogprobResult] | None = None
-
-
-def new_request_id() -> str:
-    return uuid.uuid4().hex
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -103,7 +100,7 @@ def _completion_object(
 ) -> dict[str, Any]:
     """The envelope both completion objects share around their ``choices``."""
     return {
-        "id": completion_id or f"{id_prefix}-{new_request_id()}",
+        "id": completion_id or f"{id_prefix}-{new_id()}",
         "object": object_name,
         "created": int(time.time()) if created is None else created,
         "model": model,
@@ -164,7 +161,7 @@ def text_completion_body(
 def output_line(custom_id: str, body: dict[str, Any], *, request_id: str) -> dict[str, Any]:
     """A successful line of a batch output file."""
     return {
-        "id": f"batch_req_{new_request_id()}",
+        "id": f"batch_req_{new_id()}",
         "custom_id": custom_id,
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
@@ -174,7 +171,7 @@ def output_line(custom_id: str, body: dict[str, Any], *, request_id: str) -> dic
 def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
     """A failed line of a batch error file (``custom_id`` is None when the line had none)."""
     return {
-        "id": f"batch_req_{new_request_id()}",
+        "id": f"batch_req_{new_id()}",
         "custom_id": custom_id,
         "response": None,
         "error": {"code": code, "message": message},

@@ -1,13 +1,9 @@
-"""Public object ids, OpenAI style: ``file-…``, ``batch_…``, plus boxcar's own kinds."""
+"""The kinds of public object id (``file-…``, ``batch_…``, boxcar's own) and of shard id; the
+random part comes from ``openai_format.ids.new_id``."""
 
 from __future__ import annotations
 
-import secrets
-
-
-def new_id(prefix: str) -> str:
-    """``prefix`` followed by 24 random hex digits, e.g. ``batch_3f2a…``."""
-    return f"{prefix}{secrets.token_hex(12)}"
+from openai_format.ids import new_id
 
 
 def file_id() -> str:

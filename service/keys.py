@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 from service import ids
 from service.db import utcnow
 from service.models import ApiKey, Tenant
+from service.webhook_verify import SECRET_PREFIX
 
 KEY_PREFIX = "bx-"
 
@@ -23,7 +24,7 @@ def hash_key(key: str) -> str:
 
 def new_webhook_secret() -> str:
     """A Standard Webhooks secret: ``whsec_`` + base64 of 32 random bytes."""
-    return "whsec_" + base64.b64encode(secrets.token_bytes(32)).decode()
+    return SECRET_PREFIX + base64.b64encode(secrets.token_bytes(32)).decode()
 
 
 @dataclass(frozen=True)

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import logging
 import math
-import random
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from metrics.counters import ENGINE_STEPS, LINES_FINISHED
+from openai_format.ids import new_id
 from openai_format.parse import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, SERVER_ERROR
 from service.models import LINE_COMPLETED, LINE_FAILED
 from worker.engine_adapter import response_body, to_engine_input
@@ -147,12 +147,13 @@ class Drainer:
             self._fail(work, CONTEXT_LENGTH_EXCEEDED, too_long)
             return
         try:
-            self.engine.add_request(work.request_id, engine_input.prompt, engine_input.params)
+            self.engine.add_request(work.engine_request_id, engine_input.prompt,
+                                    engine_input.params)
         except ValueError as exc:  # the engine's message; the code from the prompt's length
             too_long = self._prompt_fills_context(engine_input.prompt)
             self._fail(work, CONTEXT_LENGTH_EXCEEDED if too_long else INVALID_REQUEST, str(exc))
             return
-        self._in_engine[work.request_id] = work
+        self._in_engine[work.engine_request_id] = work
         num_tokens = len(engine_input.prompt) if isinstance(engine_input.prompt, list) else (
             max(1, len(engine_input.prompt) // 4))
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
@@ -191,20 +192,20 @@ class Drainer:
             return
         if output.finish_reason == "abort":
             return  # aborted on purpose: whoever dropped it settles the line
-        request_id = f"{random.getrandbits(96):024x}"  # os.urandom is slow in some sandboxes
+        hex_id = new_id()
         try:
             body, usage = response_body(
                 output, endpoint=work.endpoint, model=self.model_name,
-                tokenizer=getattr(self.engine, "tokenizer", None), request_id=request_id,
+                tokenizer=getattr(self.engine, "tokenizer", None), hex_id=hex_id,
             )
         except Exception as exc:
-            log.exception("could not build the response of %s", work.request_id)
+            log.exception("could not build the response of %s", work.engine_request_id)
             self._fail(work, SERVER_ERROR, f"could not build the response: {exc}")
             return
         self.num_finished += 1
         LINES_FINISHED.labels(LINE_COMPLETED).inc()
         self._submit(LineResult(
-            work, LINE_COMPLETED, response=body, request_id=f"req_{request_id}",
+            work, LINE_COMPLETED, response=body, request_id=f"req_{hex_id}",
             prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
             cached_tokens=usage.cached_tokens,
         ))
@@ -213,7 +214,7 @@ class Drainer:
         self.num_finished += 1
         LINES_FINISHED.labels(LINE_FAILED).inc()
         self._submit(LineResult(work, LINE_FAILED, error={"code": code, "message": message},
-                                request_id=f"req_{random.getrandbits(96):024x}"))
+                                request_id=new_id("req_")))
 
     def _apply_drops(self) -> None:
         with self._lock:

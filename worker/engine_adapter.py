@@ -68,10 +68,10 @@ class Usage:
 
 
 def response_body(
-    output: RequestOutput, *, endpoint: str, model: str, tokenizer: Any, request_id: str
+    output: RequestOutput, *, endpoint: str, model: str, tokenizer: Any, hex_id: str
 ) -> tuple[dict[str, Any], Usage]:
     """The chat.completion or text_completion object for a finished request, and its usage;
-    ``request_id`` (random hex) makes the object's id."""
+    ``hex_id`` (random hex) makes the object's id."""
     choices = [
         ChoiceResult(
             index=c.index, text=c.text, num_tokens=len(c.token_ids),
@@ -85,7 +85,7 @@ def response_body(
     prefix = "chatcmpl-" if endpoint == CHAT_URL else "cmpl-"
     body = build(
         choices, model=model, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-        completion_id=prefix + request_id, created=int(time.time()),
+        completion_id=prefix + hex_id, created=int(time.time()),
     )
     usage = Usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)
     return body, usage

@@ -18,6 +18,7 @@ from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session
 
 from metrics.counters import BATCHES_FINALIZED
+from openai_format.ids import new_id
 from openai_format.responses import error_line, output_line
 from service import ids
 from service.db import Database, utcnow
@@ -154,7 +155,7 @@ def _write_files(
         for row in rows:
             if row.status == LINE_COMPLETED:
                 line = output_line(row.custom_id, row.response,
-                                   request_id=row.request_id or ids.new_id("req_"))
+                                   request_id=row.request_id or new_id("req_"))
                 completed += 1
                 input_tokens += row.prompt_tokens
                 output_tokens += row.completion_tokens

@@ -23,8 +23,9 @@ class LineWork:
     priority: int = 0
 
     @property
-    def request_id(self) -> str:
-        """The engine's id for this line (unique within one engine)."""
+    def engine_request_id(self) -> str:
+        """The engine's id for this line (unique within one engine); not the OpenAI
+        ``request_id`` of its response, which is ``LineResult.request_id``."""
         return f"line-{self.line_pk}"
 
 
@@ -36,7 +37,7 @@ class LineResult:
     status: str
     response: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
-    request_id: str | None = None
+    request_id: str | None = None  # the response's request_id (``req_…``)
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0

@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import secrets
 import socket
 import threading
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 
 from metrics.publisher import MetricsPublisher
 from metrics.recorder import EngineRecorder, MeteredEngine, engine_config, worker_registry
+from openai_format.ids import new_id
 from service import ids
 from service.db import Database
 from service.models import IN_PROGRESS
@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 
 
 def new_worker_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+    return new_id(f"{socket.gethostname()}:{os.getpid()}:", nbytes=3)
 
 
 def build_engine(settings: Settings) -> Any:
