@@ -69,19 +69,19 @@ def unbatched(v: View) -> Finding | None:
     v.need_steps()
     batch = v.mean("step_requests")
     max_seqs = int(v.setting("max_num_seqs"))
-    finished = v.c("requests_finished")
+    finished = v.counter("requests_finished")
     small = batch < SMALL_BATCH_REQUESTS or batch < SMALL_BATCH_FRACTION * max_seqs
     if not small or finished < max(BATCHABLE_FACTOR * batch, MIN_REQUESTS_FOR_BATCHING):
         return None
-    busy = v.c("busy_s")
-    rate = f"{v.c('generation_tokens') / busy:.1f} generated tok/s while busy" if busy else ""
+    busy = v.counter("busy_s")
+    rate = f"{v.counter('generation_tokens') / busy:.1f} generated tok/s while busy" if busy else ""
     evidence = (f"{batch:.1f} requests per step on average (max_num_seqs={max_seqs}) over "
                 f"{v.steps:.0f} steps for {finished:.0f} finished requests; {rate}")
     waiting = [p["waiting"] for p in v.timeline if p.get("steps")]
     if batch >= SATURATED_FRACTION * max_seqs:
         remedy = (f"max_num_seqs={max_seqs} caps the batch: raise it (--max-num-seqs) so more "
                   "sequences share each step, as far as the KV cache holds them.")
-    elif v.c("admission_blocked_steps") >= BLOCKED_STEP_SHARE * v.steps or (
+    elif v.counter("admission_blocked_steps") >= BLOCKED_STEP_SHARE * v.steps or (
             waiting and sum(waiting) / len(waiting) >= 1):
         remedy = ("requests waited while seats were free: the KV cache or the token budget "
                   "holds admission back; give the KV cache more memory and check "
@@ -97,15 +97,15 @@ def unbatched(v: View) -> Finding | None:
 def prefill_stalls(v: View) -> Finding | None:
     """2. Good average, P99 spikes: long prefills block the decodes in their step."""
     v.need_steps()
-    itl_p50, itl_p99 = v.q("itl_s", 0.5), v.q("itl_s", 0.99)
+    itl_p50, itl_p99 = v.quantile("itl_s", 0.5), v.quantile("itl_s", 0.99)
     if v.count("prefill_step_s") == 0 or v.count("decode_step_s") == 0:
         raise NotEnoughData("needs both prefill and decode steps")
-    prefill_p99, decode_p50 = v.q("prefill_step_s", 0.99), v.q("decode_step_s", 0.5)
+    prefill_p99, decode_p50 = v.quantile("prefill_step_s", 0.99), v.quantile("decode_step_s", 0.5)
     if itl_p99 < ITL_SPIKE_RATIO * itl_p50 or prefill_p99 < PREFILL_STALL_RATIO * decode_p50:
         return None
     chunked = v.config.get("enable_chunked_prefill")
     budget = v.config.get("max_num_batched_tokens")
-    largest = top(v.h("step_tokens"))
+    largest = top(v.histogram("step_tokens"))
     evidence = (f"inter-token latency P50 {ms(itl_p50)} but P99 {ms(itl_p99)} "
                 f"({itl_p99 / itl_p50:.0f}x); prefill steps P99 {ms(prefill_p99)} against "
                 f"{ms(decode_p50)} for a median decode step; the largest steps scheduled up to "
@@ -125,21 +125,21 @@ def prefill_stalls(v: View) -> Finding | None:
 def kv_exhausted(v: View) -> Finding | None:
     """3. Requests queued or preempted while memory looks free: the KV cache is exhausted."""
     v.need_steps()
-    finished = max(v.c("requests_finished"), 1.0)
-    preemptions = v.c("preemptions")
-    blocked = v.c("admission_blocked_steps") / v.steps
-    peak = v.g("kv_usage_peak")
+    finished = max(v.counter("requests_finished"), 1.0)
+    preemptions = v.counter("preemptions")
+    blocked = v.counter("admission_blocked_steps") / v.steps
+    peak = v.gauge("kv_usage_peak")
     thrashing = preemptions >= 1 and preemptions / finished >= PREEMPTION_RATE
     starved = blocked >= BLOCKED_STEP_SHARE and peak >= KV_FULL_RATIO
     if not (thrashing or starved):
         return None
-    blocks = int(v.g("kv_blocks"))
+    blocks = int(v.gauge("kv_blocks"))
     block_size = int(v.config.get("block_size") or 16)
     watermark = float(v.config.get("watermark") or 0.0)
     evidence = (f"KV cache peaked at {pct(peak)} of {blocks} blocks ({blocks * block_size} "
                 f"tokens); {preemptions:.0f} preemptions for {finished:.0f} finished requests; "
                 f"{pct(blocked)} of steps left requests waiting beside free seats and budget")
-    rejected = v.c("requests_rejected")
+    rejected = v.counter("requests_rejected")
     if rejected:
         evidence += f"; {rejected:.0f} requests refused at admission"
     remedy = ("the KV cache, not the device's memory, is the limit: give it more "
@@ -154,10 +154,10 @@ def kv_exhausted(v: View) -> Finding | None:
 def host_bound(v: View) -> Finding | None:
     """4. Busy hardware yet poor latency: the scheduler and host gaps set the pace."""
     v.need_steps()
-    busy = v.c("busy_s")
+    busy = v.counter("busy_s")
     if busy <= 0:
         raise NotEnoughData("no busy time recorded")
-    model = v.c("prefill_model_s") + v.c("decode_model_s")
+    model = v.counter("prefill_model_s") + v.counter("decode_model_s")
     share = 1.0 - model / busy
     if share < HOST_SHARE_MAX:
         return None
@@ -167,7 +167,7 @@ def host_bound(v: View) -> Finding | None:
                 f"{pct(share)} went to the host ({in_steps:.2f} s scheduling, sampling and "
                 f"bookkeeping inside steps, {gaps:.2f} s between steps)")
     if v.count("tpot_s"):
-        evidence += f"; TPOT P50 {ms(v.q('tpot_s', 0.5))}"
+        evidence += f"; TPOT P50 {ms(v.quantile('tpot_s', 0.5))}"
     if gaps > in_steps:
         remedy = ("the time goes between steps: keep the engine thread stepping (tokenize and "
                   "write results elsewhere, fewer competing processes on the CPU).")
@@ -180,7 +180,7 @@ def host_bound(v: View) -> Finding | None:
 
 
 def _sum(v: View, key: str) -> float:
-    hist = v.h(key)
+    hist = v.histogram(key)
     return float(hist["sum"]) if hist else 0.0
 
 
@@ -189,7 +189,7 @@ def prefix_recompute(v: View) -> Finding | None:
     prompt = _sum(v, "request_prompt_tokens")
     if prompt <= 0:
         raise NotEnoughData("no finished requests")
-    repeated, cached = v.c("prompt_tokens_repeated"), v.c("prompt_tokens_cached")
+    repeated, cached = v.counter("prompt_tokens_repeated"), v.counter("prompt_tokens_cached")
     if repeated < REPEATED_PREFIX_SHARE * prompt or cached >= PREFIX_REUSE_MIN * repeated:
         return None
     enabled = v.config.get("enable_prefix_caching")
@@ -211,10 +211,10 @@ def prefix_recompute(v: View) -> Finding | None:
 def slow_first_token(v: View) -> Finding | None:
     """6. TTFT over 1 s because of the batching window or an unchunked long prefill."""
     v.need_requests()
-    ttft = v.q("ttft_s", 0.95)
+    ttft = v.quantile("ttft_s", 0.95)
     if ttft < TTFT_SLOW_S:
         return None
-    queue, prefill = v.q("queue_time_s", 0.95), v.q("prefill_latency_s", 0.95)
+    queue, prefill = v.quantile("queue_time_s", 0.95), v.quantile("prefill_latency_s", 0.95)
     head = f"TTFT P95 {ms(ttft)}: queue P95 {ms(queue)}, prefill P95 {ms(prefill)}"
     if prefill >= TTFT_CAUSE_SHARE * ttft:
         prompt_p95 = quantile_or(v, "request_prompt_tokens", 0.95)
@@ -245,7 +245,7 @@ def slow_first_token(v: View) -> Finding | None:
 
 def quantile_or(v: View, key: str, p: float) -> float:
     try:
-        return v.q(key, p)
+        return v.quantile(key, p)
     except NotEnoughData:
         return 0.0
 
@@ -283,9 +283,9 @@ def overload(v: View) -> Finding | None:
 def uneven_decode(v: View) -> Finding | None:
     """8. Uneven decode rhythm: preemptions and long gaps between decode steps."""
     v.need_steps()
-    finished = max(v.c("requests_finished"), 1.0)
-    preemptions = v.c("preemptions")
-    decode_p50 = v.q("decode_step_s", 0.5)
+    finished = max(v.counter("requests_finished"), 1.0)
+    preemptions = v.counter("preemptions")
+    decode_p50 = v.quantile("decode_step_s", 0.5)
     gap_p99 = quantile_or(v, "step_gap_s", 0.99)
     preempting = preemptions >= 1 and preemptions / finished >= PREEMPTION_RATE
     gappy = gap_p99 >= GAP_MIN_S and gap_p99 >= GAP_SPIKE_RATIO * decode_p50
@@ -295,7 +295,8 @@ def uneven_decode(v: View) -> Finding | None:
                 f"pauses a request while it is recomputed); gaps between steps P99 "
                 f"{ms(gap_p99)} against a median decode step of {ms(decode_p50)}")
     if v.count("tpot_s"):
-        evidence += f"; TPOT P50 {ms(v.q('tpot_s', 0.5))}, P99 {ms(v.q('tpot_s', 0.99))}"
+        evidence += (f"; TPOT P50 {ms(v.quantile('tpot_s', 0.5))}, "
+                     f"P99 {ms(v.quantile('tpot_s', 0.99))}")
     parts = []
     if preempting:
         parts.append("stop the preemptions: more KV cache or a lower max_num_seqs")

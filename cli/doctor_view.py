@@ -38,27 +38,28 @@ class View:
         self.config: dict[str, Any] = snapshot.get("config") or {}
         self.timeline: list[dict[str, Any]] = snapshot.get("timeline") or []
 
-    def c(self, key: str) -> float:
+    def counter(self, key: str) -> float:
         return float(self.snapshot.get("counters", {}).get(key, 0.0))
 
-    def g(self, key: str) -> float:
+    def gauge(self, key: str) -> float:
         return float(self.snapshot.get("gauges", {}).get(key, 0.0))
 
-    def h(self, key: str) -> dict[str, Any] | None:
+    def histogram(self, key: str) -> dict[str, Any] | None:
         return self.snapshot.get("histograms", {}).get(key)
 
     def count(self, key: str) -> float:
-        hist = self.h(key)
+        hist = self.histogram(key)
         return float(hist["count"]) if hist else 0.0
 
-    def q(self, key: str, p: float) -> float:
-        value = quantile(self.h(key), p)
+    def quantile(self, key: str, p: float) -> float:
+        """The p-quantile (0..1) of a histogram; NotEnoughData when it has no observations."""
+        value = quantile(self.histogram(key), p)
         if value is None:
             raise NotEnoughData(f"no {key} observations")
         return value
 
     def mean(self, key: str) -> float:
-        value = mean(self.h(key))
+        value = mean(self.histogram(key))
         if value is None:
             raise NotEnoughData(f"no {key} observations")
         return value
@@ -72,8 +73,8 @@ class View:
             raise NotEnoughData(f"{self.steps:.0f} engine steps (need {MIN_STEPS})")
 
     def need_requests(self) -> None:
-        if self.c("requests_finished") < MIN_REQUESTS:
-            raise NotEnoughData(f"{self.c('requests_finished'):.0f} finished requests "
+        if self.counter("requests_finished") < MIN_REQUESTS:
+            raise NotEnoughData(f"{self.counter('requests_finished'):.0f} finished requests "
                                 f"(need {MIN_REQUESTS})")
 
     def setting(self, name: str) -> Any:

@@ -124,8 +124,10 @@ class RunSummary:
         ])
 
 
-def percentiles(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict[str, float | None]:
-    """Linear-interpolated percentiles, None when there are no values."""
+def sample_percentiles(values: list[float],
+                       qs: tuple[int, ...] = (50, 95, 99)) -> dict[str, float | None]:
+    """Exact percentiles of the raw values, linearly interpolated, None when there are none
+    (``metrics.snapshot.histogram_percentiles`` estimates them from histogram buckets)."""
     ordered = sorted(values)
     result: dict[str, float | None] = {}
     for q in qs:
@@ -341,9 +343,9 @@ class _Runner:
     def summary(self) -> RunSummary:
         result = self.result
         result.errors_by_code = dict(self.errors)
-        result.ttft_s = percentiles(self.ttfts)
-        result.tpot_s = percentiles(self.tpots)
-        result.e2e_latency_s = percentiles(self.e2es)
+        result.ttft_s = sample_percentiles(self.ttfts)
+        result.tpot_s = sample_percentiles(self.tpots)
+        result.e2e_latency_s = sample_percentiles(self.e2es)
         stats = self.engine.get_stats()
         result.prefix_cache_hit_rate = stats.prefix_cache_hit_rate
         result.num_preemptions = stats.num_preemptions

@@ -45,7 +45,8 @@ def top(hist: dict[str, Any] | None) -> float | None:
     return None
 
 
-def percentiles(hist: dict[str, Any] | None) -> dict[str, float | None]:
+def histogram_percentiles(hist: dict[str, Any] | None) -> dict[str, float | None]:
+    """P50/P95/P99 and the mean, estimated from a histogram's buckets (``quantile``)."""
     return {"p50": quantile(hist, 0.50), "p95": quantile(hist, 0.95),
             "p99": quantile(hist, 0.99), "mean": mean(hist)}
 

@@ -47,17 +47,17 @@ class EmbeddedQueue:
         with self._lock:
             self._listeners.append(listener)
 
-    def _ring(self) -> None:
+    def _notify(self) -> None:
         with self._lock:
             listeners = list(self._listeners)
         for listener in listeners:
             listener()
 
     def batch_changed(self, batch_id: str) -> None:
-        self._ring()
+        self._notify()
 
     def shards_ready(self, shard_ids: Iterable[str], *, jobs: bool = False) -> None:
-        self._ring()
+        self._notify()
 
     def close(self) -> None:
         pass

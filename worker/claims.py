@@ -137,7 +137,7 @@ def try_claim(
     lines = [
         LineWork(
             line_pk=r.pk, shard_id=shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
-            job_id=r.job_id, custom_id=r.custom_id or "", endpoint=r.endpoint,
+            job_id=r.job_id, endpoint=r.endpoint,
             body=r.body or {}, priority=shard.priority,
         )
         for r in rows

@@ -1,5 +1,16 @@
 """The units that move between a worker's threads: a line to run, a line's result, and the set
-of shards this worker holds leases on."""
+of shards this worker holds leases on.
+
+The five "line" types, in the order a line meets them:
+
+1. ``openai_format.parse.BatchLine`` -- an input line that parsed and passed every check
+   (``LineError`` -- one that did not: code, detail, line number), at upload and at prepare;
+2. ``service.models.RequestLine`` -- its row in the database, written by prepare;
+3. ``LineWork`` (here) -- the row as loaded when a worker claimed its shard: what the drain loop
+   gives the engine;
+4. ``LineResult`` (here) -- its outcome, written back to the row by the result writer;
+5. the output or error file line (``openai_format.responses``), built from the row at finalize.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +28,6 @@ class LineWork:
     tenant_id: str
     batch_id: str | None
     job_id: str | None
-    custom_id: str
     endpoint: str
     body: dict[str, Any]
     priority: int = 0

@@ -33,7 +33,7 @@ class LeaseKeeper(RoundLoop):
         worker_id: str,
         held: HeldShards,
         drainer: Drainer,
-        ring: Callable[[list[str]], None],
+        announce_shards: Callable[[list[str]], None],
         on_batches_touched: Callable[[set[str]], None],
     ) -> None:
         super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
@@ -42,7 +42,7 @@ class LeaseKeeper(RoundLoop):
         self.worker_id = worker_id
         self.held = held
         self.drainer = drainer
-        self._ring = ring
+        self._announce_shards = announce_shards
         self._on_batches_touched = on_batches_touched
         self._last_check = 0.0
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
@@ -130,7 +130,7 @@ class LeaseKeeper(RoundLoop):
             self._on_batches_touched(stopped)
         if reaped:
             log.info("made %d shards with expired leases claimable again", len(reaped))
-            self._ring(reaped)
+            self._announce_shards(reaped)
 
     def run_round(self) -> bool:
         heartbeat_every = self.settings.lease_seconds / 3

@@ -156,7 +156,8 @@ class WorkerService:
             interval=min(settings.poll_interval, 1.0),
         )
         self.housekeeper = Housekeeper(self.db, self.storage, settings, worker_id=self.worker_id,
-                                       on_prepared=self._ring, on_finalized=self.webhooks.wake)
+                                       on_prepared=self._announce_shards,
+                                       on_finalized=self.webhooks.wake)
         self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
                                    on_shards_done=self.housekeeper.batches_touched)
         model_name = settings.served_model_name or getattr(
@@ -175,7 +176,7 @@ class WorkerService:
             on_hungry=lambda: self.leases.wake(),
         )
         self.leases = LeaseKeeper(self.db, settings, worker_id=self.worker_id, held=self.held,
-                                  drainer=self.drainer, ring=self._ring,
+                                  drainer=self.drainer, announce_shards=self._announce_shards,
                                   on_batches_touched=self.housekeeper.batches_touched)
         self.writer.start()
         self.webhooks.start()
@@ -263,7 +264,7 @@ class WorkerService:
             return IN_PROGRESS
         return self.housekeeper.finalize(batch_id)
 
-    def _ring(self, shard_ids: list[str]) -> None:
+    def _announce_shards(self, shard_ids: list[str]) -> None:
         """New or freed shards: tell the other workers (Celery) and this one."""
         if isinstance(self.queue, CeleryQueue) and shard_ids:
             self.queue.shards_ready(shard_ids)

@@ -20,7 +20,7 @@ from api.deps import ContextDep, TenantDep
 from api.errors import not_found
 from api.routes.batches import render
 from metrics.api_collector import JOB_STATUSES, live_workers, queue_depth
-from metrics.snapshot import merge_snapshots, percentiles
+from metrics.snapshot import histogram_percentiles, merge_snapshots
 from service.db import utcnow
 from service.models import Batch, Job
 
@@ -115,7 +115,7 @@ def _engine(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
         "generation_tokens_per_s": sum(p.get("generation_tokens_per_s", 0.0) for p in recent)
         / max(len(recent), 1),
         "batch_size_mean": steps["sum"] / steps["count"] if steps["count"] else 0.0,
-        "latency": {key: percentiles(hists.get(key)) for key in LATENCIES},
+        "latency": {key: histogram_percentiles(hists.get(key)) for key in LATENCIES},
         "distributions": {key: {"bounds": hists[key]["bounds"], "counts": hists[key]["counts"]}
                           for key in DISTRIBUTIONS},
         "timeline": timeline,

@@ -10,7 +10,7 @@ import pytest
 from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
-from cli.offline import count_lines, percentiles, run_batch_file, write_metrics_json
+from cli.offline import count_lines, run_batch_file, sample_percentiles, write_metrics_json
 from engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -278,9 +278,9 @@ def test_metrics_json_and_helpers(tmp_path: Path) -> None:
     assert data["num_ok"] == 5 and data["model"] == "fake-model"
     assert data["engine_stats"]["num_kv_blocks"] == 8
     assert {"generated_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate"} <= set(data)
-    assert percentiles([]) == {"p50": None, "p95": None, "p99": None}
-    assert percentiles([1.0, 2.0, 3.0, 4.0, 5.0])["p50"] == 3.0
-    assert percentiles([0.0, 10.0], (95,))["p95"] == pytest.approx(9.5)
+    assert sample_percentiles([]) == {"p50": None, "p95": None, "p99": None}
+    assert sample_percentiles([1.0, 2.0, 3.0, 4.0, 5.0])["p50"] == 3.0
+    assert sample_percentiles([0.0, 10.0], (95,))["p95"] == pytest.approx(9.5)
 
 
 # --- the real engine ---------------------------------------------------------------------------

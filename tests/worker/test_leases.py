@@ -61,7 +61,7 @@ def test_a_line_is_answered_once_whoever_writes_last(make_stack, any_db_url):
     prepare_batch(stack.ctx.db, stack.ctx.storage, batch["id"], worker_id="w0", shard_size=4)
     with stack.ctx.db.read_session() as session:
         line = session.scalars(select(RequestLine)).one()
-    work = LineWork(line.pk, line.shard_id, line.tenant_id, line.batch_id, None, "only",
+    work = LineWork(line.pk, line.shard_id, line.tenant_id, line.batch_id, None,
                     line.endpoint, line.body)
     for worker, text in (("w1", "first"), ("w2", "second")):
         with stack.ctx.db.session() as session:

@@ -7,7 +7,7 @@ from worker.line_queue import LineQueue
 
 
 def work(pk: int, tenant: str, *, batch: str = "b", priority: int = 0) -> LineWork:
-    return LineWork(pk, f"{batch}:0", tenant, batch, None, f"c{pk}", "/v1/completions", {},
+    return LineWork(pk, f"{batch}:0", tenant, batch, None, "/v1/completions", {},
                     priority)
 
 
