@@ -11,7 +11,9 @@ class SamplingParams:
     """Per-request decoding parameters (vLLM's names and defaults).
 
     ``temperature == 0`` means greedy. ``top_k``/``logprobs``/``seed``/``max_tokens`` use ``None``
-    for "not set". Every invalid value raises ``ValueError`` naming the field.
+    for "not set". Every invalid value raises ``ValueError`` naming the field. Only the engine's
+    own domain is checked here (a probability in [0, 1], a positive divisor); an API's product
+    limits (OpenAI's 20 logprobs, penalties in [-2, 2]) belong to that API's request types.
     """
 
     n: int = 1
@@ -60,12 +62,8 @@ class SamplingParams:
             raise bad("top_k", "must be None or an integer >= 1")
         if not 0 <= self.min_p <= 1:
             raise bad("min_p", "must be in [0, 1]")
-        if not -2 <= self.presence_penalty <= 2:
-            raise bad("presence_penalty", "must be in [-2, 2]")
-        if not -2 <= self.frequency_penalty <= 2:
-            raise bad("frequency_penalty", "must be in [-2, 2]")
-        if not 0 < self.repetition_penalty <= 10:
-            raise bad("repetition_penalty", "must be in (0, 10]")
+        if self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "must be > 0")
         if self.max_tokens is not None and (
             not isinstance(self.max_tokens, int) or self.max_tokens < 1
         ):
@@ -75,9 +73,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", f"must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (
-            not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20
+            not isinstance(self.logprobs, int) or self.logprobs < 0
         ):
-            raise bad("logprobs", "must be None or an integer in [0, 20]")
+            raise bad("logprobs", "must be None or an integer >= 0")
         if self.seed is not None and not isinstance(self.seed, int):
             raise bad("seed", "must be None or an integer")
         if any(not isinstance(s, str) or not s for s in self.stop):

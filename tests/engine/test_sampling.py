@@ -137,7 +137,7 @@ def test_invalid_sampling_values_name_the_field():
     for kwargs, field in [
         ({"temperature": -1}, "temperature"), ({"top_p": 0}, "top_p"), ({"top_k": 0}, "top_k"),
         ({"max_tokens": 0}, "max_tokens"), ({"n": 0}, "n"), ({"min_p": 2}, "min_p"),
-        ({"presence_penalty": 3}, "presence_penalty"), ({"logprobs": 50}, "logprobs"),
+        ({"presence_penalty": float("inf")}, "presence_penalty"), ({"logprobs": -1}, "logprobs"),
         ({"min_tokens": 9, "max_tokens": 3}, "min_tokens"), ({"stop": [""]}, "stop"),
         ({"temperature": float("nan")}, "temperature"),
     ]:
