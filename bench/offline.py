@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from engine.model_cache import DEFAULT_MODEL
+
 WORDS = (
     "the of and to in is was for on that with as by at from it this be are or an have not but "
     "which one all were when there can more has been if would will so what about into than them "
@@ -308,7 +310,7 @@ def compare(engine: Result, baseline: Result) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.offline", description=__doc__.split(
         "\n\n")[0])
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--quick", action="store_true", help="8 short requests (a smoke test)")
     parser.add_argument("--num-requests", type=int, default=None)
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)

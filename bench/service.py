@@ -27,6 +27,7 @@ from typing import Any
 
 from cli.demo import _free_port, submit_and_wait
 from cli.embedded import EmbeddedServer
+from cli.engine_options import DEFAULT_MODEL
 from service.settings import Settings
 
 
@@ -142,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("input", nargs="?", default=None,
                         help="an OpenAI batch JSONL (default: the seeded workload)")
-    parser.add_argument("--model", default=os.environ.get("BOXCAR_MODEL",
-                                                          "SmolLM2-135M-Instruct"))
+    parser.add_argument("--model", default=os.environ.get("BOXCAR_MODEL", DEFAULT_MODEL))
     parser.add_argument("--engine-options", default="{}",
                         help='EngineConfig fields as JSON, e.g. \'{"max_num_seqs": 64}\'')
     parser.add_argument("--rounds", type=int, default=1,

@@ -44,6 +44,8 @@ class Settings(BaseSettings):
     s3_create_bucket: bool = True
 
     # The model the workers serve.
+    # engine.model_cache.DEFAULT_MODEL, which this package may not import;
+    # tests/cli/test_cli.py checks the two agree.
     model: str = "SmolLM2-135M-Instruct"
     served_model_name: str | None = None  # the name answers carry; default: the engine's
     engine_options: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (JSON)

@@ -175,3 +175,10 @@ def test_every_engine_config_field_is_an_option() -> None:
     run_parser = cli.build_parser()._subparsers._group_actions[0].choices["run"]
     dests = {action.dest for action in run_parser._actions}
     assert {field.name for field in fields(EngineConfig)} <= dests
+
+
+def test_the_service_default_model_is_the_engines() -> None:
+    from engine import model_cache
+    from service.settings import Settings
+
+    assert Settings.model_fields["model"].default == model_cache.DEFAULT_MODEL == cli.DEFAULT_MODEL
