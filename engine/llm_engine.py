@@ -34,7 +34,7 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        checkpoint = load_checkpoint(config.model, config.tokenizer)
+        checkpoint = load_checkpoint(config.model, config.tokenizer, convert_gguf=True)
         self.model_name = _model_name(config.model, checkpoint)
         self.tokenizer = checkpoint.load_tokenizer()
         hf_config = checkpoint.config
@@ -290,5 +290,5 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
 
 
 def _model_name(model: str, checkpoint) -> str:
-    path = checkpoint.path
+    path = checkpoint.source or checkpoint.path
     return path.stem if path.suffix == ".gguf" else path.name or model

@@ -6,6 +6,8 @@ It owns the model weights and the paged KV cache, turns a SchedulerOutput into o
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 
 import torch
@@ -31,6 +33,25 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available")
     return torch.device(name)
+
+
+def _zeroed_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A zero-filled cache whose host memory is only committed where it is written.
+
+    The attention paths read unwritten slots of a block (masked, then multiplied by 0), so the
+    cache must hold zeros, not garbage that could be NaN. ``torch.zeros`` writes every byte up
+    front: seconds and the whole budget in RSS for a cache a short run barely touches. On the CPU,
+    an anonymous mapping is zero by definition and the kernel hands pages out at the first write;
+    the block pool hands blocks out in id order, so the resident part grows with what the run uses.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps ``buffer`` alive; the mapping is released with the last view of it
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -131,10 +152,8 @@ class ModelRunner:
             )
         self.num_kv_blocks = int(num_blocks)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            num_layers, 2, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+        shape = (num_layers, 2, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_cache = _zeroed_kv_cache(shape, self.dtype, self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
 
     def _block_table(self, rows: list[list[int]]) -> torch.Tensor:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine import model_cache
+from engine.models import gguf_cache
 from engine.models.gguf_loader import iter_gguf_weights, load_gguf_config
 from engine.tokenizer import TOKENIZER_FILES, load_tokenizer
 
@@ -41,6 +42,7 @@ class Checkpoint:
     config: PretrainedConfig
     path: Path  # an HF folder or a .gguf file
     tokenizer_path: Path | None = None  # None: the tokenizer stored with the model
+    source: Path | None = None  # the .gguf file that ``path``, its converted folder, came from
 
     @property
     def is_gguf(self) -> bool:
@@ -66,20 +68,41 @@ class Checkpoint:
         return load_tokenizer(self.tokenizer_path or self.path)
 
 
-def load_checkpoint(model: str, tokenizer: str | None = None) -> Checkpoint:
+def load_checkpoint(
+    model: str, tokenizer: str | None = None, *, convert_gguf: bool = False
+) -> Checkpoint:
     """Open ``model``: an HF folder, a .gguf file, a folder with one .gguf, or a cached model name.
 
     ``tokenizer`` optionally names a different tokenizer the same ways. Problems that can be found
     without reading the weights (missing files, no config, unsupported architecture) raise here.
+    A GGUF file with a fresh converted folder (``engine.models.gguf_cache``) is read from that
+    folder; with ``convert_gguf`` one without is converted first (it reads all the weights), so
+    the next start is fast.
     """
     path = _locate(model, "model")
+    source = None
+    if path.is_file():
+        converted = gguf_cache.find(path)
+        if converted is None and convert_gguf:
+            converted = gguf_cache.convert(path)
+        if converted is not None:
+            path, source = converted, path
     if path.is_file():
         config = load_gguf_config(path)
     else:
         config = _load_hf_config(path)
         safetensors_files(path)  # fail now, not at the first weight
     tokenizer_path = _locate_tokenizer(tokenizer) if tokenizer else None
-    return Checkpoint(config=config, path=path, tokenizer_path=tokenizer_path)
+    if tokenizer_path is not None and tokenizer_path.is_file():
+        tokenizer_path = gguf_cache.find(tokenizer_path) or tokenizer_path
+    return Checkpoint(config=config, path=path, tokenizer_path=tokenizer_path, source=source)
+
+
+def prepare_model(model: str) -> Path:
+    """Make the next start of ``model`` fast: pull it if it is a known model and convert a GGUF
+    file to its cached HF folder. Returns the folder the engine will read (``boxcar model pull``
+    calls this; the engine does the same on a first start otherwise)."""
+    return load_checkpoint(model, convert_gguf=True).path
 
 
 def safetensors_files(folder: Path) -> list[Path]:
