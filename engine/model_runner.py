@@ -9,8 +9,10 @@ from __future__ import annotations
 import math
 import mmap
 import os
+import time
 
 import torch
+from transformers.initialization import no_init_weights
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
@@ -69,7 +71,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         hf_config = checkpoint.config
         model_cls: type[LlamaForCausalLM] = get_model_class(hf_config)
-        with torch.device(self.device):
+        # No random init: load_weights fills every parameter (and raises if one is missing).
+        with torch.device(self.device), no_init_weights():
             model = model_cls(hf_config, max_position)
         model.to(dtype=self.dtype)
         # The rotary tables stay fp32 whatever the weights are.
@@ -133,6 +136,7 @@ class ModelRunner:
         return TorchAttentionBackend(self.block_size, use_cpu_kernel=name == "cpu")
 
     def _allocate_kv_cache(self, hf_config) -> None:
+        start = time.perf_counter()
         num_kv_heads, head_dim = self.model.model.num_kv_heads, self.model.model.head_dim
         num_layers = hf_config.num_hidden_layers
         per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim
@@ -155,6 +159,7 @@ class ModelRunner:
         shape = (num_layers, 2, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
         self.kv_cache = _zeroed_kv_cache(shape, self.dtype, self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
+        self.kv_cache_seconds = time.perf_counter() - start
 
     def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
         width = max((len(r) for r in rows), default=0)

@@ -45,6 +45,7 @@ _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
 _module: ModuleType | None = None
 _tried = False
+load_seconds = 0.0  # time spent in load() (building or importing), for start-up breakdowns
 
 
 def kernel_cache_dir() -> Path:
@@ -109,12 +110,13 @@ def build(*, quiet: bool = False) -> Path:
 
 def load() -> ModuleType | None:
     """The kernel module, built on first use (see ``build``); None if it cannot be built here."""
-    global _module, _tried
+    global _module, _tried, load_seconds
     if _tried:
         return _module
     _tried = True
     if os.environ.get("BOXCAR_NO_CPU_KERNELS"):
         return None
+    start = time.perf_counter()
     try:
         path = build()
         if _NAME in sys.modules:  # built and imported by build()'s cpp_extension call
@@ -125,6 +127,7 @@ def load() -> ModuleType | None:
     except Exception as exc:  # no compiler, no headers: fall back, loudly
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
         _module = None
+    load_seconds += time.perf_counter() - start
     return _module
 
 

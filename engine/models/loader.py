@@ -35,6 +35,13 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
 }
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A model on disk: its HF config, where it lives, and where its tokenizer lives."""
@@ -55,13 +62,11 @@ class Checkpoint:
             return
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         for file in safetensors_files(self.path):
-            with safe_open(str(file), framework="pt") as weights:
-                for name in weights.keys():
-                    # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
-                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                        continue
-                    tensor = weights.get_tensor(name)
-                    yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for name, tensor in read_safetensors(file):
+                # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
+                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer, with ``chat_template`` set when the checkpoint has one."""
@@ -103,6 +108,41 @@ def prepare_model(model: str) -> Path:
     file to its cached HF folder. Returns the folder the engine will read (``boxcar model pull``
     calls this; the engine does the same on a first start otherwise)."""
     return load_checkpoint(model, convert_gguf=True).path
+
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from a .safetensors file, each read into its own memory.
+
+    Plain reads rather than safetensors' memory map: the mapped pages of a file count in the
+    process's RSS until the whole file is closed, so loading through the map peaks at the model
+    twice over; read one tensor at a time, the peak is the model plus one tensor (and it is faster
+    than faulting the map in page by page). Files with dtypes this does not know go through
+    ``safe_open``.
+    """
+    with open(file, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        try:
+            header = json.loads(handle.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{file} is not a safetensors file: {error}") from error
+        header.pop("__metadata__", None)
+        if any(entry.get("dtype") not in _SAFETENSORS_DTYPES for entry in header.values()):
+            with safe_open(str(file), framework="pt") as weights:
+                for name in weights.keys():
+                    yield name, weights.get_tensor(name)
+            return
+        base = 8 + header_size
+        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            start, end = entry["data_offsets"]
+            tensor = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+            buffer = tensor.view(-1).view(torch.uint8).numpy()  # the tensor's own bytes
+            if buffer.nbytes != end - start:
+                raise ValueError(f"{file}: tensor {name!r} has {end - start} bytes, "
+                                 f"its shape and dtype need {buffer.nbytes}")
+            handle.seek(base + start)
+            if buffer.nbytes and handle.readinto(buffer) != buffer.nbytes:  # type: ignore[arg-type]
+                raise ValueError(f"{file} is truncated (tensor {name!r})")
+            yield name, tensor
 
 
 def safetensors_files(folder: Path) -> list[Path]:
