@@ -44,7 +44,7 @@ LINE = {
              "messages": [{"role": "user", "content": "Say hello in one short sentence."}]},
 }
 # What ``boxcar run`` imports before it builds the engine (missing ones are skipped).
-DEFAULT_IMPORTS = "worker.cli,worker.offline,worker.metrics,engine"
+DEFAULT_IMPORTS = "worker.cli,worker.offline,worker.metrics,engine.llm_engine"
 
 # Runs argv[1:], then prints the child's peak RSS (MiB) as the last stderr line.
 _RSS_WRAPPER = """

@@ -93,6 +93,9 @@ def convert(gguf: Path, *, quiet: bool = False) -> Path | None:
 
     start = time.monotonic()
     key = cache_key(gguf)
+    if not quiet:
+        print(f"[boxcar] converting {gguf.name} to a cached folder (once; later starts skip "
+              "the GGUF parse)...", file=sys.stderr, flush=True)
     config = load_gguf_config(gguf)
     tokenizer = load_tokenizer(gguf)
     weights = dict(iter_gguf_tensors(gguf, config))
@@ -104,8 +107,7 @@ def convert(gguf: Path, *, quiet: bool = False) -> Path | None:
             continue
         if not quiet:
             print(f"[boxcar] converted {gguf.name} to {folder} in "
-                  f"{time.monotonic() - start:.1f} s (later starts skip the GGUF parse)",
-                  file=sys.stderr, flush=True)
+                  f"{time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
         return folder
     log.warning("no writable place to cache the conversion of %s; it is re-read at each start",
                 gguf)
