@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import EngineConfig
+from engine.kernels import cpu_decode_attention
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_checkpoint
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
@@ -34,9 +35,13 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        checkpoint = load_checkpoint(config.model, config.tokenizer)
+        start = time.perf_counter()
+        # a GGUF model is converted once to a cached folder; later starts read that instead
+        checkpoint = load_checkpoint(config.model, config.tokenizer, convert_gguf=True)
         self.model_name = _model_name(config.model, checkpoint)
+        loaded = time.perf_counter()
         self.tokenizer = checkpoint.load_tokenizer()
+        tokenized = time.perf_counter()
         hf_config = checkpoint.config
         model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
         window = getattr(hf_config, "sliding_window", None)
@@ -49,7 +54,20 @@ class LLMEngine:
                     f"max_model_len={config.max_model_len} exceeds the model's {model_len}"
                 )
             model_len = config.max_model_len
+        kernel_seconds = cpu_decode_attention.load_seconds
         self.model_runner = ModelRunner(config, checkpoint, max_position=model_len)
+        kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
+        runner_seconds = time.perf_counter() - tokenized
+        kv_seconds = self.model_runner.kv_cache_seconds
+        # where start-up time went (bench/startup.py prints it; a service can log it)
+        self.startup_seconds = {
+            "checkpoint": loaded - start,
+            "tokenizer": tokenized - loaded,
+            "model": runner_seconds - kv_seconds - kernel_seconds,  # build, weights, packing
+            "kv_cache": kv_seconds,
+            "kernel": kernel_seconds,
+            "total": time.perf_counter() - start,
+        }
         num_blocks = self.model_runner.num_kv_blocks
         # A request must always fit in the cache on its own, or it could never run.
         self.max_model_len = min(model_len, num_blocks * config.block_size)
@@ -290,5 +308,5 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
 
 
 def _model_name(model: str, checkpoint) -> str:
-    path = checkpoint.path
+    path = checkpoint.source or checkpoint.path
     return path.stem if path.suffix == ".gguf" else path.name or model

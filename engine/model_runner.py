@@ -6,9 +6,13 @@ It owns the model weights and the paged KV cache, turns a SchedulerOutput into o
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
+import time
 
 import torch
+from transformers.initialization import no_init_weights
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
@@ -33,6 +37,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _zeroed_kv_cache(
+    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """A zero-filled cache whose host memory is only committed where it is written.
+
+    The attention paths read unwritten slots of a block (masked, then multiplied by 0), so the
+    cache must hold zeros, not garbage that could be NaN. ``torch.zeros`` writes every byte up
+    front: seconds and the whole budget in RSS for a cache a short run barely touches. On the CPU,
+    an anonymous mapping is zero by definition and the kernel hands pages out at the first write;
+    the block pool hands blocks out in id order, so the resident part grows with what the run uses.
+    """
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    # the tensor keeps ``buffer`` alive; the mapping is released with the last view of it
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -48,7 +71,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         hf_config = checkpoint.config
         model_cls: type[LlamaForCausalLM] = get_model_class(hf_config)
-        with torch.device(self.device):
+        # No random init: load_weights fills every parameter (and raises if one is missing).
+        with torch.device(self.device), no_init_weights():
             model = model_cls(hf_config, max_position)
         model.to(dtype=self.dtype)
         # The rotary tables stay fp32 whatever the weights are.
@@ -112,6 +136,7 @@ class ModelRunner:
         return TorchAttentionBackend(self.block_size, use_cpu_kernel=name == "cpu")
 
     def _allocate_kv_cache(self, hf_config) -> None:
+        start = time.perf_counter()
         num_kv_heads, head_dim = self.model.model.num_kv_heads, self.model.model.head_dim
         num_layers = hf_config.num_hidden_layers
         per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim
@@ -131,11 +156,10 @@ class ModelRunner:
             )
         self.num_kv_blocks = int(num_blocks)
         # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        self.kv_cache = torch.zeros(
-            num_layers, 2, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim,
-            dtype=self.dtype, device=self.device,
-        )
+        shape = (num_layers, 2, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
+        self.kv_cache = _zeroed_kv_cache(shape, self.dtype, self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
+        self.kv_cache_seconds = time.perf_counter() - start
 
     def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
         width = max((len(r) for r in rows), default=0)

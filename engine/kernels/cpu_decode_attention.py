@@ -1,16 +1,32 @@
-"""Paged decode attention on the CPU: a small C++ kernel, built on first use, and its reference.
+"""Paged decode attention on the CPU: a small C++ kernel, built once per machine, and its reference.
 
 The kernel reads K/V straight from the paged cache, so a decode step costs one pass over each
-sequence's context instead of a gather copy plus an attention pass over a padded batch. It is
-compiled with torch's cpp_extension into ``~/.cache/torch_extensions`` (a few seconds, once per
-machine); where no compiler is available ``load()`` returns None and the engine stays on the pure
-PyTorch path.
+sequence's context instead of a gather copy plus an attention pass over a padded batch.
+
+Build cache: the shared library lives in ``kernel_cache_dir()/<key>/`` where ``key`` hashes the
+source, the flags, the compiler's ``--version``, torch, Python and the CPU flags (-march=native).
+A warm start imports that file directly and never runs ninja, so which ninja is on PATH (the venv's
+or the system's, which disagree about torch's own build cache) costs nothing. A cold start builds
+in a fresh temporary folder with torch's cpp_extension (tens of seconds, announced on stderr) and
+renames the result into place, so concurrent starts never see half a library. ``build()`` is the
+ahead-of-time entry point (``boxcar model pull``); where no compiler is available ``load()``
+returns None and the engine stays on the pure PyTorch path.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
+import importlib.util
 import logging
 import os
+import platform
+import shutil
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -21,35 +37,130 @@ from engine.kernels.checks import check_query_and_cache
 
 log = logging.getLogger(__name__)
 
+_NAME = "boxcar_paged_decode_attention"
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+# -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension then binds to
+# torch's own libgomp (same soname, already loaded): one thread pool.
+_CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 _module: ModuleType | None = None
 _tried = False
+load_seconds = 0.0  # time spent in load() (building or importing), for start-up breakdowns
+
+
+def kernel_cache_dir() -> Path:
+    """``$BOXCAR_KERNEL_CACHE``, else ``~/.cache/boxcar/kernels``."""
+    configured = os.environ.get("BOXCAR_KERNEL_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache/boxcar/kernels"
+
+
+def build_key() -> str:
+    """What the compiled library depends on, hashed: source, flags, compiler, torch, Python, CPU."""
+    digest = hashlib.sha256()
+    digest.update(_SOURCE.read_bytes())
+    digest.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, sys.version, platform.machine()))
+                  .encode())
+    digest.update(_compiler_version().encode())
+    digest.update(_cpu_flags().encode())
+    return digest.hexdigest()[:16]
+
+
+def library_path() -> Path:
+    """Where the library for this machine's ``build_key()`` lives (whether built or not)."""
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    return kernel_cache_dir() / build_key() / f"{_NAME}{suffix}"
+
+
+def build(*, quiet: bool = False) -> Path:
+    """Compile the kernel into the cache unless it is there; return the library's path.
+
+    Raises RuntimeError when it cannot be built (no compiler, no headers).
+    """
+    target = library_path()
+    if target.is_file():
+        return target
+    if not quiet:
+        print(f"[boxcar] building the CPU decode-attention kernel into {target.parent} "
+              "(once per machine and torch/compiler version; about 30 s)...",
+              file=sys.stderr, flush=True)
+    start = time.monotonic()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    from torch.utils.cpp_extension import load as load_extension
+
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as build_dir:
+        try:
+            load_extension(
+                name=_NAME, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS), build_directory=build_dir, verbose=False,
+                is_python_module=True,
+            )
+        except Exception as exc:
+            raise RuntimeError(f"cannot build the CPU decode-attention kernel: {exc}") from exc
+        built = Path(build_dir) / f"{_NAME}.so"
+        if not built.is_file():
+            raise RuntimeError(f"the kernel build left no {built.name} in {build_dir}")
+        staged = Path(build_dir) / "staged.so"
+        shutil.copyfile(built, staged)
+        os.replace(staged, target)  # atomic: another process sees no library or a whole one
+    if not quiet:
+        print(f"[boxcar] kernel built in {time.monotonic() - start:.1f} s",
+              file=sys.stderr, flush=True)
+    return target
 
 
 def load() -> ModuleType | None:
-    """Build (or reuse) the extension; None if it cannot be built here."""
-    global _module, _tried
+    """The kernel module, built on first use (see ``build``); None if it cannot be built here."""
+    global _module, _tried, load_seconds
     if _tried:
         return _module
     _tried = True
     if os.environ.get("BOXCAR_NO_CPU_KERNELS"):
         return None
+    start = time.perf_counter()
     try:
-        from torch.utils.cpp_extension import load as load_extension
-
-        _module = load_extension(
-            name="boxcar_paged_decode_attention",
-            sources=[str(_SOURCE)],
-            # -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension
-            # then binds to torch's own libgomp (same soname, already loaded): one thread pool.
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        path = build()
+        if _NAME in sys.modules:  # built and imported by build()'s cpp_extension call
+            module = sys.modules[_NAME]
+        else:
+            module = _import_library(path)
+        _module = module
     except Exception as exc:  # no compiler, no headers: fall back, loudly
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
         _module = None
+    load_seconds += time.perf_counter() - start
     return _module
+
+
+def _import_library(path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(path))
+    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+    if spec is None:
+        raise RuntimeError(f"cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    sys.modules[_NAME] = module
+    return module
+
+
+def _compiler_version() -> str:
+    compiler = os.environ.get("CXX", "c++")
+    try:
+        result = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"{compiler}: {exc}"
+    return f"{compiler}: {result.stdout}"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
 
 
 def paged_decode_attention(

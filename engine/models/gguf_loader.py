@@ -87,6 +87,16 @@ def iter_gguf_weights(
     path: Path, config: PretrainedConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for each weight in the file, dequantized, cast to ``dtype``."""
+    for name, tensor in iter_gguf_tensors(path, config):
+        yield name, tensor.to(dtype)
+
+
+def iter_gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` for each weight, dequantized, in gguf's own output dtype.
+
+    The converted cache (``engine.models.gguf_cache``) stores these uncast, so a cast of its
+    tensors equals a cast of these, bit for bit.
+    """
     reader = open_gguf(path)
     permute_qk = gguf_architecture(reader) == "llama"
     for tensor in reader.tensors:
@@ -107,7 +117,7 @@ def iter_gguf_weights(
             weights = _unpermute_rows(weights, config.num_key_value_heads)
         if not weights.flags.writeable:  # F32 tensors are views of the read-only file mapping
             weights = weights.copy()
-        yield name, torch.from_numpy(weights).to(dtype)
+        yield name, torch.from_numpy(weights)
 
 
 def _unpermute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:

@@ -17,6 +17,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine import model_cache
+from engine.models import gguf_cache
 from engine.models.gguf_loader import iter_gguf_weights, load_gguf_config
 from engine.tokenizer import TOKENIZER_FILES, load_tokenizer
 
@@ -34,6 +35,13 @@ _ARCHITECTURE_OF_MODEL_TYPE = {
 }
 
 
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
 @dataclass(frozen=True)
 class Checkpoint:
     """A model on disk: its HF config, where it lives, and where its tokenizer lives."""
@@ -41,6 +49,7 @@ class Checkpoint:
     config: PretrainedConfig
     path: Path  # an HF folder or a .gguf file
     tokenizer_path: Path | None = None  # None: the tokenizer stored with the model
+    source: Path | None = None  # the .gguf file that ``path``, its converted folder, came from
 
     @property
     def is_gguf(self) -> bool:
@@ -53,33 +62,87 @@ class Checkpoint:
             return
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
         for file in safetensors_files(self.path):
-            with safe_open(str(file), framework="pt") as weights:
-                for name in weights.keys():
-                    # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
-                    if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
-                        continue
-                    tensor = weights.get_tensor(name)
-                    yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+            for name, tensor in read_safetensors(file):
+                # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
+                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer, with ``chat_template`` set when the checkpoint has one."""
         return load_tokenizer(self.tokenizer_path or self.path)
 
 
-def load_checkpoint(model: str, tokenizer: str | None = None) -> Checkpoint:
+def load_checkpoint(
+    model: str, tokenizer: str | None = None, *, convert_gguf: bool = False
+) -> Checkpoint:
     """Open ``model``: an HF folder, a .gguf file, a folder with one .gguf, or a cached model name.
 
     ``tokenizer`` optionally names a different tokenizer the same ways. Problems that can be found
     without reading the weights (missing files, no config, unsupported architecture) raise here.
+    A GGUF file with a fresh converted folder (``engine.models.gguf_cache``) is read from that
+    folder; with ``convert_gguf`` one without is converted first (it reads all the weights), so
+    the next start is fast.
     """
     path = _locate(model, "model")
+    source = None
+    if path.is_file():
+        converted = gguf_cache.find(path)
+        if converted is None and convert_gguf:
+            converted = gguf_cache.convert(path)
+        if converted is not None:
+            path, source = converted, path
     if path.is_file():
         config = load_gguf_config(path)
     else:
         config = _load_hf_config(path)
         safetensors_files(path)  # fail now, not at the first weight
     tokenizer_path = _locate_tokenizer(tokenizer) if tokenizer else None
-    return Checkpoint(config=config, path=path, tokenizer_path=tokenizer_path)
+    if tokenizer_path is not None and tokenizer_path.is_file():
+        tokenizer_path = gguf_cache.find(tokenizer_path) or tokenizer_path
+    return Checkpoint(config=config, path=path, tokenizer_path=tokenizer_path, source=source)
+
+
+def prepare_model(model: str) -> Path:
+    """Make the next start of ``model`` fast: pull it if it is a known model and convert a GGUF
+    file to its cached HF folder. Returns the folder the engine will read (``boxcar model pull``
+    calls this; the engine does the same on a first start otherwise)."""
+    return load_checkpoint(model, convert_gguf=True).path
+
+
+def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` from a .safetensors file, each read into its own memory.
+
+    Plain reads rather than safetensors' memory map: the mapped pages of a file count in the
+    process's RSS until the whole file is closed, so loading through the map peaks at the model
+    twice over; read one tensor at a time, the peak is the model plus one tensor (and it is faster
+    than faulting the map in page by page). Files with dtypes this does not know go through
+    ``safe_open``.
+    """
+    with open(file, "rb") as handle:
+        header_size = int.from_bytes(handle.read(8), "little")
+        try:
+            header = json.loads(handle.read(header_size))
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{file} is not a safetensors file: {error}") from error
+        header.pop("__metadata__", None)
+        if any(entry.get("dtype") not in _SAFETENSORS_DTYPES for entry in header.values()):
+            with safe_open(str(file), framework="pt") as weights:
+                for name in weights.keys():
+                    yield name, weights.get_tensor(name)
+            return
+        base = 8 + header_size
+        for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
+            start, end = entry["data_offsets"]
+            tensor = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+            buffer = tensor.view(-1).view(torch.uint8).numpy()  # the tensor's own bytes
+            if buffer.nbytes != end - start:
+                raise ValueError(f"{file}: tensor {name!r} has {end - start} bytes, "
+                                 f"its shape and dtype need {buffer.nbytes}")
+            handle.seek(base + start)
+            if buffer.nbytes and handle.readinto(buffer) != buffer.nbytes:  # type: ignore[arg-type]
+                raise ValueError(f"{file} is truncated (tensor {name!r})")
+            yield name, tensor
 
 
 def safetensors_files(folder: Path) -> list[Path]:

@@ -1,0 +1,152 @@
+"""A GGUF file converted once to an HF folder (config.json, tokenizer files, model.safetensors).
+
+Parsing a GGUF file's metadata, building its tokenizer with transformers and dequantizing its
+weights cost seconds at every start; the converted folder loads in a fraction of that (the weights
+are memory-mapped). The weights are stored exactly as dequantized, before any cast, so loading them
+gives bit-identical tensors to the GGUF path.
+
+Where: beside the model (``<dir>/.<file>.boxcar/``), or, when that folder is read-only, under
+``$BOXCAR_CONVERTED_CACHE`` (default ``~/.cache/boxcar/converted/<hash of the GGUF's path>/``).
+Validity: ``boxcar-key.json`` records the GGUF's resolved path, size and mtime and the versions of
+the converting code and libraries; any difference means the folder is stale and is rebuilt. A
+folder is built under a temporary name and renamed into place, and its key is written last, so a
+reader sees a whole conversion or none.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+from transformers import PretrainedConfig
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+KEY_FILE = "boxcar-key.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+def fallback_root() -> Path:
+    """``$BOXCAR_CONVERTED_CACHE``, else ``~/.cache/boxcar/converted``."""
+    configured = os.environ.get("BOXCAR_CONVERTED_CACHE")
+    return Path(configured).expanduser() if configured else Path.home() / ".cache/boxcar/converted"
+
+
+def candidate_dirs(gguf: Path) -> list[Path]:
+    """Where the conversion of ``gguf`` may live, in order of preference."""
+    gguf = gguf.resolve()
+    path_hash = hashlib.sha256(str(gguf).encode()).hexdigest()[:16]
+    return [gguf.parent / f".{gguf.name}.boxcar", fallback_root() / f"{gguf.stem}-{path_hash}"]
+
+
+def cache_key(gguf: Path) -> dict[str, Any]:
+    """What the conversion depends on; a stored key equal to this one means the folder is fresh."""
+    gguf = gguf.resolve()
+    stat = gguf.stat()
+    return {
+        "format": FORMAT_VERSION,
+        "gguf": str(gguf),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "libraries": {name: _version(name) for name in ("gguf", "transformers", "tokenizers")},
+    }
+
+
+def find(gguf: Path) -> Path | None:
+    """The fresh converted folder of ``gguf``, or None."""
+    try:
+        key = cache_key(gguf)
+    except OSError:
+        return None
+    for folder in candidate_dirs(gguf):
+        if _stored_key(folder) == key and (folder / WEIGHTS_FILE).is_file():
+            return folder
+    return None
+
+
+def _stored_key(folder: Path) -> Any:
+    try:
+        return json.loads((folder / KEY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def convert(gguf: Path, *, quiet: bool = False) -> Path | None:
+    """Convert ``gguf`` into the first writable candidate folder and return it.
+
+    None when no candidate can be written (the caller reads the GGUF file directly). Errors in the
+    file itself (unsupported architecture, unknown tensors) raise ValueError as the GGUF path does.
+    """
+    from engine.models.gguf_loader import iter_gguf_tensors, load_gguf_config
+    from engine.tokenizer import load_tokenizer
+
+    start = time.monotonic()
+    key = cache_key(gguf)
+    if not quiet:
+        print(f"[boxcar] converting {gguf.name} to a cached folder (once; later starts skip "
+              "the GGUF parse)...", file=sys.stderr, flush=True)
+    config = load_gguf_config(gguf)
+    tokenizer = load_tokenizer(gguf)
+    weights = dict(iter_gguf_tensors(gguf, config))
+    for folder in candidate_dirs(gguf):
+        try:
+            _write(folder, key, config, tokenizer, weights)
+        except OSError as exc:
+            log.info("cannot cache the conversion of %s in %s: %s", gguf, folder, exc)
+            continue
+        if not quiet:
+            print(f"[boxcar] converted {gguf.name} to {folder} in "
+                  f"{time.monotonic() - start:.1f} s", file=sys.stderr, flush=True)
+        return folder
+    log.warning("no writable place to cache the conversion of %s; it is re-read at each start",
+                gguf)
+    return None
+
+
+def _write(
+    folder: Path, key: dict[str, Any], config: PretrainedConfig, tokenizer: Any,
+    weights: dict[str, Any],
+) -> None:
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.part-"))
+    try:
+        config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        (staging / KEY_FILE).write_text(json.dumps(key, indent=1))
+        for file in staging.iterdir():
+            file.chmod(0o644)  # some writers make private files; the cache is shared
+            with file.open("rb") as handle:
+                os.fsync(handle.fileno())
+        staging.chmod(0o755)  # mkdtemp makes it private; the cache is shared like the model
+        if folder.exists():  # stale: move it aside first, since rename does not replace a folder
+            stale = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.stale-"))
+            os.replace(folder, stale / "old")
+            shutil.rmtree(stale, ignore_errors=True)
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if _stored_key(folder) != key:  # not another process's identical conversion
+                raise
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _version(package: str) -> str | None:
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
