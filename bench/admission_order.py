@@ -1,10 +1,10 @@
 """The tail of a known batch: steps with few requests running, under different admission orders.
 
-``python -m bench.admission_order [--requests 128] [--max-num-seqs 32] [--rounds 1]``
+``python -m bench.admission_order [--requests 96] [--max-num-seqs 24] [--rounds 1]``
 
-A seeded mixed workload on the default model: half the requests share one of four ~200-token
-system prompts, half are unrelated chat prompts (30-300 tokens); 80% ask for 16-64 output tokens,
-20% for 128-256 (greedy, EOS ignored). The whole list is added before the first step (as
+A seeded mixed workload on the default model: half the requests share one of four ~130-token
+system prompts, half are unrelated chat prompts (30-150 tokens); 80% ask for 16-48 output tokens,
+20% for 96-192 (greedy, EOS ignored). The whole list is added before the first step (as
 ``LLM.generate`` and ``boxcar run`` do), in each of these orders, run interleaved:
 
 - ``as given``: the seeded shuffle (what a file in no particular order looks like);
@@ -32,9 +32,9 @@ from bench.offline import WORDS, Workload, make_workload
 
 def make_mixed(tokenizer: Any, num_requests: int, seed: int) -> Workload:
     rng = random.Random(seed)
-    systems = [" ".join(rng.choice(WORDS) for _ in range(190)) for _ in range(4)]
+    systems = [" ".join(rng.choice(WORDS) for _ in range(120)) for _ in range(4)]
     plain = make_workload(tokenizer, num_requests=num_requests - num_requests // 2,
-                          prompt_range=(30, 300), output_range=(1, 1), seed=seed)
+                          prompt_range=(30, 150), output_range=(1, 1), seed=seed)
     prompts = list(plain.prompts)
     for i in range(num_requests // 2):
         messages = [{"role": "system", "content": rng.choice(systems)},
@@ -42,7 +42,7 @@ def make_mixed(tokenizer: Any, num_requests: int, seed: int) -> Workload:
                         rng.choice(WORDS) for _ in range(rng.randint(5, 40)))}]
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompts.append(list(tokenizer(text, add_special_tokens=False).input_ids))
-    max_tokens = [rng.randint(128, 256) if rng.random() < 0.2 else rng.randint(16, 64)
+    max_tokens = [rng.randint(96, 192) if rng.random() < 0.2 else rng.randint(16, 48)
                   for _ in prompts]
     pairs = list(zip(prompts, max_tokens, strict=True))
     rng.shuffle(pairs)
@@ -112,8 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.admission_order",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="SmolLM2-135M-Instruct")
-    parser.add_argument("--requests", type=int, default=128)
-    parser.add_argument("--max-num-seqs", type=int, default=32)
+    parser.add_argument("--requests", type=int, default=96)
+    parser.add_argument("--max-num-seqs", type=int, default=24)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)

@@ -84,10 +84,12 @@ class Scheduler:
         computed once and then hit; the requests behind it are still admitted. A waiting request
         more urgent than the last running one takes what it lacks from it: budget (that request
         skips this step), or a seat or blocks (it is preempted), repeated down the running list
-        while less urgent requests remain. Otherwise no request is admitted in a step that had to
-        preempt, and the first one that does not fit stops admission.
+        while less urgent requests remain; while priorities differ, ``urgent_step_tokens`` (if
+        set) caps the step's budget so the urgent request's steps stay short. Otherwise no request
+        is admitted in a step that had to preempt, and the first one that does not fit stops
+        admission.
         """
-        step = _Step(self.config.max_num_batched_tokens)
+        step = _Step(self._step_budget())
         now = time.monotonic()
 
         i = 0
@@ -107,13 +109,25 @@ class Scheduler:
 
         self._admit_waiting(step, now)
 
-        num_batched = self.config.max_num_batched_tokens - step.budget
+        num_batched = step.initial_budget - step.budget
         scheduled = list(step.scheduled.values())
         if scheduled:
             self.num_steps += 1
             self.batch_size_hist[len(scheduled)] += 1
             self.scheduled_tokens_hist[num_batched] += 1
         return SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
+
+    def _step_budget(self) -> int:
+        """The step's token budget, cut to ``urgent_step_tokens`` while priorities differ."""
+        config = self.config
+        cap = config.urgent_step_tokens
+        if cap is not None and self.running:
+            least_urgent = self.running[-1].priority
+            most_urgent = min(self.running[0].priority,
+                              self.waiting[0].priority if self.waiting else least_urgent)
+            if most_urgent < least_urgent:
+                return min(cap, config.max_num_batched_tokens)
+        return config.max_num_batched_tokens
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
         config = self.config
@@ -152,7 +166,7 @@ class Scheduler:
             if num_new > step.budget:
                 if config.enable_chunked_prefill:
                     num_new = step.budget
-                elif step.scheduled or step.budget < config.max_num_batched_tokens:
+                elif step.scheduled or step.budget < step.initial_budget:
                     break
                 # Chunking off and the step is empty: a prompt over the budget runs alone.
             # The watermark guards running requests; an idle engine admits what fits.
@@ -265,8 +279,12 @@ class _Step:
 
     budget: int
     scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    initial_budget: int = field(init=False)
     num_preempted: int = 0
     preempted_ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.initial_budget = self.budget
 
     def add(self, scheduled: ScheduledRequest) -> None:
         self.scheduled[scheduled.request_id] = scheduled

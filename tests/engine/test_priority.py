@@ -135,3 +135,22 @@ def test_preempted_request_is_not_readmitted_in_the_same_step():
     assert ids(out) == {"job"}
     assert sched.requests["bulk"].status == RequestStatus.PREEMPTED
     drain(sched)
+
+
+def test_urgent_step_tokens_caps_steps_while_priorities_differ():
+    sched = make_scheduler(max_num_seqs=8, urgent_step_tokens=4)
+    for i in range(6):
+        sched.add_request(make_request(f"bulk{i}", [1, 2, 3, i + 10], max_tokens=30, priority=1))
+    out, _ = step(sched)
+    assert out.num_batched_tokens == 24  # one priority: the full budget
+    sched.add_request(make_request("job", [50, 51, 52], max_tokens=3, priority=0))
+    out, _ = step(sched)
+    # The job's prompt takes the budget back from the newest bulk decodes; the cap holds.
+    assert {s.request_id for s in out.scheduled} == {"job", "bulk0"}
+    assert out.num_batched_tokens == 4
+    while "job" in sched.requests:
+        out, _ = step(sched)
+        assert out.num_batched_tokens <= 4 and out.scheduled[0].request_id == "job"
+    out, _ = step(sched)
+    assert out.num_batched_tokens == 6  # the job is done: every bulk request decodes again
+    drain(sched)
