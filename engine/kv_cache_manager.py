@@ -1,7 +1,9 @@
 """KVCacheManager: the per-request view of the block pool.
 
 It finds a request's cached prefix, allocates the slots a step needs, publishes blocks as they
-fill, and frees everything when the request ends or is preempted.
+fill, and frees everything when the request ends or is preempted. It also remembers which running
+request will compute each prompt block not yet cached (``in_flight``), so that a waiting request
+sharing that prefix can wait for it instead of computing it a second time.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
         self.watermark_blocks = int(watermark * num_blocks)
+        # Chained block hash -> the running request that will compute (and publish) that block.
+        self.in_flight: dict[bytes, Request] = {}
         # Prefix-cache counters, in tokens (as vLLM reports them).
         self.num_queries = 0
         self.num_hits = 0
@@ -64,6 +68,29 @@ class KVCacheManager:
             blocks.append(block)
         return blocks, len(blocks) * bs
 
+    def in_flight_owner(self, request: Request, num_hit_blocks: int) -> Request | None:
+        """The running request computing the block right after ``request``'s cached prefix.
+
+        Only a block that could be a hit counts (the last token is always computed anyway).
+        Call after ``get_computed_blocks`` (which fills ``request.block_hashes``).
+        """
+        if not self.in_flight or num_hit_blocks >= (request.num_tokens - 1) // self.block_size:
+            return None
+        owner = self.in_flight.get(request.block_hashes[num_hit_blocks])
+        return owner if owner is not request else None
+
+    def promise_blocks(self, request: Request, num_hit_blocks: int) -> None:
+        """Mark the admitted request's full blocks past its cached prefix as being computed."""
+        if not self.enable_caching:
+            return
+        for block_hash in request.block_hashes[num_hit_blocks:]:
+            self.in_flight.setdefault(block_hash, request)
+
+    def _release_promises(self, request: Request, start: int, end: int) -> None:
+        for block_hash in request.block_hashes[start:end]:
+            if self.in_flight.get(block_hash) is request:
+                del self.in_flight[block_hash]
+
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted request's lookup (a refused admission is looked up again later)."""
         self.num_queries += num_tokens
@@ -109,9 +136,12 @@ class KVCacheManager:
             self.pool.cache_block(
                 block, request.block_hashes[i], request.token_ids[i * bs : (i + 1) * bs]
             )
+        self._release_promises(request, request.num_published_blocks, num_full)
         request.num_published_blocks = max(request.num_published_blocks, num_full)
 
     def free(self, request: Request) -> None:
+        if self.in_flight:
+            self._release_promises(request, request.num_published_blocks, len(request.block_hashes))
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
         self.pool.free([self.pool.blocks[i] for i in reversed(request.block_ids)])
         request.block_ids = []

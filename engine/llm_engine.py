@@ -107,7 +107,17 @@ class LLMEngine:
         params: SamplingParams,
         *,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> None:
+        """Queue one request (``params.n`` sequences) for the next steps.
+
+        ``priority``: lower values are more urgent (vLLM's convention), 0 by default. The
+        waiting queue is ordered by (priority, arrival); a request more urgent than a running one
+        may take that one's place at the next step (the displaced one is preempted by recompute).
+        Siblings of an n > 1 request share their prompt's full blocks through the prefix cache.
+        """
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id in self._user_requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         text = prompt if isinstance(prompt, str) else None
@@ -134,9 +144,7 @@ class LLMEngine:
                 metrics=RequestMetrics(metrics.arrival_time, num_prompt_tokens=len(prompt_ids)),
                 parent_id=request_id,
                 index=index,
-                waits_for=user.children[0]
-                if index > 0 and self.config.enable_prefix_caching
-                else None,
+                priority=priority,
                 generator=generator,
             )
             user.children.append(child)

@@ -54,12 +54,13 @@ class Request:
     metrics: RequestMetrics
     parent_id: str | None = None
     index: int = 0
-    # Siblings of an n > 1 request wait until the first one's prompt is in the cache, then share
-    # its full blocks through the prefix cache.
-    waits_for: Request | None = None
+    # Lower is more urgent (vLLM's convention); the scheduler orders by (priority, arrival).
+    priority: int = 0
     generator: torch.Generator | None = None
 
     token_ids: list[int] = field(init=False)
+    # Arrival order in the scheduler (set by Scheduler.add_request): breaks priority ties.
+    arrival_seq: int = field(default=0, init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     num_computed_tokens: int = field(default=0, init=False)
     block_ids: list[int] = field(default_factory=list, init=False)
@@ -77,6 +78,11 @@ class Request:
         self.token_ids = list(self.prompt_token_ids)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
+
+    @property
+    def sort_key(self) -> tuple[int, int]:
+        """Queue order in both the waiting and the running list: most urgent, then oldest."""
+        return (self.priority, self.arrival_seq)
 
     @property
     def num_prompt_tokens(self) -> int:

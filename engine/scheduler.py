@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from bisect import insort
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
@@ -19,10 +21,14 @@ class Scheduler:
         self.kv = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
-        self.waiting: deque[Request] = deque()
+        # Both lists are kept in Request.sort_key order: (priority, arrival), lower first.
+        self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        self._num_arrived = 0
         self.num_preemptions = 0
+        # Waiting requests passed over in a step because a running one was computing their prefix.
+        self.num_prefix_holds = 0
         self.num_steps = 0
         self.batch_size_hist: Counter[int] = Counter()
         self.scheduled_tokens_hist: Counter[int] = Counter()
@@ -30,7 +36,9 @@ class Scheduler:
     # ---- queue management -------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
-        self.waiting.append(request)
+        request.arrival_seq = self._num_arrived
+        self._num_arrived += 1
+        insort(self.waiting, request, key=_sort_key)
         self.requests[request.request_id] = request
 
     def has_unfinished_requests(self) -> bool:
@@ -65,99 +73,148 @@ class Scheduler:
         Every request moves ``num_computed_tokens`` toward ``num_tokens``: a decode needs one
         token, a prompt (or a preempted request's prompt + output) needs the rest, cut to what is
         left of ``max_num_batched_tokens`` when chunked prefill is on, so long prompts share
-        steps with decodes instead of stalling them. Running requests are served in admission
-        order; when one needs a block and none is free, the newest running request is preempted
-        (its blocks freed, to be recomputed later, usually from its own cached prefix) until the
-        allocation fits. Waiting requests are admitted in FIFO order, after their cached prefix is
-        looked up, while the budget, ``max_num_seqs`` and the free-block watermark allow; no new
-        request is admitted in a step that had to preempt.
+        steps with decodes instead of stalling them. Both queues are ordered by (priority,
+        arrival), lower priority values first. Running requests are served in that order; when
+        one needs a block and none is free, the last running request (least urgent, newest) is
+        preempted (its blocks freed, to be recomputed later, usually from its own cached prefix)
+        until the allocation fits. Waiting requests are then admitted in order, after their cached
+        prefix is looked up, while the budget, ``max_num_seqs`` and the free-block watermark
+        allow. A waiting request whose next uncached prompt block is being computed by a running
+        request (admitted earlier or in this step) is held and passed over, so a shared prefix is
+        computed once and then hit; the requests behind it are still admitted. A waiting request
+        more urgent than the last running one takes what it lacks from it: budget (that request
+        skips this step), or a seat or blocks (it is preempted), repeated down the running list
+        while less urgent requests remain; while priorities differ, ``urgent_step_tokens`` (if
+        set) caps the step's budget so the urgent request's steps stay short. Otherwise no request
+        is admitted in a step that had to preempt, and the first one that does not fit stops
+        admission.
         """
-        config = self.config
-        budget = config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
-        num_preempted = 0
+        step = _Step(self._step_budget())
         now = time.monotonic()
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
-                self._preempt(victim)
-                num_preempted += 1
+                self._preempt(victim, step)
                 if victim is request:
                     break
             else:
-                scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
+                step.add(self._scheduled(request, num_new))
                 i += 1
                 continue
             break  # the request itself was preempted: nothing behind it runs either
 
-        if num_preempted == 0:
-            skipped: list[Request] = []
-            while self.waiting and budget > 0 and len(self.running) < config.max_num_seqs:
-                request = self.waiting[0]
-                if request.waits_for is not None and not self._sibling_ready(request):
-                    skipped.append(self.waiting.popleft())
-                    continue
-                computed_blocks: list = []
-                num_hit = 0
-                if request.num_computed_tokens == 0:
-                    computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-                num_new = request.num_tokens - request.num_computed_tokens - num_hit
-                if num_new > budget:
-                    if config.enable_chunked_prefill:
-                        num_new = budget
-                    elif scheduled or budget < config.max_num_batched_tokens:
-                        break
-                    # Chunking off and the step is empty: a prompt over the budget runs alone.
-                # The watermark guards running requests; an idle engine admits what fits.
-                admit = bool(self.running)
-                if not self.kv.allocate_slots(request, num_new, computed_blocks, admit=admit):
-                    break
-                self.waiting.popleft()
-                if self.kv.enable_caching and request.num_computed_tokens == 0:
-                    self.kv.record_lookup(request.num_tokens, num_hit)
-                if request.num_cached_tokens is None:
-                    request.num_cached_tokens = num_hit
-                    request.metrics.num_cached_tokens = num_hit
-                request.num_computed_tokens += num_hit
-                request.status = RequestStatus.RUNNING
-                if request.metrics.first_scheduled_time is None:
-                    request.metrics.first_scheduled_time = now
-                self.running.append(request)
-                scheduled.append(self._scheduled(request, num_new))
-                budget -= num_new
-            self.waiting.extendleft(reversed(skipped))
+        self._admit_waiting(step, now)
 
-        num_batched = config.max_num_batched_tokens - budget
+        num_batched = step.initial_budget - step.budget
+        scheduled = list(step.scheduled.values())
         if scheduled:
             self.num_steps += 1
             self.batch_size_hist[len(scheduled)] += 1
             self.scheduled_tokens_hist[num_batched] += 1
-        return SchedulerOutput(scheduled, max(num_batched, 0), num_preempted)
+        return SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
 
-    def _sibling_ready(self, request: Request) -> bool:
-        first = request.waits_for
-        assert first is not None
-        if first.is_finished or first.num_computed_tokens >= first.num_prompt_tokens:
-            request.waits_for = None
-            return True
-        return False
+    def _step_budget(self) -> int:
+        """The step's token budget, cut to ``urgent_step_tokens`` while priorities differ."""
+        config = self.config
+        cap = config.urgent_step_tokens
+        if cap is not None and self.running:
+            least_urgent = self.running[-1].priority
+            most_urgent = min(self.running[0].priority,
+                              self.waiting[0].priority if self.waiting else least_urgent)
+            if most_urgent < least_urgent:
+                return min(cap, config.max_num_batched_tokens)
+        return config.max_num_batched_tokens
+
+    def _admit_waiting(self, step: _Step, now: float) -> None:
+        config = self.config
+        preempted_by_running = step.num_preempted > 0
+        num_held = 0
+        i = 0
+        while i < len(self.waiting):
+            request = self.waiting[i]
+            if request.request_id in step.preempted_ids:
+                break  # taken out this step: it and everything after it wait for the next one
+            outranks = bool(self.running) and self.running[-1].priority > request.priority
+            if preempted_by_running and not outranks:
+                break
+            computed_blocks: list = []
+            num_hit = 0
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+                if self.kv.in_flight_owner(request, len(computed_blocks)) is not None:
+                    # Its next block is being computed: take it from the cache in a later step.
+                    self.num_prefix_holds += 1
+                    num_held += 1
+                    if num_held >= config.max_num_seqs:
+                        break  # bound the scan of a long queue of held requests
+                    i += 1
+                    continue
+            if step.budget <= 0 and not (outranks and self._take_budget(request, 1, step)):
+                break
+            if len(self.running) >= config.max_num_seqs:
+                if outranks:
+                    self._preempt(self.running.pop(), step)
+                    continue
+                break
+            num_new = request.num_tokens - request.num_computed_tokens - num_hit
+            if num_new > step.budget and outranks:
+                self._take_budget(request, num_new, step)
+            if num_new > step.budget:
+                if config.enable_chunked_prefill:
+                    num_new = step.budget
+                elif step.scheduled or step.budget < step.initial_budget:
+                    break
+                # Chunking off and the step is empty: a prompt over the budget runs alone.
+            # The watermark guards running requests; an idle engine admits what fits.
+            admit = bool(self.running)
+            if not self.kv.allocate_slots(request, num_new, computed_blocks, admit=admit):
+                if outranks:
+                    self._preempt(self.running.pop(), step)
+                    continue
+                break
+            del self.waiting[i]
+            if self.kv.enable_caching and request.num_computed_tokens == 0:
+                self.kv.record_lookup(request.num_tokens, num_hit)
+                self.kv.promise_blocks(request, len(computed_blocks))
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_hit
+                request.metrics.num_cached_tokens = num_hit
+            request.num_computed_tokens += num_hit
+            request.status = RequestStatus.RUNNING
+            if request.metrics.first_scheduled_time is None:
+                request.metrics.first_scheduled_time = now
+            insort(self.running, request, key=_sort_key)
+            step.add(self._scheduled(request, num_new))
+
+    def _take_budget(self, request: Request, num_tokens: int, step: _Step) -> bool:
+        """Unschedule less urgent running requests (last first) until ``num_tokens`` are free.
+
+        They keep their blocks and state and simply skip this step. True if any budget is free.
+        """
+        for other in reversed(self.running):
+            if step.budget >= num_tokens or other.priority <= request.priority:
+                break
+            step.remove(other.request_id)
+        return step.budget > 0
 
     def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         sample = request.num_computed_tokens + num_new == request.num_tokens
         return ScheduledRequest(request.request_id, request.num_computed_tokens, num_new, sample)
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, step: _Step) -> None:
+        step.remove(request.request_id)
+        step.num_preempted += 1
+        step.preempted_ids.add(request.request_id)
         self.kv.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.metrics.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        insort(self.waiting, request, key=_sort_key)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
@@ -210,3 +267,30 @@ class Scheduler:
         request.stop_reason = stop_reason
         self.running.remove(request)
         self._finish(request, RequestStatus.FINISHED_STOPPED)
+
+
+def _sort_key(request: Request) -> tuple[int, int]:
+    return request.sort_key
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has handed out so far."""
+
+    budget: int
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    initial_budget: int = field(init=False)
+    num_preempted: int = 0
+    preempted_ids: set[str] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        self.initial_budget = self.budget
+
+    def add(self, scheduled: ScheduledRequest) -> None:
+        self.scheduled[scheduled.request_id] = scheduled
+        self.budget -= scheduled.num_new_tokens
+
+    def remove(self, request_id: str) -> None:
+        scheduled = self.scheduled.pop(request_id, None)
+        if scheduled is not None:
+            self.budget += scheduled.num_new_tokens

@@ -134,3 +134,66 @@ def test_bf16_runs_and_mostly_agrees(tiny_model_dir):
     assert all(len(o.token_ids) == 8 for o in b)
     # bf16 rounds differently; the first greedy token should still agree on most prompts.
     assert sum(x.token_ids[0] == y.token_ids[0] for x, y in zip(a, b, strict=True)) >= 3
+
+
+SHARED_PREFIX_MODES = {
+    "default": {},
+    "chunked-tiny-budget": {"max_num_batched_tokens": 16},
+    "preempt-tiny-kv": {"num_kv_blocks": 12, "max_num_batched_tokens": 32},
+}
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_reference(tiny_model_dir):
+    vocab = transformers.AutoConfig.from_pretrained(tiny_model_dir).vocab_size
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, vocab, (40,), generator=g).tolist()
+    prompts = [shared + torch.randint(3, vocab, (n,), generator=g).tolist()
+               for n in (2, 7, 1, 12, 5)]
+    prompts.append(shared[:24] + torch.randint(3, vocab, (6,), generator=g).tolist())
+    prompts.append(list(prompts[3]))  # an exact repeat: waits for its sixth block too
+    max_tokens = [10, 14, 6, 9, 12, 8, 14]
+    return prompts, max_tokens, hf_greedy(tiny_model_dir, prompts, max_tokens)
+
+
+@pytest.mark.parametrize("mode", list(SHARED_PREFIX_MODES))
+def test_same_step_shared_prefix_is_computed_once_and_exact(
+    tiny_model_dir, shared_prefix_reference, mode
+):
+    prompts, max_tokens, expected = shared_prefix_reference
+    llm = LLM(str(tiny_model_dir), block_size=8, **SHARED_PREFIX_MODES[mode])
+    outs = llm.generate(prompts, [greedy(n) for n in max_tokens])  # all added before step 1
+    for out, ref in zip(outs, expected, strict=True):
+        assert out.token_ids == ref
+    stats = llm.engine.get_stats()
+    assert llm.engine.scheduler.num_prefix_holds > 0
+    if mode.startswith("preempt"):
+        assert stats.num_preemptions > 0
+    else:
+        # Every sharer waits for the first one's 5 full shared blocks, then hits them.
+        assert [o.metrics.num_cached_tokens for o in outs] == [0, 40, 40, 40, 40, 24, 48]
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert llm.engine.scheduler.kv.in_flight == {}
+
+
+def test_urgent_request_preempts_bulk_and_all_stay_exact(tiny_model_dir, shared_prefix_reference):
+    prompts, max_tokens, expected = shared_prefix_reference
+    llm = LLM(str(tiny_model_dir), block_size=8, max_num_seqs=3, max_num_batched_tokens=24)
+    engine = llm.engine
+    for i in range(len(prompts) - 1):
+        engine.add_request(f"bulk{i}", prompts[i], greedy(max_tokens[i]), priority=1)
+    results = {}
+    for _ in range(4):
+        for out in engine.step():
+            results[out.request_id] = out
+    last = len(prompts) - 1
+    engine.add_request("job", prompts[last], greedy(max_tokens[last]), priority=0)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            results[out.request_id] = out
+    assert results["job"].token_ids == expected[last]
+    for i in range(last):
+        assert results[f"bulk{i}"].token_ids == expected[i]
+    assert engine.get_stats().num_preemptions > 0
+    assert sum(r.metrics.num_preemptions for r in results.values()) > 0
+    assert engine.get_stats().num_free_kv_blocks == engine.get_stats().num_kv_blocks
