@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class RequestStatus(enum.Enum):
@@ -58,6 +62,8 @@ class Request:
     # its full blocks through the prefix cache.
     waits_for: Request | None = None
     generator: torch.Generator | None = None
+    # The structured-output matcher: advanced once per sampled token, never on recompute.
+    grammar: xgr.GrammarMatcher | None = None
 
     token_ids: list[int] = field(init=False)
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
