@@ -16,6 +16,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, Reques
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import StructuredOutputManager, accept_token
 
 
 @dataclass
@@ -73,6 +74,8 @@ class LLMEngine:
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(hf_config, self.tokenizer)
+        # Built on the first structured request (reading the vocabulary takes a moment).
+        self._structured_output: StructuredOutputManager | None = None
         self._user_requests: dict[str, _UserRequest] = {}
         self._child_to_user: dict[str, str] = {}
         self.num_prompt_tokens = 0
@@ -123,6 +126,11 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
+        self._validate_logit_bias(params)
+        matchers = None
+        if params.structured_output is not None:
+            # Compiles (or finds in the cache) now, so a bad format fails this call.
+            matchers = self.structured_output.matchers(params.structured_output, params.n)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         metrics = RequestMetrics(
@@ -146,6 +154,7 @@ class LLMEngine:
                 index=index,
                 priority=priority,
                 generator=generator,
+                grammar=None if matchers is None else matchers[index],
             )
             user.children.append(child)
             self._child_to_user[child_id] = request_id
@@ -164,6 +173,21 @@ class LLMEngine:
         vocab = self.model_runner.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+
+    def _validate_logit_bias(self, params: SamplingParams) -> None:
+        vocab = self.model_runner.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab}), got "
+                             f"{max(params.logit_bias)}")
+
+    @property
+    def structured_output(self) -> StructuredOutputManager:
+        """The grammar compiler and its cache (one per engine, so one per worker)."""
+        if self._structured_output is None:
+            self._structured_output = StructuredOutputManager(
+                self.tokenizer, self.model_runner.vocab_size, self.eos_token_ids
+            )
+        return self._structured_output
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         if isinstance(request_ids, str):
@@ -204,6 +228,11 @@ class LLMEngine:
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generated_tokens += len(updated)
         for request in updated:
+            if request.grammar is not None:
+                # The grammar's stop tokens are the EOS ids, and structured requests neither
+                # ignore EOS nor ban it (min_tokens): a completed grammar has already finished
+                # the request through the scheduler's EOS check.
+                accept_token(request, request.token_ids[-1])
             if not request.is_finished and request.sampling_params.stop:
                 stop = self._match_stop_string(request)
                 if stop is not None:

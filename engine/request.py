@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import RequestMetrics, TokenLogprob
 from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
 
 
 class RequestStatus(enum.Enum):
@@ -57,6 +61,8 @@ class Request:
     # Lower is more urgent (vLLM's convention); the scheduler orders by (priority, arrival).
     priority: int = 0
     generator: torch.Generator | None = None
+    # The structured-output matcher: advanced once per sampled token, never on recompute.
+    grammar: xgr.GrammarMatcher | None = None
 
     token_ids: list[int] = field(init=False)
     # Arrival order in the scheduler (set by Scheduler.add_request): breaks priority ties.

@@ -1,9 +1,12 @@
 """Sampler: logits -> next tokens, with per-request parameters applied as batched tensor ops.
 
-Order: penalties (repetition, presence, frequency), min_tokens masking, then greedy argmax or
-temperature -> top-k -> top-p -> min-p -> a draw. A request with a seed draws from its own
-generator, one draw per token, so its output never depends on what else is in the batch.
-Logprobs are taken from the raw model distribution (before penalties and temperature).
+Order: logit_bias, the structured-output grammar mask (one bitmask for the batch), penalties
+(repetition, presence, frequency), min_tokens masking, then greedy argmax or temperature ->
+top-k -> top-p -> min-p -> a draw. A request with a seed draws from its own generator, one draw
+per token, so its output never depends on what else is in the batch. Logprobs are taken from
+the model's distribution after logit_bias and the grammar mask, before penalties and
+temperature (for a request with neither, the raw model distribution); tokens the mask or a
+-inf logit rule out are never listed among the top alternatives.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 
 from engine.outputs import TokenLogprob
 from engine.request import Request
+from engine.structured_output import apply_grammar_masks
 
 
 class Sampler:
@@ -27,6 +31,7 @@ class Sampler:
         return (
             not params.greedy
             or params.logprobs is not None
+            or not params.plain_logits
             or params.repetition_penalty != 1.0
             or params.presence_penalty != 0.0
             or params.frequency_penalty != 0.0
@@ -40,6 +45,10 @@ class Sampler:
         logits = logits.float()
         if logits.shape[-1] > self.vocab_size:  # padded embedding rows are never real tokens
             logits = logits[:, : self.vocab_size]
+        if any(not r.sampling_params.plain_logits for r in requests):
+            logits = logits.clone()
+            self._apply_logit_bias(logits, requests)
+            apply_grammar_masks(logits, requests)
         raw_logprobs = None
         if any(r.sampling_params.logprobs is not None for r in requests):
             raw_logprobs = torch.log_softmax(logits, dim=-1)
@@ -63,9 +72,28 @@ class Sampler:
                 top: list[tuple[int, float]] = []
                 if num_top > 0:
                     values, indices = row.topk(num_top)
-                    top = list(zip(indices.tolist(), values.tolist(), strict=True))
+                    top = [(t, v) for t, v in zip(indices.tolist(), values.tolist(), strict=True)
+                           if v != float("-inf")]
                 logprobs[i] = TokenLogprob(ids[i], float(row[ids[i]]), top)
         return ids, logprobs
+
+    @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, request in enumerate(requests):
+            bias = request.sampling_params.logit_bias
+            if bias:
+                rows.extend([i] * len(bias))
+                cols.extend(bias)
+                values.extend(bias.values())
+        if rows:
+            logits.index_put_(
+                (torch.tensor(rows), torch.tensor(cols)),
+                torch.tensor(values, dtype=logits.dtype),
+                accumulate=True,
+            )
 
     def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         rows = [

@@ -4,6 +4,61 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
+
+# OpenAI's logit_bias range: -100 bans a token, +100 all but forces it.
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class StructuredOutputParams:
+    """Constrain a request's output to a grammar (compiled by xgrammar). Set exactly one of:
+
+    ``json_schema``: a JSON Schema (dict or JSON text); the output is one JSON value valid under
+    it. ``strict`` (default True) also forbids object properties and array items that the schema
+    does not name (JSON Schema's ``additionalProperties``/``items`` defaults are open); with
+    ``strict=False`` the schema's own defaults apply. ``json_object``: any JSON object.
+    ``grammar``: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``).
+    ``structural_tag``: an xgrammar structural tag (dict or JSON text), e.g. free text with tool
+    calls between trigger tags.
+
+    The request stops ("stop") when the grammar is complete: the mask then allows only EOS.
+    ``max_tokens`` can still cut it ("length"); stop strings still apply and can cut it too.
+    """
+
+    json_schema: str | dict[str, Any] | None = None
+    json_object: bool = False
+    grammar: str | None = None
+    structural_tag: str | dict[str, Any] | None = None
+    strict: bool = True
+
+    def __post_init__(self) -> None:
+        chosen = [
+            name for name, value in (
+                ("json_schema", self.json_schema), ("grammar", self.grammar),
+                ("structural_tag", self.structural_tag),
+            ) if value is not None
+        ]
+        if not isinstance(self.json_object, bool):
+            raise ValueError(f"structured_output.json_object must be a bool, got "
+                             f"{self.json_object!r}")
+        if self.json_object:
+            chosen.append("json_object")
+        if len(chosen) != 1:
+            raise ValueError(
+                "structured_output needs exactly one of json_schema, json_object, grammar, "
+                f"structural_tag; got {chosen or 'none'}"
+            )
+        for name in ("json_schema", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, str | dict):
+                raise ValueError(f"structured_output.{name} must be a dict or JSON text, got "
+                                 f"{type(value).__name__}")
+        if self.grammar is not None and (not isinstance(self.grammar, str)
+                                         or not self.grammar.strip()):
+            raise ValueError("structured_output.grammar must be non-empty EBNF text")
+        if not isinstance(self.strict, bool):
+            raise ValueError(f"structured_output.strict must be a bool, got {self.strict!r}")
 
 
 @dataclass
@@ -33,12 +88,17 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # token id -> value added to its logit before sampling (OpenAI semantics, [-100, 100]).
+    logit_bias: dict[int, float] | None = None
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias) or None
         self._validate()
 
     def _validate(self) -> None:
@@ -82,6 +142,29 @@ class SamplingParams:
             raise bad("stop", "must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must be a list of non-negative integers")
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if not isinstance(token_id, int) or isinstance(token_id, bool) or token_id < 0:
+                    raise ValueError(f"logit_bias keys must be token ids (integers >= 0), got "
+                                     f"{token_id!r}")
+                if (not isinstance(bias, int | float) or isinstance(bias, bool)
+                        or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                    raise ValueError(f"logit_bias[{token_id}] must be a number in "
+                                     f"[-100, 100], got {bias!r}")
+        if self.structured_output is not None:
+            if not isinstance(self.structured_output, StructuredOutputParams):
+                raise bad("structured_output", "must be a StructuredOutputParams")
+            # The grammar ends the request by allowing only EOS once it is complete: an EOS
+            # that does not stop, or is banned, would leave no valid token.
+            if self.ignore_eos:
+                raise bad("ignore_eos", "cannot be set with structured_output")
+            if self.min_tokens:
+                raise bad("min_tokens", "must be 0 with structured_output")
+
+    @property
+    def plain_logits(self) -> bool:
+        """No logit_bias and no grammar: the logits are the model's own."""
+        return self.logit_bias is None and self.structured_output is None
 
     @property
     def greedy(self) -> bool:
