@@ -50,7 +50,7 @@ class LeaseKeeper(RoundLoop):
         self.model = model  # claim only this model's shards (None: any, a test's fake engine)
         self.aliases = aliases or []
         self._last_check = 0.0
-        self._last_announce = time.monotonic()  # WorkerService.start announces first
+        self._last_announce = 0.0  # never: the first round announces (unless start() did)
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
 
     def wake(self, *, check: bool = False) -> None:

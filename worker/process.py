@@ -187,8 +187,12 @@ class WorkerService:
                                   drainer=self.drainer, announce_shards=self._announce_shards,
                                   on_batches_touched=self.housekeeper.batches_touched,
                                   model=model_name, aliases=aliases)
-        # Served from now on (before the first claim), and kept so by the lease thread.
-        self.leases.announce()
+        # Served from now on (before the first claim), and kept so by the lease thread (which
+        # retries at once if the database is not there yet).
+        try:
+            self.leases.announce()
+        except Exception:
+            log.exception("could not announce model %s; the lease thread will retry", model_name)
         self.writer.start()
         self.webhooks.start()
         if settings.worker_metrics_port:

@@ -11,7 +11,7 @@ import json
 
 import openai
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 
 from cli.embedded import EmbeddedServer
 from service.settings import Settings
@@ -131,3 +131,68 @@ def test_two_models_in_one_deployment(deployment, two_models):
             "JOIN shards ON shards.id = request_lines.shard_id")).all()
     assert len(rows) == 6 * 3 + 2 + 1
     assert all(by_worker[worker] == model for worker, model in rows)
+
+
+def test_two_models_on_celery_with_a_restarting_worker(production, two_models):
+    """Production (PostgreSQL, Redis + Celery, S3): per-model queues. A model whose only worker
+    died is still served (its TTL): its batch is accepted and its shards wait in its own queue,
+    untouched by the other model's worker, until a worker of it starts again."""
+    import httpx
+    import redis
+
+    from tests.conftest_services import REDIS_URL
+
+    namespace = production.env["BOXCAR_QUEUE_NAMESPACE"]
+    client = httpx.Client(base_url=production.base_url, timeout=30,
+                          headers={"Authorization": f"Bearer {production.api_key}"})
+    production.start_worker("wa", env={"BOXCAR_MODEL": two_models["tiny-a"]})
+    production.start_worker("wb", env={"BOXCAR_MODEL": two_models["tiny-b"]})
+    production.kill_worker("wb")  # crashed, or restarting: tiny-b stays served for the TTL
+    served = {m["id"]: m for m in client.get("/v1/models").json()["data"]}
+    assert {"tiny-a", "tiny-b"} <= set(served)
+
+    def submit(model: str, tag: str) -> str:
+        lines = [completion_line(f"{tag}-{i}", PROMPTS[i], max_tokens=MAX_TOKENS,
+                                 temperature=0, ignore_eos=True, model=model) for i in range(6)]
+        file_id = client.post("/v1/files", data={"purpose": "batch"},
+                              files={"file": ("in.jsonl", jsonl(lines))}).json()["id"]
+        response = client.post("/v1/batches", json={
+            "input_file_id": file_id, "endpoint": "/v1/completions",
+            "completion_window": "24h"})
+        assert response.status_code == 200, response.text
+        return response.json()["id"]
+
+    batch_b = submit("tiny-b", "b")
+    batch_a = submit("tiny-a", "a")
+    refused = client.post("/v1/jobs", json={"body": {"model": "NonExistModel", "prompt": "x"}})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+    def batch(batch_id: str) -> dict:
+        return client.get(f"/v1/batches/{batch_id}").json()
+
+    wait_for(lambda: batch(batch_a)["status"] == "completed", 120, 0.2, "tiny-a's batch")
+    queued_b = batch(batch_b)
+    assert queued_b["status"] == "in_progress"  # prepared by wa, but not run by it
+    assert queued_b["request_counts"]["completed"] == 0
+    bell = redis.Redis.from_url(REDIS_URL)
+    assert bell.llen(f"{namespace}.bulk.tiny-b") >= 1  # its doorbells wait in tiny-b's queue
+
+    production.start_worker("wb2", env={"BOXCAR_MODEL": two_models["tiny-b"]})
+    wait_for(lambda: batch(batch_b)["status"] == "completed", 120, 0.2, "tiny-b's batch")
+    for batch_id, model in ((batch_a, "tiny-a"), (batch_b, "tiny-b")):
+        done = batch(batch_id)
+        assert done["model"] == model and done["request_counts"]["completed"] == 6
+        output = [json.loads(x) for x in client.get(
+            f"/v1/files/{done['output_file_id']}/content").text.splitlines()]
+        assert {line["response"]["body"]["model"] for line in output} == {model}
+    engine = create_engine(production.db_url)
+    with engine.connect() as conn:
+        rows = conn.execute(text(
+            "SELECT DISTINCT request_lines.worker_id, shards.model FROM request_lines "
+            "JOIN shards ON shards.id = request_lines.shard_id "
+            "WHERE shards.batch_id IN (:a, :b)"), {"a": batch_a, "b": batch_b}).all()
+    engine.dispose()
+    models_of = {}
+    for worker_id, model in rows:
+        models_of.setdefault(worker_id, set()).add(model)
+    assert sorted(m for ms in models_of.values() for m in ms) == ["tiny-a", "tiny-b"]  # one each
