@@ -33,10 +33,11 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
-    # While a running or waiting request is more urgent than a running one, a step computes at
-    # most this many tokens (the urgent ones first), so the urgent request's steps stay short on
-    # a device whose step time grows with its tokens (a CPU). None: no cap.
-    urgent_step_tokens: int | None = None
+    # While an unfinished request is more urgent than others, the less urgent requests' prefill
+    # tokens (prompt chunks, admissions, recomputes) share at most this many per step; their
+    # decodes all still run. Keeps the urgent request's steps short on a device whose step time
+    # grows with its tokens (a CPU). None: no cap. No effect while every priority is equal.
+    urgent_prefill_tokens: int | None = 64
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -63,8 +64,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.urgent_step_tokens is not None and self.urgent_step_tokens < 1:
-            raise ValueError(f"urgent_step_tokens must be >= 1, got {self.urgent_step_tokens}")
+        if self.urgent_prefill_tokens is not None and self.urgent_prefill_tokens < 1:
+            raise ValueError(
+                f"urgent_prefill_tokens must be >= 1 (or None: no cap), "
+                f"got {self.urgent_prefill_tokens}"
+            )
         if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be 'cpu', 'torch' or 'triton', "
