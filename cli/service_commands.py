@@ -48,10 +48,12 @@ def _logging(verbose: bool) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cli.embedded import EmbeddedServer
+    from worker.process import exit_process
 
     _logging(args.verbose)
     settings = _settings_from(args)
-    server = EmbeddedServer(settings, host=args.host, port=args.port).start()
+    server = EmbeddedServer(settings, host=args.host, port=args.port,
+                            on_fatal=exit_process).start()
     print(f"boxcar is serving {settings.model} at {server.base_url} "
           f"(docs: {server.base_url}/docs)")
     print(f"API key: {server.api_key}")

@@ -35,6 +35,8 @@ class LeaseKeeper(RoundLoop):
         drainer: Drainer,
         announce_shards: Callable[[list[str]], None],
         on_batches_touched: Callable[[set[str]], None],
+        engine_alive: Callable[[], bool] = lambda: True,
+        on_engine_dead: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
         self.db = db
@@ -46,6 +48,10 @@ class LeaseKeeper(RoundLoop):
         self._on_batches_touched = on_batches_touched
         self._last_check = 0.0
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
+        # Leases are renewed only for an engine that runs: a worker whose engine thread died
+        # must not keep its shards alive (nobody else could take them).
+        self._engine_alive = engine_alive
+        self._on_engine_dead = on_engine_dead
 
     def wake(self, *, check: bool = False) -> None:
         if check:
@@ -133,6 +139,11 @@ class LeaseKeeper(RoundLoop):
             self._announce_shards(reaped)
 
     def run_round(self) -> bool:
+        if not self._engine_alive():
+            if not self.stopping:
+                log.critical("the engine thread is dead: no more heartbeats or claims")
+                self._on_engine_dead()
+            return False
         heartbeat_every = self.settings.lease_seconds / 3
         if self._check_now.is_set() or time.monotonic() - self._last_check >= heartbeat_every:
             self._check_now.clear()
