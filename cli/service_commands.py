@@ -144,6 +144,8 @@ def _cmd_api(args: argparse.Namespace) -> int:
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
+    if args.healthcheck:
+        return _worker_healthcheck(settings, host=args.host)
     if not settings.broker_url:
         print("boxcar worker: set BOXCAR_BROKER_URL (e.g. redis://localhost:6379/0); "
               "`boxcar serve` runs a worker without a broker", file=sys.stderr)
@@ -160,6 +162,30 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     if args.hostname:
         argv.append(f"--hostname={args.hostname}")
     app.worker_main(argv)
+    return 0
+
+
+def _worker_healthcheck(settings, *, host: str | None) -> int:
+    """Exit 0 when a worker on this host (container) wrote its heartbeat lately, else 1."""
+    import socket
+
+    from cli.status import heartbeat_age
+
+    host = host or socket.gethostname()
+    max_age = max(3 * settings.worker_metrics_interval, 10.0)
+    db = open_database(settings.database_url, check=False)
+    try:
+        age = heartbeat_age(db, host=host)
+    finally:
+        db.dispose()
+    if age is None:
+        print(f"unhealthy: no worker heartbeat from host {host}", file=sys.stderr)
+        return 1
+    if age > max_age:
+        print(f"unhealthy: the last heartbeat from host {host} is {age:.0f}s old "
+              f"(more than {max_age:.0f}s)", file=sys.stderr)
+        return 1
+    print(f"healthy: a worker on {host} beat {age:.1f}s ago")
     return 0
 
 
@@ -239,6 +265,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="threads taking broker messages (the engine is one)")
     worker.add_argument("--hostname", default=None, help="Celery node name")
     worker.add_argument("-v", "--verbose", action="store_true")
+    worker.add_argument("--healthcheck", action="store_true",
+                        help="check instead of run: exit 0 if a worker on this host (container) "
+                        "wrote its heartbeat lately, 1 if not (a container healthcheck)")
+    worker.add_argument("--host", default=None,
+                        help="with --healthcheck: the worker's host name (default: this one)")
     _add_engine_options(worker)
     worker.set_defaults(handler=_refusing("worker", _cmd_worker))
 
