@@ -220,6 +220,10 @@ class WorkerService:
             self.queue.subscribe(self.wake)
         self._started.set()
         log.info("worker %s started (model %s)", self.worker_id, model_name)
+        breakdown = getattr(self.engine, "startup_seconds", None)
+        if isinstance(breakdown, dict) and breakdown:
+            log.info("engine start-up: %s", ", ".join(
+                f"{phase} {seconds:.2f} s" for phase, seconds in breakdown.items()))
         return self
 
     def _drain(self) -> None:
