@@ -16,12 +16,20 @@ from cli.engine_options import DEFAULT_MODEL, add_engine_arguments, engine_confi
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from cli.kv_sizing import kv_blocks_needed
     from cli.offline import IN_FLIGHT_PER_SEQ, run_batch_file, write_metrics_json
     from engine import EngineConfig, LLMEngine
     from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
 
+    kwargs = engine_config_kwargs(args)
     try:
-        config = EngineConfig(**engine_config_kwargs(args))
+        config = EngineConfig(**kwargs)
+        if config.num_kv_blocks is None and config.max_kv_blocks is None:
+            # What the file's requests can use at most: a short file gets a small cache.
+            needed = kv_blocks_needed(args.input, block_size=config.block_size,
+                                      max_num_seqs=config.max_num_seqs)
+            if needed is not None:
+                config = EngineConfig(**{**kwargs, "max_kv_blocks": needed})
     except ValueError as exc:
         print(f"boxcar run: {exc}", file=sys.stderr)
         return 2
