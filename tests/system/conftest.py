@@ -89,7 +89,8 @@ class Production:
                      env: dict[str, str] | None = None) -> subprocess.Popen:
         """``module`` runs ``boxcar`` (tests/system/faulty_worker.py wraps it to inject faults)."""
         log_path = os.path.join(self.logdir, f"{name}.log")
-        log = open(log_path, "wb")
+        log = open(log_path, "ab")
+        offset = log.tell()
         proc = subprocess.Popen(
             [sys.executable, "-m", module, "worker", "--concurrency", "2",
              "--hostname", f"{name}@boxcar-test"],
@@ -101,7 +102,9 @@ class Production:
         def ready() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker {name} exited:\n{open(log_path).read()[-3000:]}")
-            return b"ready." in open(log_path, "rb").read()
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                return b"ready." in f.read()
 
         wait_for(ready, 90, 0.2, f"worker {name} to start")
         return proc
