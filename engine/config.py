@@ -13,7 +13,8 @@ class EngineConfig:
     """Engine settings. ``model`` is a folder, a .gguf file or a name in the local model cache.
 
     The KV cache is sized by ``num_kv_blocks`` when given, else by ``kv_cache_memory`` bytes,
-    but never larger than ``max_num_seqs`` full-length sequences need.
+    but never larger than ``max_num_seqs`` full-length sequences need, nor than ``max_kv_blocks``
+    (what a known set of requests needs: ``boxcar run`` sets it from its file).
     """
 
     model: str
@@ -24,6 +25,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 4 << 30
+    max_kv_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
@@ -50,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.max_kv_blocks is not None and self.max_kv_blocks < 2:
+            raise ValueError(f"max_kv_blocks must be >= 2, got {self.max_kv_blocks}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < 1:
