@@ -21,6 +21,7 @@ from service import ids
 from service.db import utcnow
 from service.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
 from service.objects import batch_object, line_totals
+from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
 from service.settings import parse_completion_window
 from service.webhooks import check_url_literal
 
@@ -45,7 +46,16 @@ class BatchCreateRequest(BaseModel):
     metadata: dict[str, str] | None = None
     requests: list[InlineRequest] | None = None
     webhook_url: str | None = None
-    priority: int = Field(0, ge=0, le=100)
+    # Among batches due in the same deadline bucket, higher runs first (service.queue_order).
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+
+
+def check_priority(priority: int, *, max_priority: int) -> None:
+    """The schema allows 0-100; a tenant may ask for at most the operator's cap."""
+    if priority > max_priority:
+        raise ApiError(400, f"priority {priority} is above the highest this service lets a "
+                       f"tenant ask for ({max_priority}; BOXCAR_MAX_PRIORITY).",
+                       param="priority", code="invalid_priority")
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
@@ -85,6 +95,7 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
                        f"are {', '.join(settings.completion_windows)}.",
                        param="completion_window", code="invalid_completion_window")
     window = parse_completion_window(request.completion_window)
+    check_priority(request.priority, max_priority=settings.max_priority)
     check_metadata(request.metadata)
     if request.webhook_url:
         try:
