@@ -4,12 +4,13 @@ behind the request's API key."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
 
 from api.errors import ApiError
+from metrics.eta import EtaCache
 from service.db import Database
 from service.keys import authenticate
 from service.queue import TaskQueue
@@ -23,6 +24,10 @@ class AppContext:
     db: Database
     storage: ObjectStorage
     queue: TaskQueue
+    etas: EtaCache = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.etas = EtaCache(self.settings.worker_metrics_interval)
 
     @property
     def model_name(self) -> str:

@@ -8,6 +8,10 @@ from openai_format.parse import BatchLine
 from openai_format.types import ChatCompletionRequest
 
 SORT_KEY_CHARS = 200
+# A line's output length before any line of its batch has finished, when it sets no max_tokens
+# (the engine would run to the context): a guess the batch's finished lines soon replace.
+DEFAULT_OUTPUT_TOKENS = 256
+CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary; chat templates add ~4 a message
 
 
 def sort_key(line: BatchLine) -> str:
@@ -25,3 +29,18 @@ def sort_key(line: BatchLine) -> str:
 def stored_body(line: BatchLine) -> dict[str, Any]:
     """The body as it is kept on the row (validated, unknown fields dropped)."""
     return line.body.model_dump(mode="json", exclude_none=True)
+
+
+def estimate_tokens(line: BatchLine) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of a line before it runs, without a tokenizer: what the
+    ETA of its batch starts from (``metrics.eta``)."""
+    body = line.body
+    if isinstance(body, ChatCompletionRequest):
+        messages = body.template_messages()
+        chars = sum(len(m["content"]) for m in messages)
+        prompt = chars // CHARS_PER_TOKEN + 4 * len(messages) + 1
+    else:
+        single = body.single_prompt
+        prompt = len(single) // CHARS_PER_TOKEN + 1 if isinstance(single, str) else len(single)
+    max_tokens = body.effective_max_tokens
+    return prompt, max_tokens if max_tokens is not None else DEFAULT_OUTPUT_TOKENS

@@ -79,9 +79,14 @@ def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
     return row
 
 
-def render(session: Session, row: Batch) -> dict:
+def render(session: Session, row: Batch, ctx: AppContext) -> dict:
     live = row.status in (VALIDATING, IN_PROGRESS, CANCELLING, "finalizing")
-    return batch_object(row, line_totals(session, row.id) if live else None)
+    if not live:
+        return batch_object(row)
+    eta = ctx.etas.get(session).get(row.id)
+    return batch_object(row, line_totals(session, row.id),
+                        estimated_completion_at=eta.estimated_completion_at if eta else None,
+                        deadline_at_risk=eta.late if eta else False)
 
 
 @router.post("/v1/batches")
@@ -166,13 +171,13 @@ def list_batches(
     with ctx.db.read_session() as session:
         cursor = get_batch(session, tenant_id=tenant.id, batch_id=after) if after else None
         return paginate(session, select(Batch).where(Batch.tenant_id == tenant.id),
-                        cursor=cursor, limit=limit, render=lambda row: render(session, row))
+                        cursor=cursor, limit=limit, render=lambda row: render(session, row, ctx))
 
 
 @router.get("/v1/batches/{batch_id}")
 def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
     with ctx.db.read_session() as session:
-        return render(session, get_batch(session, tenant_id=tenant.id, batch_id=batch_id))
+        return render(session, get_batch(session, tenant_id=tenant.id, batch_id=batch_id), ctx)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
@@ -189,6 +194,6 @@ def cancel_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
             .values(status=CANCELLING, cancelling_at=utcnow())
         )
         session.refresh(row)
-        body = render(session, row)
+        body = render(session, row, ctx)
     ctx.queue.batch_changed(batch_id)  # wakes a worker to abort and finalize
     return body
