@@ -202,6 +202,10 @@ def prefix_recompute(v: View) -> Finding | None:
         remedy = ("turn prefix caching on (drop --no-prefix-caching): shared prefixes are "
                   "then computed once and reused block by block.")
     else:
+        # Requests in flight together already share a prefix (the engine holds a request
+        # whose next block another is computing), so what is left was evicted before reuse.
+        evidence += ("; requests running together share their prefix, so these prefixes were "
+                     "evicted from the cache before a later request could reuse them")
         remedy = ("the cache loses blocks before they are reused: give the KV cache more room, "
                   "and run requests with a shared prefix close together (the service orders "
                   "batch lines by prefix; for boxcar run, sort the input file).")
