@@ -14,8 +14,15 @@ The full ordering key, most significant first:
    holding the fewest running shards; the line queue round-robins over tenants), and each
    tenant's lines run in shard (prompt-prefix) order.
 
-The engine has one integer, lower = more urgent, ordered by (priority, arrival);
-``engine_priority`` maps 1-3 onto it, and the drain loop's arrival order carries 4.
+The engine has one integer, lower = more urgent, ordered by (priority, arrival), and a more
+urgent request preempts less urgent running ones (by recompute) and, with
+``urgent_step_tokens``, shortens every step while priorities differ. ``engine_priority`` gives
+that only to single jobs (below zero, higher job priority lower); every bulk line is 0. Points
+2-4 are kept by the order lines enter the engine (claims and the worker's line queue), which
+keeps only about two steps' worth waiting beyond its running seats: an earlier-deadline batch
+waits at most for the seats' current occupants, and bulk lines never preempt each other (that
+would recompute work) nor cut steps short (two deadline classes in the engine at once would
+otherwise cost throughput for as long as they overlap).
 """
 
 from __future__ import annotations
@@ -40,14 +47,9 @@ def bulk_rank(deadline: float | None, priority: int) -> tuple[int, int]:
     return deadline_bucket(deadline), -priority
 
 
-def engine_priority(*, is_job: bool, priority: int, deadline: float | None) -> int:
+def engine_priority(*, is_job: bool, priority: int) -> int:
     """The engine's ``add_request(priority=)`` of a line: lower is more urgent.
 
-    Jobs map below zero (``priority`` is the shard's, ``JOB_PRIORITY_BASE`` + the job's, so a
-    job of priority 5 is -1006 and outranks one of priority 0, -1001); bulk lines map to
-    ``bucket * 1000 + (MAX_PRIORITY - priority)``, >= 0, so a bulk line never outranks a job
-    and an earlier deadline outranks any priority."""
-    if is_job:
-        return -1 - max(priority, 0)
-    bucket, neg_priority = bulk_rank(deadline, priority)
-    return bucket * 1000 + (MAX_PRIORITY + neg_priority)
+    ``priority`` is the shard's: a job's is ``JOB_PRIORITY_BASE`` + its own, so a job of
+    priority 5 maps to -1006 and outranks one of priority 0 (-1001); every bulk line is 0."""
+    return -1 - max(priority, 0) if is_job else 0

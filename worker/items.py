@@ -41,8 +41,7 @@ class LineWork:
 
     @property
     def engine_priority(self) -> int:
-        return engine_priority(is_job=self.is_job, priority=self.priority,
-                               deadline=self.deadline)
+        return engine_priority(is_job=self.is_job, priority=self.priority)
 
     @property
     def engine_request_id(self) -> str:

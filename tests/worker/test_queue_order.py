@@ -18,19 +18,19 @@ def work(pk: int, tenant: str, *, deadline: float | None, priority: int = 0,
                     "/v1/completions", {}, priority, deadline)
 
 
-def test_engine_priority_orders_jobs_then_deadline_then_priority():
-    day, hour = NOW + 86400, NOW + 3600
-    job_low = engine_priority(is_job=True, priority=1000, deadline=None)
-    job_high = engine_priority(is_job=True, priority=1005, deadline=None)
-    urgent_bulk = engine_priority(is_job=False, priority=0, deadline=hour)
-    rich_bulk = engine_priority(is_job=False, priority=100, deadline=day)
-    plain_bulk = engine_priority(is_job=False, priority=0, deadline=day)
-    assert job_high < job_low < urgent_bulk < rich_bulk < plain_bulk
-    # Deadlines within one bucket are equal: no preemption, no FIFO among them.
+def test_engine_priority_puts_jobs_ahead_and_leaves_bulk_order_to_admission():
+    job_low = engine_priority(is_job=True, priority=1000)
+    job_high = engine_priority(is_job=True, priority=1005)
+    assert job_high < job_low < 0 == engine_priority(is_job=False, priority=100)
+
+
+def test_deadline_buckets_and_priority_rank_bulk_classes():
     edge = 3000 * DEADLINE_BUCKET_S
+    # Deadlines within one bucket are equal: tenants share them instead of FIFO.
     assert bulk_rank(edge - 1, 0) == bulk_rank(edge - DEADLINE_BUCKET_S + 1, 0)
-    assert bulk_rank(edge + 1, 0) > bulk_rank(edge, 0)
-    assert engine_priority(is_job=False, priority=0, deadline=None) > plain_bulk
+    assert bulk_rank(edge + 1, 100) > bulk_rank(edge, 0)  # an earlier deadline beats priority
+    assert bulk_rank(edge, 7) < bulk_rank(edge, 0)
+    assert bulk_rank(None, 100) > bulk_rank(edge, 0)
 
 
 def test_line_queue_pops_by_deadline_class_then_round_robin():
@@ -74,11 +74,6 @@ def test_a_shorter_window_overtakes_and_a_job_overtakes_both(make_stack, sqlite_
     assert stack.batch(slow["id"])["request_counts"]["completed"] < 40
     assert job_done["completed_at"] <= fast_done["completed_at"]
     stack.wait_status(slow["id"], "completed")
-    # What the engine was told: the job most urgent, the 1h lines ahead of the 24h ones.
-    prio = engine.priorities
-    job_prio = [p for rid, p in prio.items() if p < 0]
-    assert job_prio == [engine_priority(is_job=True, priority=1004, deadline=None)]
-    bulk = sorted({p for p in prio.values() if p >= 0})
-    assert len(bulk) == 2  # one class per batch
-    hour_prio, day_prio = bulk
-    assert hour_prio < day_prio
+    # What the engine was told: the job most urgent, every bulk line equal.
+    assert sorted(set(engine.priorities.values())) == [
+        engine_priority(is_job=True, priority=1004), 0]
