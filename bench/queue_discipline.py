@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--bulk", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--urgent-step-tokens", type=int, default=64)
     parser.add_argument("--skip-queued", action="store_true")
     args = parser.parse_args(argv)
