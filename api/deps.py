@@ -3,7 +3,6 @@ behind the request's API key."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Annotated
 
@@ -28,13 +27,6 @@ class AppContext:
 
     def __post_init__(self) -> None:
         self.etas = EtaCache(self.settings.worker_metrics_interval)
-
-    @property
-    def model_name(self) -> str:
-        """The model name answers and batches carry."""
-        return self.settings.served_model_name or os.path.basename(
-            self.settings.model.rstrip("/")
-        )
 
 
 @dataclass(frozen=True)

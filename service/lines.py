@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from openai_format.parse import BatchLine
+from openai_format.parse import BatchLine, LineError
 from openai_format.types import ChatCompletionRequest
 
 SORT_KEY_CHARS = 200
@@ -12,6 +12,7 @@ SORT_KEY_CHARS = 200
 # (the engine would run to the context): a guess the batch's finished lines soon replace.
 DEFAULT_OUTPUT_TOKENS = 256
 CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary; chat templates add ~4 a message
+MODEL_MISMATCH = "model_mismatch"  # OpenAI's code for a line naming another model
 
 
 def sort_key(line: BatchLine) -> str:
@@ -44,3 +45,23 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
         prompt = len(single) // CHARS_PER_TOKEN + 1 if isinstance(single, str) else len(single)
     max_tokens = body.effective_max_tokens
     return prompt, max_tokens if max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+class ModelTracker:
+    """The one model a batch's lines name (OpenAI's rule): the first valid line naming one fixes
+    it, unless ``model`` is given; a later line naming another is a line error. Lines naming
+    none run on the batch's model. The upload and the batch's preparation check the same way."""
+
+    def __init__(self, model: str | None = None) -> None:
+        self.model = model
+
+    def check(self, line: BatchLine) -> LineError | None:
+        name = line.body.model
+        if name is None:
+            return None
+        if self.model is None:
+            self.model = name
+            return None
+        if name == self.model:
+            return None
+        return LineError(MODEL_MISMATCH, f"body.model {name!r} differs from {self.model!r}, the "
+                         "model of the file's other lines: a batch's lines all name one model",
+                         line.line_no, line.custom_id)

@@ -1,7 +1,7 @@
 """deadlines: a batch's per-line token estimates, where its estimated completion starts
 
 Revision ID: 0004_deadlines
-Revises: 0002
+Revises: 0003_models
 Create Date: 2026-12-01 03:00:00.000000
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0004_deadlines"
-down_revision = "0002"
+down_revision = "0003_models"
 branch_labels = None
 depends_on = None
 

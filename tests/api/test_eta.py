@@ -71,13 +71,14 @@ def _worker(ctx, model: str, rate: float) -> None:
 
 def test_estimates_follow_the_queue_order_and_flag_a_late_batch(client, ctx):
     ctx.etas = EtaCache(2.0, ttl=0.2)  # polls within 0.2 s share one estimate
-    day = make_batch(client).json()["id"]
+    created = make_batch(client).json()
+    day, model = created["id"], created["model"]
     hour = make_batch(client, completion_window="1h").json()["id"]
     # Unknown until a worker has stepped: null, not a guess.
     _start(ctx, day, open_lines=10)
     _start(ctx, hour, open_lines=4)
     assert client.get(f"/v1/batches/{day}").json()["estimated_completion_at"] is None
-    _worker(ctx, ctx.model_name, rate=100.0)
+    _worker(ctx, model, rate=100.0)
     now = time.time()
     with ctx.db.read_session() as session:
         etas = estimate(session, worker_metrics_interval=2.0, now=now)
@@ -112,7 +113,8 @@ def test_estimates_follow_the_queue_order_and_flag_a_late_batch(client, ctx):
 
 
 def test_equal_classes_share_and_finished_lines_teach_the_estimate(client, ctx):
-    a = make_batch(client).json()["id"]
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
     b = make_batch(client).json()["id"]
     _start(ctx, a, open_lines=10)
     # b: three lines done at 40 prompt + 10 output tokens each -> 50 a line from now on.
@@ -120,7 +122,7 @@ def test_equal_classes_share_and_finished_lines_teach_the_estimate(client, ctx):
     with ctx.db.session() as session:  # same deadline bucket and priority as a
         expires = session.scalar(select(Batch.expires_at).where(Batch.id == a))
         session.execute(update(Batch).where(Batch.id == b).values(expires_at=expires))
-    _worker(ctx, ctx.model_name, rate=100.0)
+    _worker(ctx, model, rate=100.0)
     now = time.time()
     with ctx.db.read_session() as session:
         etas = estimate(session, worker_metrics_interval=2.0, now=now)
