@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Request
 
 from api.errors import ApiError
+from metrics.eta import EtaCache
 from service.db import Database
 from service.keys import authenticate
 from service.migrate import SchemaGate
@@ -24,9 +25,11 @@ class AppContext:
     storage: ObjectStorage
     queue: TaskQueue
     schema: SchemaGate = field(init=False)
+    etas: EtaCache = field(init=False)
 
     def __post_init__(self) -> None:
         self.schema = SchemaGate(self.db)
+        self.etas = EtaCache(self.settings.worker_metrics_interval)
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,15 @@ def parse_exposition(text: str) -> dict[str, Any]:
     """A snapshot from Prometheus text (workers summed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
+    from metrics.api_collector import BATCHES_AT_RISK
     from metrics.catalog import snapshot_from_families
 
-    return snapshot_from_families(text_string_to_metric_families(text))
+    families = list(text_string_to_metric_families(text))
+    snapshot = snapshot_from_families(families)
+    for family in families:  # the service's own gauges (an API's /metrics has them)
+        if family.name == BATCHES_AT_RISK and family.samples:
+            snapshot["service"] = {"batches_deadline_at_risk": family.samples[0].value}
+    return snapshot
 
 
 def scrape(url: str, *, duration: float, interval: float, progress: bool = True,
@@ -76,6 +82,8 @@ def window_snapshot(samples: list[tuple[float, float, dict[str, Any]]]) -> dict[
         return last
     first = samples[0][2]
     delta = delta_snapshot(first, last, window_s=samples[-1][0] - samples[0][0])
+    if "service" in last:  # gauges of the present: the last sample's
+        delta["service"] = last["service"]
     steps = sum(delta["histograms"][k]["count"] for k in ("prefill_step_s", "decode_step_s"))
     if steps == 0:
         last["note"] = "idle while sampled: the totals since the workers started"
@@ -147,7 +155,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "doctor", help="diagnose serving problems from live or saved metrics",
         description="Check a metrics snapshot for the eight classic serving failures (small "
         "batches, prefill stalls, KV exhaustion, host-bound steps, recomputed prefixes, slow "
-        "first tokens, overload, uneven decodes) and print evidence and remedies.")
+        "first tokens, overload, uneven decodes) and for batches about to miss their deadline, "
+        "and print evidence and remedies.")
     doctor.add_argument("source", nargs="?", default=None,
                         help="a boxcar run --metrics-json file, a saved snapshot, or a /metrics "
                         f"URL (default: {DEFAULT_URL})")

@@ -1,4 +1,5 @@
-"""The eight rules of ``boxcar doctor`` and their thresholds, in the issue's order.
+"""The rules of ``boxcar doctor`` and their thresholds: the eight classic serving failures in
+the issue's order, then batches about to miss their deadline.
 
 Each rule reads a ``View`` of a metrics snapshot and returns a ``Finding`` or None, or raises
 ``NotEnoughData``. The thresholds are deliberately coarse: each one marks a point past which the
@@ -201,6 +202,10 @@ def prefix_recompute(v: View) -> Finding | None:
         remedy = ("turn prefix caching on (drop --no-prefix-caching): shared prefixes are "
                   "then computed once and reused block by block.")
     else:
+        # Requests in flight together already share a prefix (the engine holds a request
+        # whose next block another is computing), so what is left was evicted before reuse.
+        evidence += ("; requests running together share their prefix, so these prefixes were "
+                     "evicted from the cache before a later request could reuse them")
         remedy = ("the cache loses blocks before they are reused: give the KV cache more room, "
                   "and run requests with a shared prefix close together (the service orders "
                   "batch lines by prefix; for boxcar run, sort the input file).")
@@ -307,6 +312,23 @@ def uneven_decode(v: View) -> Finding | None:
                    evidence, "; ".join(parts) + ".")
 
 
+def deadline_at_risk(v: View) -> Finding | None:
+    """9. Live batches whose estimated completion passes their deadline (``metrics.eta``)."""
+    service = v.snapshot.get("service")
+    if not service:
+        raise NotEnoughData("no service gauges: point doctor at the API's /metrics")
+    late = float(service.get("batches_deadline_at_risk", 0.0))
+    if late <= 0:
+        return None
+    return Finding(
+        "deadline-at-risk", "critical", "Batches will miss their deadline",
+        f"{late:.0f} live batch(es) have an estimated completion past the end of their "
+        "completion window (boxcar_batches_deadline_at_risk; `boxcar status` marks them LATE)",
+        "add workers for the model (each adds its throughput to the estimate), or make the late "
+        "batches smaller: cancel and resubmit fewer lines, or submit them with a longer "
+        "completion_window; batches with earlier deadlines run first.")
+
+
 RULES: list[tuple[str, Callable[[View], Finding | None]]] = [
     ("unbatched", unbatched),
     ("prefill-stalls", prefill_stalls),
@@ -316,4 +338,5 @@ RULES: list[tuple[str, Callable[[View], Finding | None]]] = [
     ("slow-first-token", slow_first_token),
     ("overload", overload),
     ("uneven-decode", uneven_decode),
+    ("deadline-at-risk", deadline_at_risk),
 ]

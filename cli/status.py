@@ -6,11 +6,13 @@ draws it for a terminal, a progress bar per unfinished batch.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from sqlalchemy import func, select
 
 from metrics.api_collector import live_workers, queue_depth
+from metrics.eta import estimate
 from service.db import Database, utcnow
 from service.models import (
     BATCH_TERMINAL,
@@ -48,12 +50,17 @@ def collect(db: Database, *, interval: float) -> dict[str, Any]:
             "workers": [_worker(w, now) for w in live_workers(session, interval=interval)],
             "active_batches": [],
         }
+        etas = estimate(session, worker_metrics_interval=interval)
         for batch in active:
             totals = line_totals(session, batch.id)
+            eta = etas.get(batch.id)
             report["active_batches"].append({
                 "id": batch.id, "status": batch.status, "total": totals.total,
                 "completed": totals.completed, "failed": totals.failed,
-                "output_tokens": totals.output_tokens})
+                "output_tokens": totals.output_tokens,
+                "expires_at": batch.expires_at.timestamp() if batch.expires_at else None,
+                "estimated_completion_at": eta.estimated_completion_at if eta else None,
+                "deadline_at_risk": eta.late if eta else False})
     return report
 
 
@@ -71,6 +78,15 @@ def _worker(row: Any, now: Any) -> dict[str, Any]:
 def bar(done: int, total: int, width: int = BAR_WIDTH) -> str:
     filled = round(width * done / total) if total else 0
     return "[" + "#" * filled + "." * (width - filled) + "]"
+
+
+def _eta(b: dict[str, Any]) -> str:
+    eta = b.get("estimated_completion_at")
+    if eta is None:
+        return ""
+    left = max(0.0, eta - time.time())
+    late = "  LATE: the estimate passes its deadline" if b.get("deadline_at_risk") else ""
+    return f"  eta {time.strftime('%H:%M:%S', time.localtime(eta))} (in {left:.0f}s){late}"
 
 
 def _counts(counts: dict[str, int]) -> str:
@@ -95,7 +111,7 @@ def format_status(report: dict[str, Any]) -> str:
         share = f"{100 * done / b['total']:3.0f}%" if b["total"] else "  -"
         failed = f"  ({b['failed']} failed)" if b["failed"] else ""
         lines.append(f"  {b['id']}  {b['status']:<11} {bar(done, b['total'])} {share}  "
-                     f"{done}/{b['total']}{failed}")
+                     f"{done}/{b['total']}{failed}{_eta(b)}")
     lines.append(f"jobs      {_counts(report['jobs'])}")
     lines.append(f"webhooks  {_counts(report['webhook_deliveries'])}")
     return "\n".join(lines)

@@ -49,6 +49,7 @@ BATCH_STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED, FAILED, EXPIRE
                   CANCELLED)
 JOB_STATUSES = (JOB_QUEUED, JOB_IN_PROGRESS, JOB_COMPLETED, JOB_FAILED)
 SHARD_STATUSES = (SHARD_PENDING, SHARD_RUNNING, SHARD_DONE)
+BATCHES_AT_RISK = "boxcar_batches_deadline_at_risk"
 # A worker silent for this many snapshot intervals (and at least WORKER_STALE_MIN_S) is gone.
 WORKER_STALE_INTERVALS = 5
 WORKER_STALE_MIN_S = 15.0
@@ -91,6 +92,10 @@ class ServiceCollector:
                 depth = queue_depth(session)
                 workers = [(w.id, w.metrics) for w in live_workers(
                     session, interval=self._interval)]
+                from metrics.eta import estimate  # it imports this module
+
+                at_risk = sum(1 for eta in estimate(
+                    session, worker_metrics_interval=self._interval).values() if eta.late)
         except Exception:  # a scrape reports what it can; the API's own counters still go out
             log.exception("could not read the service's state for /metrics")
             return
@@ -105,6 +110,9 @@ class ServiceCollector:
                                 "Request lines in shards no worker has claimed yet", value=depth)
         yield GaugeMetricFamily("boxcar_workers", "Workers with a recent heartbeat",
                                 value=len(workers))
+        yield GaugeMetricFamily(BATCHES_AT_RISK, "Live batches whose estimated completion "
+                                "passes their deadline (the end of the completion window)",
+                                value=at_risk)
         yield from families_from_snapshots([({"worker": wid}, snapshot)
                                             for wid, snapshot in workers if snapshot])
 

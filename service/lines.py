@@ -8,6 +8,10 @@ from openai_format.parse import BatchLine, LineError
 from openai_format.types import ChatCompletionRequest
 
 SORT_KEY_CHARS = 200
+# A line's output length before any line of its batch has finished, when it sets no max_tokens
+# (the engine would run to the context): a guess the batch's finished lines soon replace.
+DEFAULT_OUTPUT_TOKENS = 256
+CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary; chat templates add ~4 a message
 MODEL_MISMATCH = "model_mismatch"  # OpenAI's code for a line naming another model
 
 
@@ -28,6 +32,19 @@ def stored_body(line: BatchLine) -> dict[str, Any]:
     return line.body.model_dump(mode="json", exclude_none=True)
 
 
+def estimate_tokens(line: BatchLine) -> tuple[int, int]:
+    """(prompt tokens, output tokens) of a line before it runs, without a tokenizer: what the
+    ETA of its batch starts from (``metrics.eta``)."""
+    body = line.body
+    if isinstance(body, ChatCompletionRequest):
+        messages = body.template_messages()
+        chars = sum(len(m["content"]) for m in messages)
+        prompt = chars // CHARS_PER_TOKEN + 4 * len(messages) + 1
+    else:
+        single = body.single_prompt
+        prompt = len(single) // CHARS_PER_TOKEN + 1 if isinstance(single, str) else len(single)
+    max_tokens = body.effective_max_tokens
+    return prompt, max_tokens if max_tokens is not None else DEFAULT_OUTPUT_TOKENS
 class ModelTracker:
     """The one model a batch's lines name (OpenAI's rule): the first valid line naming one fixes
     it, unless ``model`` is given; a later line naming another is a line error. Lines naming

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.db import Base, utcnow
@@ -141,6 +141,9 @@ class Batch(Base):
     input_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Prepare's per-line estimates (service.lines.estimate_tokens), where the ETA starts.
+    est_prompt_tokens_per_line: Mapped[float] = mapped_column(Float, default=0.0)
+    est_output_tokens_per_line: Mapped[float] = mapped_column(Float, default=0.0)
 
     # Lease for the one-worker stages (validating -> in_progress, finalizing).
     lease_owner: Mapped[str | None] = mapped_column(String(100))

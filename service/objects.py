@@ -11,8 +11,11 @@ from sqlalchemy.orm import Session
 
 from service.models import (
     BATCH_TERMINAL,
+    FINALIZING,
+    IN_PROGRESS,
     LINE_COMPLETED,
     LINE_OPEN,
+    VALIDATING,
     Batch,
     File,
     Job,
@@ -20,6 +23,9 @@ from service.models import (
     WebhookDelivery,
     WebhookEndpoint,
 )
+
+# Statuses whose batch object carries an estimated completion time.
+LIVE_ETA = (VALIDATING, IN_PROGRESS, FINALIZING)
 
 
 def unix(value: dt.datetime | None) -> int | None:
@@ -77,8 +83,12 @@ def stored_totals(row: Batch) -> LineTotals:
                       row.output_tokens, row.cached_tokens)
 
 
-def batch_object(row: Batch, totals: LineTotals | None = None) -> dict[str, Any]:
-    """``totals``: live line totals for a running batch; the stored ones once it is final."""
+def batch_object(row: Batch, totals: LineTotals | None = None, *,
+                 estimated_completion_at: float | None = None,
+                 deadline_at_risk: bool = False) -> dict[str, Any]:
+    """``totals``: live line totals for a running batch; the stored ones once it is final.
+    ``estimated_completion_at`` (unix seconds) and ``deadline_at_risk`` (the estimate passes
+    ``expires_at``): ``metrics.eta``'s figures for a live batch."""
     if totals is None or row.status in BATCH_TERMINAL:
         totals = stored_totals(row)
     errors = None
@@ -121,6 +131,12 @@ def batch_object(row: Batch, totals: LineTotals | None = None) -> dict[str, Any]
         "model": row.model,
         # boxcar's addition: the share of prompt tokens served from the prefix cache.
         "prefix_cache_hit_rate": round(cached / input_tokens, 4) if input_tokens else 0.0,
+        # boxcar's additions: when a live batch should be done (null while unknown) and whether
+        # that passes its deadline, the end of its completion window.
+        "estimated_completion_at": (
+            None if estimated_completion_at is None or row.status not in LIVE_ETA
+            else int(round(estimated_completion_at))),
+        "deadline_at_risk": deadline_at_risk and row.status in LIVE_ETA,
     }
 
 

@@ -59,7 +59,11 @@ class Settings(BaseSettings):
     max_file_bytes: int = 200 * 1024 * 1024
     max_file_lines: int = 50_000
     max_inline_requests: int = 10_000
-    completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
+    # Windows a batch may ask for; each is its deadline, which orders the queue
+    # (service.queue_order: earliest deadline first).
+    completion_windows: list[str] = Field(default_factory=lambda: ["1h", "4h", "24h"])
+    # The highest ``priority`` a tenant may give a job or a batch (the schema allows 0-100).
+    max_priority: int = 10
     # Lines may use either endpoint, like `boxcar run`; False: a line's url must be the batch's.
     mixed_endpoints: bool = True
     bootstrap_api_key: str | None = None  # ensured to exist (tenant "default") at start
@@ -99,6 +103,13 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:
             raise ValueError(f"must be > 0 seconds, got {value}")
+        return value
+
+    @field_validator("max_priority")
+    @classmethod
+    def _priority(cls, value: int) -> int:
+        if not 0 <= value <= 100:
+            raise ValueError(f"must be within 0-100, got {value}")
         return value
 
     @field_validator("completion_windows")

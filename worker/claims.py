@@ -2,8 +2,13 @@
 
 A shard is claimable when it is pending, or running under a lease that has expired (its worker
 died or stalled); a claim is one conditional UPDATE, so of two workers racing for a shard exactly
+<<<<<<< HEAD
+one wins. Claims follow ``service.queue_order``: single jobs, then bulk shards by (deadline
+bucket, batch priority), the tenants with the fewest running shards first among equals.
+=======
 one wins. Claims prefer single jobs, then the tenants with the fewest running shards. A worker
 claims only shards of the model it serves (and shards from before routing, which name none).
+>>>>>>> main
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from service.models import (
     RequestLine,
     Shard,
 )
+from service.queue_order import bulk_rank
 from worker.items import HeldShard, LineWork
 
 
@@ -55,16 +61,18 @@ class Candidate:
     tenant_id: str
     priority: int
     is_job: bool
+    deadline: float | None = None
 
 
 def find_candidates(
     session: Session, *, now: dt.datetime, max_bulk: int, max_jobs: int,
     model: str | None = None,
 ) -> list[Candidate]:
-    """Shards worth trying to claim, in the order to try them: jobs by priority, then bulk
-    shards spread over tenants (fewest running shards first), each tenant's in batch order."""
+    """Shards worth trying to claim, in the order to try them (``service.queue_order``): jobs
+    by priority, then bulk shards by (deadline bucket, batch priority), spread over tenants
+    (fewest running shards first) among equals, each tenant's in batch order."""
     base = (
-        select(Shard.id, Shard.tenant_id, Shard.priority, Shard.job_id)
+        select(Shard.id, Shard.tenant_id, Shard.priority, Shard.job_id, Batch.expires_at)
         .outerjoin(Batch, Batch.id == Shard.batch_id)
         .where(_claimable(now), or_(Shard.job_id.is_not(None), Batch.status == IN_PROGRESS),
                _of_model(model))
@@ -75,25 +83,35 @@ def find_candidates(
     ).all() if max_jobs > 0 else []
     bulk_rows = session.execute(
         base.where(Shard.job_id.is_(None))
-        .order_by(Shard.priority.desc(), Shard.created_at, Shard.id).limit(max_bulk * 8)
+        .order_by(Batch.expires_at, Shard.priority.desc(), Shard.created_at, Shard.id)
+        .limit(max_bulk * 8)
     ).all() if max_bulk > 0 else []
     running = Counter(dict(session.execute(
         select(Shard.tenant_id, func.count()).where(
             Shard.status == SHARD_RUNNING, Shard.lease_expires_at >= now, Shard.job_id.is_(None)
         ).group_by(Shard.tenant_id)
     ).all()))
-    by_tenant: dict[str, list] = {}
+    # Per tenant, its shards in claim order; a tenant's head decides when it is served.
+    by_tenant: dict[str, list[Candidate]] = {}
     for row in bulk_rows:
-        by_tenant.setdefault(row.tenant_id, []).append(row)
+        by_tenant.setdefault(row.tenant_id, []).append(Candidate(
+            row.id, row.tenant_id, row.priority, False, unix_seconds(row.expires_at)))
+    for shards in by_tenant.values():
+        shards.sort(key=lambda c: bulk_rank(c.deadline, c.priority))  # stable: batch order kept
     bulk: list[Candidate] = []
     while by_tenant and len(bulk) < max_bulk:
-        tenant = min(by_tenant, key=lambda t: (running[t], -by_tenant[t][0].priority))
-        row = by_tenant[tenant].pop(0)
+        tenant = min(by_tenant, key=lambda t: (
+            bulk_rank(by_tenant[t][0].deadline, by_tenant[t][0].priority), running[t]))
+        candidate = by_tenant[tenant].pop(0)
         if not by_tenant[tenant]:
             del by_tenant[tenant]
         running[tenant] += 1
-        bulk.append(Candidate(row.id, row.tenant_id, row.priority, False))
+        bulk.append(candidate)
     return [Candidate(r.id, r.tenant_id, r.priority, True) for r in jobs] + bulk
+
+
+def unix_seconds(value: dt.datetime | None) -> float | None:
+    return None if value is None else value.timestamp()
 
 
 @dataclass(frozen=True)
@@ -130,6 +148,10 @@ def try_claim(
     if won != 1:
         return None
     shard = session.get(Shard, shard_id)
+    deadline = None
+    if shard.batch_id is not None:
+        deadline = unix_seconds(session.scalar(
+            select(Batch.expires_at).where(Batch.id == shard.batch_id)))
     rows = session.scalars(
         select(RequestLine)
         .where(RequestLine.shard_id == shard_id, RequestLine.status.in_(LINE_OPEN))
@@ -150,7 +172,7 @@ def try_claim(
         LineWork(
             line_pk=r.pk, shard_id=shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
             job_id=r.job_id, endpoint=r.endpoint,
-            body=r.body or {}, priority=shard.priority,
+            body=r.body or {}, priority=shard.priority, deadline=deadline,
         )
         for r in rows
     ]

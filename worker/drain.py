@@ -168,7 +168,7 @@ class Drainer:
             return
         try:
             self.engine.add_request(work.engine_request_id, engine_input.prompt,
-                                    engine_input.params)
+                                    engine_input.params, priority=work.engine_priority)
         except ValueError as exc:  # the engine's message; the code from the prompt's length
             too_long = self._prompt_fills_context(engine_input.prompt)
             self._fail(work, CONTEXT_LENGTH_EXCEEDED if too_long else INVALID_REQUEST, str(exc))

@@ -18,6 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from service.queue_order import engine_priority
+
 
 @dataclass(frozen=True)
 class LineWork:
@@ -30,7 +32,16 @@ class LineWork:
     job_id: str | None
     endpoint: str
     body: dict[str, Any]
-    priority: int = 0
+    priority: int = 0  # the shard's: a job's is JOB_PRIORITY_BASE + its own
+    deadline: float | None = None  # unix seconds: the batch's expires_at (service.queue_order)
+
+    @property
+    def is_job(self) -> bool:
+        return self.job_id is not None
+
+    @property
+    def engine_priority(self) -> int:
+        return engine_priority(is_job=self.is_job, priority=self.priority)
 
     @property
     def engine_request_id(self) -> str:

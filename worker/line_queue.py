@@ -1,9 +1,10 @@
 """The lines a worker holds that have not entered its engine yet.
 
-Single jobs leave first (higher priority first, then arrival); bulk lines leave round-robin
-across tenants, so one tenant's huge batch does not starve another's small one; each tenant's
-lines leave in shard order, which is prefix order, so requests sharing a prompt prefix enter the
-engine together and its prefix cache hits.
+The order is ``service.queue_order``'s: single jobs leave first (higher priority first, then
+arrival); bulk lines leave by class, (deadline bucket, batch priority), the most urgent class
+first; within a class they leave round-robin across tenants, so one tenant's huge batch does not
+starve another's small one; each tenant's lines leave in shard order, which is prefix order, so
+requests sharing a prompt prefix enter the engine together and its prefix cache hits.
 """
 
 from __future__ import annotations
@@ -14,14 +15,18 @@ import threading
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from service.queue_order import bulk_rank
 from worker.items import LineWork
+
+_Tenants = OrderedDict[str, deque[LineWork]]
 
 
 class LineQueue:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._jobs: list[tuple[int, int, LineWork]] = []  # (-priority, seq, work)
-        self._tenants: OrderedDict[str, deque[LineWork]] = OrderedDict()
+        # class (deadline bucket, -priority) -> tenants in round-robin order -> their lines
+        self._classes: dict[tuple[int, int], _Tenants] = {}
         self._seq = itertools.count()
         self._num_bulk = 0
 
@@ -31,22 +36,28 @@ class LineQueue:
                 if is_job:
                     heapq.heappush(self._jobs, (-work.priority, next(self._seq), work))
                 else:
-                    self._tenants.setdefault(work.tenant_id, deque()).append(work)
+                    tenants = self._classes.setdefault(
+                        bulk_rank(work.deadline, work.priority), OrderedDict())
+                    tenants.setdefault(work.tenant_id, deque()).append(work)
                     self._num_bulk += 1
 
     def pop(self) -> LineWork | None:
         with self._lock:
             if self._jobs:
                 return heapq.heappop(self._jobs)[2]
-            if not self._tenants:
+            if not self._classes:
                 return None
-            tenant, lines = next(iter(self._tenants.items()))
+            rank = min(self._classes)  # a handful of classes: deadlines x priorities held
+            tenants = self._classes[rank]
+            tenant, lines = next(iter(tenants.items()))
             work = lines.popleft()
             self._num_bulk -= 1
             # The tenant goes to the back of the line (or leaves it when it has nothing left).
-            del self._tenants[tenant]
+            del tenants[tenant]
             if lines:
-                self._tenants[tenant] = lines
+                tenants[tenant] = lines
+            elif not tenants:
+                del self._classes[rank]
             return work
 
     def remove(self, predicate: Callable[[LineWork], bool]) -> list[LineWork]:
@@ -55,19 +66,25 @@ class LineQueue:
         with self._lock:
             kept_jobs = []
             for entry in self._jobs:
-                (removed if predicate(entry[2]) else kept_jobs).append(entry)
-            removed = [entry[2] for entry in removed]
+                if predicate(entry[2]):
+                    removed.append(entry[2])
+                else:
+                    kept_jobs.append(entry)
             heapq.heapify(kept_jobs)
             self._jobs = kept_jobs
-            for tenant in list(self._tenants):
-                lines = self._tenants[tenant]
-                keep = deque(w for w in lines if not predicate(w))
-                removed.extend(w for w in lines if predicate(w))
-                self._num_bulk -= len(lines) - len(keep)
-                if keep:
-                    self._tenants[tenant] = keep
-                else:
-                    del self._tenants[tenant]
+            for rank in list(self._classes):
+                tenants = self._classes[rank]
+                for tenant in list(tenants):
+                    lines = tenants[tenant]
+                    keep = deque(w for w in lines if not predicate(w))
+                    removed.extend(w for w in lines if predicate(w))
+                    self._num_bulk -= len(lines) - len(keep)
+                    if keep:
+                        tenants[tenant] = keep
+                    else:
+                        del tenants[tenant]
+                if not tenants:
+                    del self._classes[rank]
         return removed
 
     @property

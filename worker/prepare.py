@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service.db import Database, utcnow
-from service.lines import ModelTracker, sort_key, stored_body
+from service.lines import ModelTracker, estimate_tokens, sort_key, stored_body
 from service.models import (
     CANCELLING,
     FAILED,
@@ -62,8 +62,11 @@ def claim_batch_lease(
 
 
 def _line_rows(
-    storage: ObjectStorage, file: File, batch: Batch, errors: list[dict], *, mixed_endpoints: bool
+    storage: ObjectStorage, file: File, batch: Batch, errors: list[dict], *, mixed_endpoints: bool,
+    estimates: list[int],
 ) -> Iterator[dict]:
+    """The rows of the file's lines; ``estimates`` collects [prompt, output] token estimates
+    of the valid ones."""
     tracker = CustomIdTracker()
     # The upload's check again: the file's model (its lines' first), else the batch's.
     models = ModelTracker(file.model or batch.model)
@@ -89,6 +92,9 @@ def _line_rows(
             continue
         row.update(custom_id=parsed.custom_id, body=stored_body(parsed), sort_key=sort_key(parsed),
                    endpoint=parsed.url)
+        prompt_tokens, output_tokens = estimate_tokens(parsed)
+        estimates[0] += prompt_tokens
+        estimates[1] += output_tokens
         yield row
 
 
@@ -163,7 +169,9 @@ def _prepare(
                                     "line": None, "message": f"input file {file.id} was deleted"}])
             return []
         errors: list[dict] = []
-        rows = _line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints)
+        estimates = [0, 0]
+        rows = _line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints,
+                          estimates=estimates)
         num_valid, num_failed = _insert_lines(session, rows)
         if num_valid == 0:
             _fail(session, batch, errors or [{"code": "empty_file", "message": "no request lines",
@@ -180,7 +188,9 @@ def _prepare(
             for k, sid in enumerate(shard_ids)
         ])
         values = {"errors": errors or None, "num_total": num_valid + num_failed,
-                  "lease_owner": None, "lease_expires_at": None}
+                  "lease_owner": None, "lease_expires_at": None,
+                  "est_prompt_tokens_per_line": estimates[0] / num_valid,
+                  "est_output_tokens_per_line": estimates[1] / num_valid}
         started = session.execute(
             update(Batch).where(Batch.id == batch.id, Batch.status == VALIDATING)
             .values(status=IN_PROGRESS, in_progress_at=now, **values)

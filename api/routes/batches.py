@@ -21,6 +21,7 @@ from service import ids
 from service.db import utcnow
 from service.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
 from service.objects import batch_object, line_totals
+from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
 from service.served_models import ModelNotServed, resolve_request_model
 from service.settings import parse_completion_window
 from service.webhooks import check_url_literal
@@ -46,7 +47,16 @@ class BatchCreateRequest(BaseModel):
     metadata: dict[str, str] | None = None
     requests: list[InlineRequest] | None = None
     webhook_url: str | None = None
-    priority: int = Field(0, ge=0, le=100)
+    # Among batches due in the same deadline bucket, higher runs first (service.queue_order).
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
+
+
+def check_priority(priority: int, *, max_priority: int) -> None:
+    """The schema allows 0-100; a tenant may ask for at most the operator's cap."""
+    if priority > max_priority:
+        raise ApiError(400, f"priority {priority} is above the highest this service lets a "
+                       f"tenant ask for ({max_priority}; BOXCAR_MAX_PRIORITY).",
+                       param="priority", code="invalid_priority")
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
@@ -70,9 +80,14 @@ def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
     return row
 
 
-def render(session: Session, row: Batch) -> dict:
+def render(session: Session, row: Batch, ctx: AppContext) -> dict:
     live = row.status in (VALIDATING, IN_PROGRESS, CANCELLING, "finalizing")
-    return batch_object(row, line_totals(session, row.id) if live else None)
+    if not live:
+        return batch_object(row)
+    eta = ctx.etas.get(session).get(row.id)
+    return batch_object(row, line_totals(session, row.id),
+                        estimated_completion_at=eta.estimated_completion_at if eta else None,
+                        deadline_at_risk=eta.late if eta else False)
 
 
 @router.post("/v1/batches")
@@ -86,6 +101,7 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
                        f"are {', '.join(settings.completion_windows)}.",
                        param="completion_window", code="invalid_completion_window")
     window = parse_completion_window(request.completion_window)
+    check_priority(request.priority, max_priority=settings.max_priority)
     check_metadata(request.metadata)
     if request.webhook_url:
         try:
@@ -166,13 +182,13 @@ def list_batches(
     with ctx.db.read_session() as session:
         cursor = get_batch(session, tenant_id=tenant.id, batch_id=after) if after else None
         return paginate(session, select(Batch).where(Batch.tenant_id == tenant.id),
-                        cursor=cursor, limit=limit, render=lambda row: render(session, row))
+                        cursor=cursor, limit=limit, render=lambda row: render(session, row, ctx))
 
 
 @router.get("/v1/batches/{batch_id}")
 def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
     with ctx.db.read_session() as session:
-        return render(session, get_batch(session, tenant_id=tenant.id, batch_id=batch_id))
+        return render(session, get_batch(session, tenant_id=tenant.id, batch_id=batch_id), ctx)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
@@ -189,6 +205,6 @@ def cancel_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
             .values(status=CANCELLING, cancelling_at=utcnow())
         )
         session.refresh(row)
-        body = render(session, row)
+        body = render(session, row, ctx)
     ctx.queue.batch_changed(batch_id)  # wakes a worker to abort and finalize
     return body

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
 from api.pagination import paginate
-from api.routes.batches import check_metadata, served_model
+from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
 from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
@@ -21,6 +21,7 @@ from service import ids
 from service.lines import sort_key, stored_body
 from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
 from service.objects import job_object
+from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
 from service.webhooks import check_url_literal
 
 router = APIRouter(tags=["jobs"])
@@ -33,7 +34,8 @@ class JobCreateRequest(BaseModel):
     body: dict[str, Any]
     endpoint: str | None = None
     webhook_url: str | None = None
-    priority: int = Field(0, ge=0, le=100)
+    # Among jobs, higher runs first; every job runs ahead of bulk lines (service.queue_order).
+    priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     metadata: dict[str, str] | None = None
 
 
@@ -54,6 +56,7 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
     if endpoint not in ENDPOINTS:
         raise ApiError(400, f"Invalid endpoint {endpoint!r}: supported are {', '.join(ENDPOINTS)}.",
                        param="endpoint", code="invalid_endpoint")
+    check_priority(request.priority, max_priority=ctx.settings.max_priority)
     check_metadata(request.metadata)
     if request.webhook_url:
         try:

@@ -52,7 +52,7 @@ def asset(name: str) -> FileResponse:
 @router.get("/ui/api/summary")
 def summary(tenant: TenantDep, ctx: ContextDep) -> dict[str, Any]:
     with ctx.db.read_session() as session:
-        batches = [_batch(render(session, row)) for row in session.scalars(
+        batches = [_batch(render(session, row, ctx)) for row in session.scalars(
             select(Batch).where(Batch.tenant_id == tenant.id).order_by(Batch.pk.desc())
             .limit(NUM_BATCHES))]
         jobs = list(session.scalars(select(Job).where(Job.tenant_id == tenant.id)
@@ -90,7 +90,10 @@ def _batch(obj: dict[str, Any]) -> dict[str, Any]:
             "completed": counts["completed"], "failed": counts["failed"],
             "progress": done / counts["total"] if counts["total"] else 0.0,
             "output_tokens": obj["usage"]["output_tokens"],
-            "prefix_cache_hit_rate": obj["prefix_cache_hit_rate"]}
+            "prefix_cache_hit_rate": obj["prefix_cache_hit_rate"],
+            "expires_at": obj["expires_at"],
+            "estimated_completion_at": obj["estimated_completion_at"],
+            "deadline_at_risk": obj["deadline_at_risk"]}
 
 
 def _engine(snapshots: list[dict[str, Any]]) -> dict[str, Any]:

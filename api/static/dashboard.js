@@ -115,7 +115,17 @@ function renderBatches(batches) {
     progress.append(bar, el("span", {}, done + " / " + b.total + " (" + fmt.pct(b.progress) + ")"));
     cell.append(progress);
     row.append(cell, el("td", {}, fmt.int(b.failed)), el("td", {}, fmt.int(b.output_tokens)),
-               el("td", {}, fmt.time(b.created_at)));
+               el("td", {}, fmt.time(b.created_at)),
+               el("td", { class: "eta" },
+                  b.estimated_completion_at == null ? "-" : fmt.time(b.estimated_completion_at)));
+    // A batch whose estimate passes its deadline is flagged (remedy: `boxcar doctor`).
+    const deadline = el("td", { class: b.deadline_at_risk ? "deadline late" : "deadline" },
+                        b.expires_at == null ? "-" : fmt.time(b.expires_at));
+    if (b.deadline_at_risk) {
+      row.dataset.late = "true";
+      deadline.append(el("span", { class: "status failed" }, " at risk"));
+    }
+    row.append(deadline);
     body.append(row);
   }
 }

@@ -153,6 +153,14 @@ CASES = [
          "absolute http(s) URL"),
     Case("priority 101", "body", "POST", "/v1/batches", _batch(priority=101), 400,
          "invalid_request", "priority", "less than or equal to 100"),
+    Case("batch priority above the tenant cap", "body", "POST", "/v1/batches",
+         _batch(priority=11), 400, "invalid_priority", "priority", "ask for (10;"),
+    Case("job priority above the tenant cap", "body", "POST", "/v1/jobs", {"json": {
+        "body": {"prompt": "x"}, "priority": 50}}, 400, "invalid_priority", "priority",
+         "priority 50 is above"),
+    Case("job priority negative", "body", "POST", "/v1/jobs", {"json": {
+        "body": {"prompt": "x"}, "priority": -1}}, 400, "invalid_request", "priority",
+         "greater than or equal to 0"),
     Case("both a file and requests", "body", "POST", "/v1/batches",
          _batch(requests=[{"custom_id": "a", "body": {}}]), 400, "invalid_request",
          "input_file_id", "exactly one"),

@@ -178,6 +178,30 @@ def test_rule_8_uneven_decode() -> None:
     assert rules(small) == []
 
 
+def test_rule_9_deadline_at_risk() -> None:
+    snap = healthy()
+    _, skipped = diagnose_report(snap)
+    assert "API's /metrics" in skipped["deadline-at-risk"]  # a boxcar run file has no batches
+    snap["service"] = {"batches_deadline_at_risk": 0.0}
+    assert rules(snap) == []
+    snap["service"]["batches_deadline_at_risk"] = 2.0
+    [finding] = diagnose(snap)
+    assert finding.rule == "deadline-at-risk" and finding.severity == "critical"
+    assert "2 live batch(es)" in finding.evidence
+    assert "add workers" in finding.remedy and "fewer lines" in finding.remedy
+
+
+def test_deadline_gauge_is_read_from_an_api_metrics_page() -> None:
+    from cli.doctor_commands import parse_exposition
+
+    page = ("# HELP boxcar_batches_deadline_at_risk Live batches late\n"
+            "# TYPE boxcar_batches_deadline_at_risk gauge\n"
+            "boxcar_batches_deadline_at_risk 3.0\n")
+    snap = parse_exposition(page)
+    assert snap["service"] == {"batches_deadline_at_risk": 3.0}
+    assert "deadline-at-risk" in rules(snap)
+
+
 # ---- real engine runs ---------------------------------------------------------------------------
 
 
@@ -226,6 +250,28 @@ def test_real_prefix_caching_off_recomputes(tiny_model_dir, tmp_path) -> None:
     assert "prefix caching off" in finding.evidence
     cached = _run(tiny_model_dir, tmp_path, lines, max_num_seqs=8, num_kv_blocks=256)
     assert "prefix-recompute" not in rules(cached)
+
+
+def test_real_prefix_sharing_in_flight_is_not_reported_but_eviction_is(tiny_model_dir,
+                                                                      tmp_path) -> None:
+    """Lines sharing a prompt admitted together: the engine computes the prefix once (the
+    rest wait for it in flight), and the rule stays quiet; the same prefix coming back after
+    unrelated prompts pushed it out of a small cache is what it reports."""
+    system = list(range(10, 74))  # four full blocks
+    together = [_line(i, system + [100 + i, 101 + i], 4) for i in range(8)]
+    snap = _run(tiny_model_dir, tmp_path, together, max_num_seqs=8, num_kv_blocks=256)
+    repeated = snap["counters"]["prompt_tokens_repeated"]
+    assert repeated == 7 * 64 and snap["counters"]["prompt_tokens_cached"] == repeated
+    assert "prefix-recompute" not in rules(snap)
+    # One at a time through a 12-block cache: each 180-token prompt between two uses of a
+    # 96-token system prompt takes every block, so the prefix is gone when it comes back.
+    system = list(range(10, 106))
+    evicted = []
+    for i in range(6):
+        evicted += [_line(i, system + [200 + i, 201 + i], 4), _line(50 + i, _ids(180, i), 2)]
+    snap = _run(tiny_model_dir, tmp_path, evicted, max_num_seqs=1, num_kv_blocks=12)
+    finding = next(f for f in diagnose(snap) if f.rule == "prefix-recompute")
+    assert "evicted from the cache" in finding.evidence and "more room" in finding.remedy
 
 
 def test_real_one_seat_is_unbatched(tiny_model_dir, tmp_path) -> None:

@@ -1,0 +1,132 @@
+"""estimated_completion_at (metrics.eta): work left in tokens over the workers' live throughput,
+with the work queued ahead; deadline_at_risk, its gauge and the status report."""
+
+from __future__ import annotations
+
+import datetime as dt
+import time
+
+import pytest
+from prometheus_client import generate_latest
+from sqlalchemy import select, update
+
+from cli.status import collect, format_status
+from metrics.api_collector import metrics_registry
+from metrics.eta import MIN_LEARNED_LINES, EtaCache, estimate, throughput, work_left
+from service.db import utcnow
+from service.models import (
+    IN_PROGRESS,
+    LINE_COMPLETED,
+    LINE_PENDING,
+    Batch,
+    RequestLine,
+    WorkerStatus,
+)
+from tests.api.test_batches import make_batch
+
+
+def test_work_left_uses_prepare_estimates_then_the_batch_s_own_lines():
+    prior = dict(est_prompt=100.0, est_output=50.0)
+    assert work_left(remaining=10, completed=0, input_tokens=0, output_tokens=0,
+                     cached_tokens=0, **prior) == 1500.0
+    # Learned: 40 prompt tokens a line, half from the cache, 10 output tokens.
+    learned = work_left(remaining=10, completed=MIN_LEARNED_LINES, input_tokens=120,
+                        output_tokens=30, cached_tokens=60, **prior)
+    assert learned == pytest.approx(10 * (40 * 0.5 + 10))
+
+
+def test_throughput_counts_recent_busy_seconds_of_every_worker():
+    now = 1000.0
+    busy = {"t": now - 1, "steps": 4, "generation_tokens_per_s": 80.0,
+            "prompt_tokens_per_s": 20.0}
+    idle = {"t": now - 2, "steps": 0, "generation_tokens_per_s": 0.0,
+            "prompt_tokens_per_s": 0.0}
+    old = {"t": now - 100, "steps": 4, "generation_tokens_per_s": 999.0,
+           "prompt_tokens_per_s": 0.0}
+    assert throughput([{"timeline": [old, idle, busy]}], now=now) == 100.0
+    assert throughput([{"timeline": [busy]}, {"timeline": [busy]}], now=now) == 200.0
+    assert throughput([{"timeline": [idle, old]}], now=now) is None
+
+
+def _start(ctx, batch_id: str, *, open_lines: int, done_lines: int = 0) -> None:
+    with ctx.db.session() as session:
+        values = dict(status=IN_PROGRESS, in_progress_at=utcnow(),
+                      est_prompt_tokens_per_line=100.0, est_output_tokens_per_line=50.0)
+        session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
+        tenant = session.scalar(select(Batch.tenant_id).where(Batch.id == batch_id))
+        for i in range(open_lines + done_lines):
+            done = i < done_lines
+            session.add(RequestLine(
+                tenant_id=tenant, batch_id=batch_id, line_no=i + 1, custom_id=f"c{i}",
+                endpoint="/v1/chat/completions", status=LINE_COMPLETED if done else LINE_PENDING,
+                prompt_tokens=40 if done else 0, completion_tokens=10 if done else 0))
+
+
+def _worker(ctx, model: str, rate: float) -> None:
+    with ctx.db.session() as session:
+        session.add(WorkerStatus(id="w1", model=model, heartbeat_at=utcnow(), metrics={
+            "timeline": [{"t": time.time() - 1, "steps": 3, "generation_tokens_per_s": rate,
+                          "prompt_tokens_per_s": 0.0}]}))
+
+
+def test_estimates_follow_the_queue_order_and_flag_a_late_batch(client, ctx):
+    ctx.etas = EtaCache(2.0, ttl=0.2)  # polls within 0.2 s share one estimate
+    created = make_batch(client).json()
+    day, model = created["id"], created["model"]
+    hour = make_batch(client, completion_window="1h").json()["id"]
+    # Unknown until a worker has stepped: null, not a guess.
+    _start(ctx, day, open_lines=10)
+    _start(ctx, hour, open_lines=4)
+    assert client.get(f"/v1/batches/{day}").json()["estimated_completion_at"] is None
+    _worker(ctx, model, rate=100.0)
+    now = time.time()
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0, now=now)
+    # The 1h batch runs first: 4 lines x 150 tokens at 100 tokens/s; the 24h one after it.
+    assert etas[hour].estimated_completion_at == pytest.approx(now + 6.0)
+    assert etas[day].estimated_completion_at == pytest.approx(now + 6.0 + 15.0)
+    assert not etas[day].late and not etas[hour].late
+    time.sleep(0.25)
+    body = client.get(f"/v1/batches/{day}").json()
+    assert body["estimated_completion_at"] == pytest.approx(now + 21.0, abs=3)
+    assert body["deadline_at_risk"] is False
+
+    # The 24h batch's deadline now falls before its estimate: flagged everywhere.
+    with ctx.db.session() as session:
+        session.execute(update(Batch).where(Batch.id == day)
+                        .values(expires_at=utcnow() + dt.timedelta(seconds=5)))
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0)
+    assert etas[day].late and not etas[hour].late
+    page = generate_latest(metrics_registry(ctx.db, 2.0)).decode()
+    assert "boxcar_batches_deadline_at_risk 1.0" in page
+    report = collect(ctx.db, interval=2.0)
+    late = {b["id"]: b["deadline_at_risk"] for b in report["active_batches"]}
+    assert late == {day: True, hour: False}
+    assert "LATE" in format_status(report) and "eta " in format_status(report)
+    time.sleep(0.25)
+    assert client.get(f"/v1/batches/{day}").json()["deadline_at_risk"] is True
+    shown = {b["id"]: b for b in client.get("/ui/api/summary").json()["batches"]}
+    assert shown[day]["deadline_at_risk"] is True and shown[hour]["deadline_at_risk"] is False
+    # Due in 5 s, the former 24h batch is now the more urgent class: it runs first.
+    assert shown[day]["estimated_completion_at"] < shown[hour]["estimated_completion_at"]
+
+
+def test_equal_classes_share_and_finished_lines_teach_the_estimate(client, ctx):
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    b = make_batch(client).json()["id"]
+    _start(ctx, a, open_lines=10)
+    # b: three lines done at 40 prompt + 10 output tokens each -> 50 a line from now on.
+    _start(ctx, b, open_lines=2, done_lines=MIN_LEARNED_LINES)
+    with ctx.db.session() as session:  # same deadline bucket and priority as a
+        expires = session.scalar(select(Batch.expires_at).where(Batch.id == a))
+        session.execute(update(Batch).where(Batch.id == b).values(expires_at=expires))
+    _worker(ctx, model, rate=100.0)
+    now = time.time()
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0, now=now)
+    assert etas[b].work_left == 100.0 and etas[a].work_left == 1500.0
+    # b shares the workers with a: a's work counts up to b's own.
+    assert etas[b].estimated_completion_at == pytest.approx(now + (100 + 100) / 100)
+    assert etas[a].estimated_completion_at == pytest.approx(now + (100 + 1500) / 100)

@@ -1,0 +1,79 @@
+"""The queue discipline (service.queue_order) without a model: jobs first, then earliest
+deadline, then batch priority, then tenants round-robin; and what the engine is told."""
+
+from __future__ import annotations
+
+from service.queue_order import DEADLINE_BUCKET_S, bulk_rank, engine_priority
+from tests.conftest_services import chat_line, wait_for
+from tests.worker.fake_engine import FakeEngine
+from worker.items import LineWork
+from worker.line_queue import LineQueue
+
+NOW = 1_800_000_000.0
+
+
+def work(pk: int, tenant: str, *, deadline: float | None, priority: int = 0,
+         job: bool = False) -> LineWork:
+    return LineWork(pk, f"s{pk}", tenant, None if job else "b", "j" if job else None,
+                    "/v1/completions", {}, priority, deadline)
+
+
+def test_engine_priority_puts_jobs_ahead_and_leaves_bulk_order_to_admission():
+    job_low = engine_priority(is_job=True, priority=1000)
+    job_high = engine_priority(is_job=True, priority=1005)
+    assert job_high < job_low < 0 == engine_priority(is_job=False, priority=100)
+
+
+def test_deadline_buckets_and_priority_rank_bulk_classes():
+    edge = 3000 * DEADLINE_BUCKET_S
+    # Deadlines within one bucket are equal: tenants share them instead of FIFO.
+    assert bulk_rank(edge - 1, 0) == bulk_rank(edge - DEADLINE_BUCKET_S + 1, 0)
+    assert bulk_rank(edge + 1, 100) > bulk_rank(edge, 0)  # an earlier deadline beats priority
+    assert bulk_rank(edge, 7) < bulk_rank(edge, 0)
+    assert bulk_rank(None, 100) > bulk_rank(edge, 0)
+
+
+def test_line_queue_pops_by_deadline_class_then_round_robin():
+    day, hour = NOW + 86400, NOW + 3600
+    queue = LineQueue()
+    queue.push([work(1, "a", deadline=day), work(2, "a", deadline=day),
+                work(3, "b", deadline=day)], is_job=False)
+    queue.push([work(4, "a", deadline=hour), work(5, "c", deadline=hour)], is_job=False)
+    queue.push([work(6, "c", deadline=day, priority=7)], is_job=False)
+    queue.push([work(9, "c", deadline=None, priority=1000, job=True)], is_job=True)
+    assert len(queue) == 7
+    order = [queue.pop().line_pk for _ in range(7)]
+    # the job; the 1h class round-robin (a, c); the 24h class at priority 7; then 24h at 0 by
+    # tenant round-robin (a, b, a).
+    assert order == [9, 4, 5, 6, 1, 3, 2]
+    assert queue.pop() is None and len(queue) == 0
+
+
+def test_line_queue_remove_across_classes():
+    queue = LineQueue()
+    queue.push([work(1, "a", deadline=NOW), work(2, "a", deadline=NOW + 86400)], is_job=False)
+    assert [w.line_pk for w in queue.remove(lambda w: w.line_pk == 1)] == [1]
+    assert len(queue) == 1 and queue.pop().line_pk == 2 and queue.pop() is None
+
+
+def test_a_shorter_window_overtakes_and_a_job_overtakes_both(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url, shard_size=4, worker_max_shards=2,
+                       completion_windows=["24h", "1h"])
+    engine = FakeEngine(max_num_seqs=2, step_time=0.003)
+    stack.add_worker(engine)
+    slow = stack.create_batch([chat_line(f"d{i}", f"day {i}") for i in range(40)])
+    wait_for(lambda: stack.batch(slow["id"])["request_counts"]["completed"] >= 2, 30, 0.01,
+             "the 24h batch to start")
+    fast = stack.create_batch([chat_line(f"h{i}", f"hour {i}") for i in range(8)],
+                              completion_window="1h", priority=0)
+    job = stack.client.post("/v1/jobs", json={"body": {"prompt": "job", "max_tokens": 3},
+                                              "priority": 4}).json()
+    job_done = wait_for(lambda: (j := stack.client.get(f"/v1/jobs/{job['id']}").json())[
+        "status"] == "completed" and j, 30, 0.01, "the job")
+    fast_done = stack.wait_status(fast["id"], "completed")
+    assert stack.batch(slow["id"])["request_counts"]["completed"] < 40
+    assert job_done["completed_at"] <= fast_done["completed_at"]
+    stack.wait_status(slow["id"], "completed")
+    # What the engine was told: the job most urgent, every bulk line equal.
+    assert sorted(set(engine.priorities.values())) == [
+        engine_priority(is_job=True, priority=1004), 0]
