@@ -55,8 +55,8 @@ class Settings(BaseSettings):
     max_file_lines: int = 50_000
     max_inline_requests: int = 10_000
     completion_windows: list[str] = Field(default_factory=lambda: ["24h"])
-    # Lines may use either endpoint, like `boxcar run`; False: a line's url must be the batch's.
-    mixed_endpoints: bool = True
+    # False (OpenAI's rule): a line's url must be the batch's endpoint; True: either endpoint.
+    mixed_endpoints: bool = False
     bootstrap_api_key: str | None = None  # ensured to exist (tenant "default") at start
 
     # Work distribution.
