@@ -263,7 +263,8 @@ class _Runner:
         if not isinstance(engine_input, PrepareError):
             engine_input = add_to_engine(self.engine, request_id, engine_input) or engine_input
         if isinstance(engine_input, PrepareError):
-            return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id)
+            return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id,
+                             numbered=False, param=engine_input.param)
         self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode)
         return None
 

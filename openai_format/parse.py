@@ -64,10 +64,14 @@ class LineError:
     line_no: int
     custom_id: str | None = None
     is_object: bool = True
+    # False for errors found when the line is prepared for the engine: the worker writes
+    # those without the line number (it runs rows, not file lines), and so does `boxcar run`.
+    numbered: bool = True
+    param: str | None = None  # the body field at fault, where one is known
 
     @property
     def message(self) -> str:
-        return f"line {self.line_no}: {self.detail}"
+        return f"line {self.line_no}: {self.detail}" if self.numbered else self.detail
 
     def to_line(self, *, request_id: str) -> dict[str, Any] | None:
         """The error file's line (OpenAI's shape for a refused request), or None for a line
@@ -76,7 +80,7 @@ class LineError:
         if self.custom_id is None:
             return None
         return failed_line(self.custom_id, self.code, self.message, request_id=request_id,
-                           status_code=status_code(self.code))
+                           param=self.param, status_code=status_code(self.code))
 
 
 def status_code(code: str) -> int:
