@@ -49,10 +49,6 @@ def make_mixed(tokenizer: Any, num_requests: int, seed: int) -> Workload:
     return Workload([p for p, _ in pairs], [m for _, m in pairs])
 
 
-def _group_key(prompt: list[int]) -> tuple[int, ...]:
-    return tuple(prompt[:64])
-
-
 def longest_first(w: Workload) -> list[int]:
     return sorted(range(len(w.prompts)), key=lambda i: -w.max_tokens[i])
 
@@ -62,12 +58,9 @@ def prefix_groups(w: Workload) -> list[int]:
 
 
 def groups_longest_first(w: Workload) -> list[int]:
-    longest: dict[tuple[int, ...], int] = {}
-    for p, m in zip(w.prompts, w.max_tokens, strict=True):
-        longest[_group_key(p)] = max(longest.get(_group_key(p), 0), m)
-    return sorted(range(len(w.prompts)),
-                  key=lambda i: (-longest[_group_key(w.prompts[i])], _group_key(w.prompts[i]),
-                                 -w.max_tokens[i]))
+    from engine.admission_order import prefix_groups_longest_first
+
+    return prefix_groups_longest_first(w.prompts, w.max_tokens)
 
 
 ORDERS: dict[str, Callable[[Workload], list[int]]] = {

@@ -121,11 +121,11 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> None:
     """Set to -inf, in place, every token the row's grammar does not allow next. One bitmask
     ``[num_rows, ceil(vocab / 32)]`` is filled for the constrained rows and applied in one call.
     """
-    import xgrammar as xgr
-
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
         return
+    import xgrammar as xgr  # only once a request has a grammar: the import takes ~1 s
+
     vocab = logits.shape[-1]
     bitmask = xgr.allocate_token_bitmask(len(requests), vocab)  # [num_rows, ceil(vocab / 32)]
     for i in rows:

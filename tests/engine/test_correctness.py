@@ -180,6 +180,9 @@ def test_urgent_request_preempts_bulk_and_all_stay_exact(tiny_model_dir, shared_
     prompts, max_tokens, expected = shared_prefix_reference
     llm = LLM(str(tiny_model_dir), block_size=8, max_num_seqs=3, max_num_batched_tokens=24)
     engine = llm.engine
+    for bad in ("high", 1.5, True):
+        with pytest.raises(ValueError, match="priority"):
+            engine.add_request("bad", prompts[0], greedy(1), priority=bad)  # type: ignore[arg-type]
     for i in range(len(prompts) - 1):
         engine.add_request(f"bulk{i}", prompts[i], greedy(max_tokens[i]), priority=1)
     results = {}
