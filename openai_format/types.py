@@ -4,7 +4,7 @@ Types are strict (``"0.7"`` is not a number, ``1`` is not a boolean); unknown fi
 as OpenAI does. Range errors are raised as ``invalid_value`` custom errors with a short
 "must be ..." message that ``openai_format.parse`` prefixes with the field's path; type errors keep
 pydantic's types and are reported as ``invalid_request``. Fields we know but cannot honour
-(``stream: true``, ``echo: true``, ``suffix``, non-text content parts, JSON response formats)
+(``stream: true``, ``echo: true``, ``suffix``, non-text content parts, ``UNSUPPORTED_FIELDS``)
 are rejected rather than silently ignored: so are unknown fields (OpenAI answers "Unrecognized
 request argument"), except the few OpenAI documents as not affecting the output
 (``OUTPUT_NEUTRAL_FIELDS``).
@@ -138,7 +138,8 @@ def _logit_bias(value: dict[str, float]) -> dict[str, float]:
         if not TOKEN_ID_KEY.match(key):
             raise _invalid(f"keys must be token ids as strings (\"123\"), got {key!r}")
         if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
-            raise _invalid(f"[{key}] must be between -{MAX_LOGIT_BIAS} and {MAX_LOGIT_BIAS}")
+            raise _invalid(f"values must be between -{MAX_LOGIT_BIAS} and {MAX_LOGIT_BIAS}, "
+                           f"got {bias:g} for token {key}")
     return value
 
 

@@ -237,7 +237,8 @@ def test_chat_body_missing_messages() -> None:
         ({"reasoning_effort": "low"}, "body.reasoning_effort is not supported"),
         ({"prediction": {"type": "content"}}, "body.prediction is not supported"),
         ({"logit_bias": {"abc": 1}}, "body.logit_bias keys must be token ids"),
-        ({"logit_bias": {"5": 101}}, "body.logit_bias [5] must be between -100 and 100"),
+        ({"logit_bias": {"5": 101}},
+         "body.logit_bias values must be between -100 and 100, got 101 for token 5"),
         ({"tool_choice": "required"}, "body.tool_choice requires body.tools"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}},
@@ -424,3 +425,84 @@ def test_error_line_shapes() -> None:
         "code": "invalid_value"}
     # A line without a custom_id has no error-file line (the batch's errors name it).
     assert parse("{oops").to_line(request_id="req_2") is None
+
+
+# --- structured outputs, tools, logit_bias -------------------------------------------------------
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                  "required": ["a"]}, "strict": True}}
+NOOP_TOOL = {"type": "function", "function": {"name": "noop"}}
+
+
+def test_response_format_maps_to_structured_output() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    for strict_mode, expected in ((True, True), (False, False), (None, False)):
+        spec: dict = {"name": "x", "schema": schema}
+        if strict_mode is not None:
+            spec["strict"] = strict_mode
+        body = parse(chat(response_format={"type": "json_schema", "json_schema": spec})).body
+        assert to_sampling_kwargs(body)["structured_output"] == {"json_schema": schema,
+                                                                 "strict": expected}
+    body = parse(completion(response_format={"type": "json_object"})).body
+    assert to_sampling_kwargs(body)["structured_output"] == {"json_object": True}
+    assert to_sampling_kwargs(parse(chat(response_format={"type": "text"})).body)[
+        "structured_output"] is None
+    kwargs = to_sampling_kwargs(parse(completion(logit_bias={"7": -100, "9": 2.5})).body)
+    assert kwargs["logit_bias"] == {7: -100.0, 9: 2.5}
+
+
+def test_forced_tool_calls_map_to_schemas() -> None:
+    named = parse(chat(tools=[ADD_TOOL, NOOP_TOOL],
+                       tool_choice={"type": "function", "function": {"name": "add"}})).body
+    assert to_sampling_kwargs(named)["structured_output"] == {
+        "json_schema": ADD_TOOL["function"]["parameters"], "strict": True}
+    required = parse(chat(tools=[ADD_TOOL, NOOP_TOOL], tool_choice="required")).body
+    structured = to_sampling_kwargs(required)["structured_output"]
+    branches = structured["json_schema"]["anyOf"]
+    assert [b["properties"]["name"] for b in branches] == [{"const": "add"}, {"const": "noop"}]
+    assert branches[1]["properties"]["arguments"]["additionalProperties"] is False
+    assert structured["strict"] is False  # noop is not strict
+    assert required.tool_mode == "required" and named.tool_mode == "named"
+    assert parse(chat(tools=[ADD_TOOL])).body.tool_mode == "auto"
+    none = parse(chat(tools=[ADD_TOOL], tool_choice="none")).body
+    assert none.tool_mode is None and none.template_tools() is None
+    assert to_sampling_kwargs(none)["structured_output"] is None
+
+
+def test_tool_calls_in_the_history_reach_the_template() -> None:
+    body = parse(chat(messages=[
+        {"role": "user", "content": "1+1"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ], tools=[ADD_TOOL])).body
+    assert body.template_messages()[1]["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+    assert body.template_tools() == [ADD_TOOL]
+
+
+def test_chat_body_with_tool_calls_is_an_openai_chat_completion() -> None:
+    from openai_format.tools import ToolCallMode, tool_calls_from_text
+
+    content, calls = tool_calls_from_text(ToolCallMode("forced_any"),
+                                          '{"name": "add", "arguments": {"a": 3}}')
+    assert content is None and calls[0]["function"] == {"name": "add", "arguments": '{"a": 3}'}
+    assert tool_calls_from_text(ToolCallMode("forced_name", "add"), '{"a": 4}')[1][0][
+        "function"] == {"name": "add", "arguments": '{"a": 4}'}
+    # A cut-off call stays text.
+    assert tool_calls_from_text(ToolCallMode("forced_name", "add"), '{"a": ') == ('{"a": ', [])
+    body = chat_completion_body([ChoiceResult(0, "", 5, "stop", tool_calls=calls)], model="m",
+                                prompt_tokens=2)
+    parsed = ChatCompletion.model_validate(body, strict=True)
+    assert parsed.choices[0].finish_reason == "tool_calls"
+    assert parsed.choices[0].message.content is None
+    assert parsed.choices[0].message.tool_calls[0].function.name == "add"
+
+
+def test_a_byte_order_mark_on_line_one_is_skipped() -> None:
+    raw = b"\xef\xbb\xbf" + json.dumps(chat()).encode()
+    assert isinstance(parse_line(raw, line_no=1), BatchLine)
+    assert isinstance(parse_line(raw.decode(), line_no=1), BatchLine)
+    expect_error(raw, "invalid_json", "not valid JSON")  # line 7: not the file's start
