@@ -11,6 +11,7 @@ message on both paths.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ from engine.structured_output import StructuredOutputError
 from openai_format.parse import (
     CONTEXT_LENGTH_EXCEEDED,
     INVALID_REQUEST,
+    SERVER_ERROR,
     describe_validation_error,
 )
 from openai_format.responses import (
@@ -39,6 +41,8 @@ from openai_format.types import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,16 @@ def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareErro
 
 
 def prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
-    """The engine input for one line, or its error. Never raises on the line's content."""
+    """The engine input for one line, or its error. Never raises: whatever goes wrong while
+    one line is prepared fails that line (``server_error`` for what no check foresaw)."""
+    try:
+        return _prepare(engine, endpoint, body)
+    except Exception as exc:  # noqa: BLE001 - one line's failure must not escape its line
+        log.exception("preparing a request failed")
+        return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
+
+
+def _prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
     request = parse_body(endpoint, body)
     if isinstance(request, PrepareError):
         return request
@@ -140,6 +153,9 @@ def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
                             engine_input.format_field)
     except ValueError as exc:
         return PrepareError(INVALID_VALUE, f"the engine refused the request: {exc}")
+    except Exception as exc:  # noqa: BLE001 - e.g. the grammar library failing on one format
+        log.exception("adding request %s failed", request_id)
+        return PrepareError(SERVER_ERROR, f"the engine could not take the request: {exc}")
     return None
 
 

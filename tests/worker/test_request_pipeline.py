@@ -335,3 +335,31 @@ def test_boxcar_run_and_the_service_give_the_same_lines(tiny_model_dir, tmp_path
     assert [e[:2] for e in service_unnumbered] == [(8, "invalid_json"), (9, "missing_custom_id")]
     assert summary.num_ok == done["request_counts"]["completed"] == 7
     assert summary.num_failed == done["request_counts"]["failed"]
+
+
+def test_any_exception_while_preparing_fails_only_its_line(engine, tmp_path, monkeypatch):
+    import worker.engine_adapter as adapter
+
+    original_add = engine.add_request
+    original_kwargs = adapter.to_sampling_kwargs
+
+    def add(request_id, prompt, params, **kwargs):
+        if params.seed == 666:
+            raise RuntimeError("the grammar library crashed")
+        return original_add(request_id, prompt, params, **kwargs)
+
+    def kwargs_of(body):
+        if body.seed == 667:
+            raise KeyError("unforeseen")
+        return original_kwargs(body)
+
+    monkeypatch.setattr(engine, "add_request", add)
+    monkeypatch.setattr(adapter, "to_sampling_kwargs", kwargs_of)
+    result, summary = run(engine, tmp_path, [chat("crash", seed=666), chat("bug", seed=667),
+                                             chat("ok", max_tokens=2)])
+    for custom_id, fragment in (("crash", "the grammar library crashed"),
+                                ("bug", "unforeseen")):
+        error = error_of(result[custom_id])
+        assert error["code"] == "server_error" and fragment in error["message"]
+        assert result[custom_id]["response"]["status_code"] == 500
+    assert summary.num_ok == 1
