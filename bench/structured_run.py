@@ -27,7 +27,7 @@ from bench.structured import SCHEMA, SUBJECTS
 from cli.offline import run_batch_file
 from engine import LLM
 from engine.model_cache import pull
-from worker.engine_adapter import PrepareError, prepare
+from pipeline.engine_adapter import PrepareError, prepare
 
 CHAT = "/v1/chat/completions"
 

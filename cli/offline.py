@@ -7,7 +7,7 @@ does. A bad line (bad JSON, missing or repeated custom_id, a url other than the 
 invalid values, a prompt longer than the context) fails alone and every other line still runs:
 one with a custom_id gets an error line in OpenAI's shape; one without (not JSON, no custom_id)
 is listed by line number in the summary (``RunSummary.line_errors``), as a batch lists it in its
-``errors``. Lines are prepared by the worker's pipeline (``worker.engine_adapter``), so a line
+``errors``. Lines are prepared by the worker's pipeline (``pipeline.engine_adapter``), so a line
 gets the same result or error here as in a batch.
 """
 
@@ -30,7 +30,7 @@ from openai_format.ids import new_id
 from openai_format.parse import BatchLine, CustomIdTracker, LineError, parse_line
 from openai_format.responses import output_line
 from openai_format.tools import ToolCallMode
-from worker.engine_adapter import PrepareError, add_to_engine, prepare, response_body
+from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, response_body
 
 IN_FLIGHT_PER_SEQ = 4
 MAX_LINE_ERRORS = 100
@@ -248,7 +248,7 @@ class _Runner:
 
     def submit(self, line_no: int, raw: bytes) -> LineError | None:
         """Parse one line and add it to the engine, or say why it cannot run: the worker's
-        pipeline (``worker.engine_adapter``), so a line fails here as it fails in a batch."""
+        pipeline (``pipeline.engine_adapter``), so a line fails here as it fails in a batch."""
         self.result.num_lines += 1
         parsed = parse_line(raw, line_no=line_no, endpoint=self.endpoint)
         if isinstance(parsed, LineError):

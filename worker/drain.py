@@ -22,8 +22,8 @@ from metrics.counters import ENGINE_STEPS, LINES_FINISHED
 from openai_format.ids import new_id
 from openai_format.parse import SERVER_ERROR
 from openai_format.tools import ToolCallMode
+from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, response_body
 from service.models import LINE_COMPLETED, LINE_FAILED
-from worker.engine_adapter import PrepareError, add_to_engine, prepare, response_body
 from worker.items import LineResult, LineWork
 from worker.line_queue import LineQueue
 

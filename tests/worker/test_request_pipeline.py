@@ -1,4 +1,4 @@
-"""The one request pipeline (``worker.engine_adapter``) on a tiny random-weight model: structured
+"""The one request pipeline (``pipeline.engine_adapter``) on a tiny random-weight model: structured
 outputs, tool calls, logit_bias and per-line errors, through ``boxcar run`` and through the
 service (API + worker), which must agree line for line."""
 
@@ -13,9 +13,9 @@ import pytest
 from cli.offline import run_batch_file
 from engine import EngineConfig, LLMEngine
 from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
+from pipeline.engine_adapter import PrepareError, prepare
 from tests.engine.test_structured_output import SCHEMAS
 from tests.openai_shapes import check_line, error_of, strict
-from worker.engine_adapter import PrepareError, prepare
 
 CHAT = "/v1/chat/completions"
 WEATHER = {"type": "function", "function": {
@@ -338,7 +338,7 @@ def test_boxcar_run_and_the_service_give_the_same_lines(tiny_model_dir, tmp_path
 
 
 def test_any_exception_while_preparing_fails_only_its_line(engine, tmp_path, monkeypatch):
-    import worker.engine_adapter as adapter
+    import pipeline.engine_adapter as adapter
 
     original_add = engine.add_request
     original_kwargs = adapter.to_sampling_kwargs
