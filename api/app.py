@@ -7,7 +7,7 @@ from prometheus_client import make_asgi_app
 
 from api.deps import AppContext
 from api.errors import install_error_handlers
-from api.routes import batches, files, health, jobs, ui, webhooks
+from api.routes import batches, files, health, jobs, models, ui, webhooks
 from metrics.api_collector import metrics_registry
 from service.db import Database
 from service.queue import TaskQueue, make_queue
@@ -45,7 +45,7 @@ def create_app(
     )
     app.state.context = context
     install_error_handlers(app)
-    for module in (files, batches, jobs, webhooks, health, ui):
+    for module in (files, batches, jobs, models, webhooks, health, ui):
         app.include_router(module.router)
     app.mount("/metrics", make_asgi_app(metrics_registry(
         context.db, context.settings.worker_metrics_interval)))

@@ -3,7 +3,6 @@ behind the request's API key."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -23,13 +22,6 @@ class AppContext:
     db: Database
     storage: ObjectStorage
     queue: TaskQueue
-
-    @property
-    def model_name(self) -> str:
-        """The model name answers and batches carry."""
-        return self.settings.served_model_name or os.path.basename(
-            self.settings.model.rstrip("/")
-        )
 
 
 @dataclass(frozen=True)

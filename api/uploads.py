@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service import ids
+from service.lines import ModelTracker
 from service.models import File
 from service.storage import ObjectStorage
 
@@ -45,6 +46,7 @@ class JsonlIngest:
     _tail: bytearray = field(default_factory=bytearray)
     _line_no: int = 0
     _ids: CustomIdTracker = field(default_factory=CustomIdTracker)
+    _models: ModelTracker = field(default_factory=ModelTracker)
     _cm: Any = None
     _writer: Any = None
 
@@ -98,9 +100,10 @@ class JsonlIngest:
             self._record(result)
             return
         self.num_objects += 1
-        duplicate = self._ids.check(result.custom_id, line_no=self._line_no)
-        if duplicate is not None:
-            self._record(duplicate)
+        problem = (self._ids.check(result.custom_id, line_no=self._line_no)
+                   or self._models.check(result))
+        if problem is not None:
+            self._record(problem)
 
     def _record(self, error: LineError) -> None:
         self.num_errors += 1
@@ -142,7 +145,7 @@ class JsonlIngest:
         return File(
             id=self.file_id, tenant_id=tenant_id, filename=filename, purpose=purpose,
             bytes=self.num_bytes, storage_key=self.storage_key, num_lines=self.num_lines,
-            num_errors=self.num_errors, line_errors=self.errors,
+            num_errors=self.num_errors, line_errors=self.errors, model=self._models.model,
         )
 
 

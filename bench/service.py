@@ -58,7 +58,8 @@ def write_workload(path: str, *, num_lines: int = 64, seed: int = 0) -> str:
             messages = [{"role": "user", "content": words}]
             if i % 2 == 0:
                 messages.insert(0, {"role": "system", "content": _SYSTEM})
-            body = {"model": "bench", "messages": messages, "max_tokens": rng.randint(16, 128),
+            # No model named: the lines run on the deployment's default, the one model served.
+            body = {"messages": messages, "max_tokens": rng.randint(16, 128),
                     "temperature": 0, "ignore_eos": True}
             f.write(json.dumps({"custom_id": f"bench-{i}", "method": "POST",
                                 "url": "/v1/chat/completions", "body": body}) + "\n")

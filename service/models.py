@@ -94,6 +94,8 @@ class File(Base):
     num_lines: Mapped[int] = mapped_column(Integer, default=0)
     num_errors: Mapped[int] = mapped_column(Integer, default=0)
     line_errors: Mapped[list[dict[str, Any]] | None] = _json()
+    # The model its lines name (the first one named; None: no line names one).
+    model: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     deleted_at: Mapped[dt.datetime | None]
 
@@ -153,6 +155,7 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(64), unique=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(200))  # the served model's id
     status: Mapped[str] = mapped_column(String(16), default=JOB_QUEUED)
     priority: Mapped[int] = mapped_column(Integer, default=0)
     webhook_url: Mapped[str | None] = mapped_column(String(2000))
@@ -169,12 +172,16 @@ class Shard(Base):
     __table_args__ = (
         Index("ix_shards_claim", "status", "priority", "created_at"),
         Index("ix_shards_batch", "batch_id"),
+        Index("ix_shards_model_claim", "model", "status"),
     )
 
     id: Mapped[str] = mapped_column(String(100), primary_key=True)
     tenant_id: Mapped[str] = mapped_column(ForeignKey("tenants.id"))
     batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id"))
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"))
+    # The id of the served model that runs it: only that model's workers claim it (None: a
+    # shard from before routing, which any worker may run).
+    model: Mapped[str | None] = mapped_column(String(200))
     priority: Mapped[int] = mapped_column(Integer, default=0)
     status: Mapped[str] = mapped_column(String(16), default=SHARD_PENDING)
     num_lines: Mapped[int] = mapped_column(Integer, default=0)
@@ -269,3 +276,15 @@ class WorkerStatus(Base):
     started_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     heartbeat_at: Mapped[dt.datetime] = mapped_column(default=utcnow, index=True)
     metrics: Mapped[dict[str, Any] | None] = _json()
+
+
+class ServedModel(Base):
+    """A model some worker loaded: its id, the other names it answers to, and when a worker
+    last said it serves it (``service.served_models``)."""
+
+    __tablename__ = "models"
+
+    id: Mapped[str] = mapped_column(String(200), primary_key=True)
+    aliases: Mapped[list[str] | None] = _json()
+    created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)  # first seen
+    last_seen_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -136,6 +136,7 @@ def job_object(job: Job, line: RequestLine | None) -> dict[str, Any]:
         "id": job.id,
         "object": "job",
         "endpoint": job.endpoint,
+        "model": job.model,
         "status": job.status,
         "priority": job.priority,
         "created_at": unix(job.created_at),

@@ -9,6 +9,7 @@ workers' polling do the rest.
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import Protocol
@@ -19,19 +20,23 @@ TASK_BATCH_CHANGED = "boxcar.batch_changed"
 TASK_RUN_SHARD = "boxcar.run_shard"
 
 
-def queue_names(namespace: str) -> dict[str, str]:
-    """Celery queue names: single jobs and control messages ahead of bulk shards."""
+def queue_names(namespace: str, model: str) -> dict[str, str]:
+    """Celery queue names: single jobs and control messages ahead of bulk shards. Shards and
+    jobs go to their model's queues, which only that model's workers consume; control messages
+    (prepare, finalize, cancel) to one queue every worker shares."""
+    tag = re.sub(r"[^A-Za-z0-9_.-]", "_", model)
     return {
-        "jobs": f"{namespace}.jobs",
+        "jobs": f"{namespace}.jobs.{tag}",
         "control": f"{namespace}.control",
-        "bulk": f"{namespace}.bulk",
+        "bulk": f"{namespace}.bulk.{tag}",
     }
 
 
 class TaskQueue(Protocol):
     def batch_changed(self, batch_id: str) -> None: ...
 
-    def shards_ready(self, shard_ids: Iterable[str], *, jobs: bool = False) -> None: ...
+    def shards_ready(self, shard_ids: Iterable[str], *, model: str | None,
+                     jobs: bool = False) -> None: ...
 
     def close(self) -> None: ...
 
@@ -56,7 +61,8 @@ class EmbeddedQueue:
     def batch_changed(self, batch_id: str) -> None:
         self._notify()
 
-    def shards_ready(self, shard_ids: Iterable[str], *, jobs: bool = False) -> None:
+    def shards_ready(self, shard_ids: Iterable[str], *, model: str | None,
+                     jobs: bool = False) -> None:
         self._notify()
 
     def close(self) -> None:
@@ -71,7 +77,7 @@ class CeleryQueue:
 
         self._app = Celery("boxcar-api", broker=broker_url, set_as_current=False)
         self._app.conf.update(broker_connection_retry_on_startup=True, task_ignore_result=True)
-        self._queues = queue_names(namespace)
+        self._namespace = namespace
 
     def _send(self, name: str, arg: str, queue: str) -> None:
         try:
@@ -80,10 +86,13 @@ class CeleryQueue:
             log.exception("could not send %s(%s) to %s", name, arg, queue)
 
     def batch_changed(self, batch_id: str) -> None:
-        self._send(TASK_BATCH_CHANGED, batch_id, self._queues["control"])
+        self._send(TASK_BATCH_CHANGED, batch_id, f"{self._namespace}.control")
 
-    def shards_ready(self, shard_ids: Iterable[str], *, jobs: bool = False) -> None:
-        queue = self._queues["jobs" if jobs else "bulk"]
+    def shards_ready(self, shard_ids: Iterable[str], *, model: str | None,
+                     jobs: bool = False) -> None:
+        if model is None:  # a shard from before routing: workers find it by polling
+            return
+        queue = queue_names(self._namespace, model)["jobs" if jobs else "bulk"]
         for shard_id in shard_ids:
             self._send(TASK_RUN_SHARD, shard_id, queue)
 

@@ -47,7 +47,12 @@ class Settings(BaseSettings):
     # engine.model_cache.DEFAULT_MODEL, which this package may not import;
     # tests/cli/test_cli.py checks the two agree.
     model: str = "SmolLM2-135M-Instruct"
-    served_model_name: str | None = None  # the name answers carry; default: the engine's
+    served_model_name: str | None = None  # the model's id; default: the setting's last part
+    # The deployment's models (ids or model settings), served even while no worker is up; the
+    # first is the default of requests naming none. Empty: the one ``model`` above.
+    models: list[str] = Field(default_factory=list)
+    # Seconds a model stays served after its last worker was seen (service.served_models).
+    model_ttl: float = 3600.0
     engine_options: dict[str, Any] = Field(default_factory=dict)  # EngineConfig fields (JSON)
 
     # API limits.
@@ -89,7 +94,7 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("lease_seconds", "poll_interval", "webhook_timeout",
-                     "worker_metrics_interval")
+                     "worker_metrics_interval", "model_ttl")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:

@@ -249,13 +249,13 @@ def make_key(db, tenant: str = "acme") -> str:
 
 def chat_line(custom_id: str, content: str, *, max_tokens: int = 4, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}],
+            "body": {"messages": [{"role": "user", "content": content}],
                      "max_tokens": max_tokens, **body}}
 
 
 def completion_line(custom_id: str, prompt: str, *, max_tokens: int = 4, **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, **body}}
+            "body": {"prompt": prompt, "max_tokens": max_tokens, **body}}
 
 
 def jsonl(lines: list[dict | str]) -> bytes:

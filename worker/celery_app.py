@@ -16,6 +16,7 @@ from kombu import Queue
 from pydantic import StringConstraints, TypeAdapter
 
 from service.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
+from service.served_models import model_id
 from service.settings import Settings, get_settings
 from worker.process import WorkerService
 
@@ -26,7 +27,9 @@ ObjectId = TypeAdapter(Annotated[str, StringConstraints(
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    queues = queue_names(settings.queue_namespace)
+    # This worker's model's queues, and the shared control queue.
+    queues = queue_names(settings.queue_namespace,
+                         model_id(settings.model, settings.served_model_name))
     return {
         "broker_url": settings.broker_url,
         "broker_connection_retry_on_startup": True,

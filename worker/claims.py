@@ -2,7 +2,8 @@
 
 A shard is claimable when it is pending, or running under a lease that has expired (its worker
 died or stalled); a claim is one conditional UPDATE, so of two workers racing for a shard exactly
-one wins. Claims prefer single jobs, then the tenants with the fewest running shards.
+one wins. Claims prefer single jobs, then the tenants with the fewest running shards. A worker
+claims only shards of the model it serves (and shards from before routing, which name none).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import datetime as dt
 from collections import Counter
 from dataclasses import dataclass
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
@@ -41,6 +42,13 @@ def _claimable(now: dt.datetime):
     )
 
 
+def _of_model(model: str | None):
+    """Shards a worker serving ``model`` may run (None: every shard, for tests of one model)."""
+    if model is None:
+        return true()
+    return or_(Shard.model == model, Shard.model.is_(None))
+
+
 @dataclass(frozen=True)
 class Candidate:
     id: str
@@ -50,14 +58,16 @@ class Candidate:
 
 
 def find_candidates(
-    session: Session, *, now: dt.datetime, max_bulk: int, max_jobs: int
+    session: Session, *, now: dt.datetime, max_bulk: int, max_jobs: int,
+    model: str | None = None,
 ) -> list[Candidate]:
     """Shards worth trying to claim, in the order to try them: jobs by priority, then bulk
     shards spread over tenants (fewest running shards first), each tenant's in batch order."""
     base = (
         select(Shard.id, Shard.tenant_id, Shard.priority, Shard.job_id)
         .outerjoin(Batch, Batch.id == Shard.batch_id)
-        .where(_claimable(now), or_(Shard.job_id.is_not(None), Batch.status == IN_PROGRESS))
+        .where(_claimable(now), or_(Shard.job_id.is_not(None), Batch.status == IN_PROGRESS),
+               _of_model(model))
     )
     jobs = session.execute(
         base.where(Shard.job_id.is_not(None))
@@ -100,9 +110,11 @@ def try_claim(
     worker_id: str,
     lease_seconds: float,
     now: dt.datetime | None = None,
+    model: str | None = None,
 ) -> Claim | None:
-    """Take the lease on ``shard_id`` if it is claimable and its batch is running; load its
-    open lines and mark them running. None when someone else has it or nothing is left."""
+    """Take the lease on ``shard_id`` if it is claimable, of ``model`` and its batch is
+    running; load its open lines and mark them running. None when someone else has it, it
+    is another model's, or nothing is left."""
     now = now or utcnow()
     batch_running = or_(
         Shard.job_id.is_not(None),
@@ -110,7 +122,7 @@ def try_claim(
     )
     won = session.execute(
         update(Shard)
-        .where(Shard.id == shard_id, _claimable(now), batch_running)
+        .where(Shard.id == shard_id, _claimable(now), batch_running, _of_model(model))
         .values(status=SHARD_RUNNING, lease_owner=worker_id, attempts=Shard.attempts + 1,
                 lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
         .execution_options(synchronize_session=False)

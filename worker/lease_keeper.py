@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
+from service import served_models
 from service.db import Database, utcnow
 from service.loop import RoundLoop
 from service.models import IN_PROGRESS
@@ -35,6 +36,8 @@ class LeaseKeeper(RoundLoop):
         drainer: Drainer,
         announce_shards: Callable[[list[str]], None],
         on_batches_touched: Callable[[set[str]], None],
+        model: str | None = None,
+        aliases: list[str] | None = None,
     ) -> None:
         super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
         self.db = db
@@ -44,7 +47,10 @@ class LeaseKeeper(RoundLoop):
         self.drainer = drainer
         self._announce_shards = announce_shards
         self._on_batches_touched = on_batches_touched
+        self.model = model  # claim only this model's shards (None: any, a test's fake engine)
+        self.aliases = aliases or []
         self._last_check = 0.0
+        self._last_announce = 0.0  # never: the first round announces (unless start() did)
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
 
     def wake(self, *, check: bool = False) -> None:
@@ -65,7 +71,7 @@ class LeaseKeeper(RoundLoop):
         settings = self.settings
         with self.db.session() as session:
             claim = claims.try_claim(session, shard_id, worker_id=self.worker_id,
-                                     lease_seconds=settings.lease_seconds)
+                                     lease_seconds=settings.lease_seconds, model=self.model)
             if claim is None:
                 return False
             poisoned = claim.attempts > settings.max_shard_attempts
@@ -96,7 +102,7 @@ class LeaseKeeper(RoundLoop):
         if max_jobs <= 0 and max_bulk <= 0:
             return 0
         with self.db.read_session() as session:
-            candidates = claims.find_candidates(session, now=utcnow(),
+            candidates = claims.find_candidates(session, now=utcnow(), model=self.model,
                                                 max_bulk=min(max_bulk, 2), max_jobs=max_jobs)
         num_claimed = 0
         for candidate in candidates:
@@ -109,6 +115,14 @@ class LeaseKeeper(RoundLoop):
             except Exception:
                 log.exception("claiming %s failed", candidate.id)
         return num_claimed
+
+    def announce(self) -> None:
+        """Say (again) that this worker serves its model, so it stays served while it runs
+        (at start, then once a minute: the model's TTL is much longer)."""
+        if self.model is not None:
+            with self.db.session() as session:
+                served_models.announce(session, model=self.model, aliases=self.aliases)
+            self._last_announce = time.monotonic()
 
     def check(self) -> None:
         """Heartbeat; drop lost shards and stopped batches; reap expired leases."""
@@ -133,6 +147,8 @@ class LeaseKeeper(RoundLoop):
             self._announce_shards(reaped)
 
     def run_round(self) -> bool:
+        if time.monotonic() - self._last_announce >= min(60.0, self.settings.model_ttl / 10):
+            self.announce()
         heartbeat_every = self.settings.lease_seconds / 3
         if self._check_now.is_set() or time.monotonic() - self._last_check >= heartbeat_every:
             self._check_now.clear()

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service.db import Database, utcnow
-from service.lines import sort_key, stored_body
+from service.lines import ModelTracker, sort_key, stored_body
 from service.models import (
     CANCELLING,
     FAILED,
@@ -65,6 +65,8 @@ def _line_rows(
     storage: ObjectStorage, file: File, batch: Batch, errors: list[dict], *, mixed_endpoints: bool
 ) -> Iterator[dict]:
     tracker = CustomIdTracker()
+    # The upload's check again: the file's model (its lines' first), else the batch's.
+    models = ModelTracker(file.model or batch.model)
     for line_no, raw in enumerate(iter_lines(storage, file.storage_key), start=1):
         if not raw.strip():
             continue
@@ -74,7 +76,8 @@ def _line_rows(
         parsed = parse_line(raw, line_no=line_no,
                             endpoint=None if mixed_endpoints else batch.endpoint)
         if not isinstance(parsed, LineError):
-            parsed = tracker.check(parsed.custom_id, line_no=line_no) or parsed
+            parsed = (tracker.check(parsed.custom_id, line_no=line_no) or models.check(parsed)
+                      or parsed)
         if isinstance(parsed, LineError):
             if len(errors) < MAX_BATCH_ERRORS:
                 errors.append({"code": parsed.code, "message": parsed.message, "param": None,
@@ -172,7 +175,7 @@ def _prepare(
         shard_ids = [f"{batch.id}:{k}" for k in range(num_shards)]
         session.execute(insert(Shard), [
             {"id": sid, "tenant_id": batch.tenant_id, "batch_id": batch.id, "job_id": None,
-             "priority": batch.priority, "status": "pending", "attempts": 0,
+             "model": batch.model, "priority": batch.priority, "status": "pending", "attempts": 0,
              "num_lines": min(shard_size, num_valid - k * shard_size), "created_at": now}
             for k, sid in enumerate(shard_ids)
         ])

@@ -20,13 +20,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from sqlalchemy import select
+
 from metrics.publisher import MetricsPublisher
 from metrics.recorder import EngineRecorder, MeteredEngine, engine_config, worker_registry
 from openai_format.ids import new_id
 from service import ids
 from service.db import Database
-from service.models import IN_PROGRESS
+from service.models import IN_PROGRESS, Shard
 from service.queue import CeleryQueue, EmbeddedQueue, TaskQueue, make_queue
+from service.served_models import model_id, setting_aliases
 from service.settings import Settings
 from service.storage import ObjectStorage, make_storage
 from worker import claims
@@ -123,6 +126,7 @@ class WorkerService:
         )
         self.queue = queue or make_queue(settings.broker_url, namespace=settings.queue_namespace)
         self.worker_id = worker_id or new_worker_id()
+        self.model_id = model_id(settings.model, settings.served_model_name)
         self.engine = engine
         self.held = HeldShards()
         self._stop = threading.Event()
@@ -160,8 +164,12 @@ class WorkerService:
                                        on_finalized=self.webhooks.wake)
         self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
                                    on_shards_done=self.housekeeper.batches_touched)
-        model_name = settings.served_model_name or getattr(
-            self.engine, "model_name", os.path.basename(settings.model.rstrip("/")))
+        # Answers carry the model's id, the name /v1/models lists and requests are routed by.
+        model_name = self.model_id
+        aliases = setting_aliases(settings.model, settings.served_model_name)
+        engine_name = getattr(self.engine, "model_name", None)  # e.g. the GGUF file's stem
+        if isinstance(engine_name, str) and engine_name != model_name:
+            aliases.append(engine_name)
         self.recorder = EngineRecorder(engine_config(self.engine))
         self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
                                           model=model_name,
@@ -177,7 +185,14 @@ class WorkerService:
         )
         self.leases = LeaseKeeper(self.db, settings, worker_id=self.worker_id, held=self.held,
                                   drainer=self.drainer, announce_shards=self._announce_shards,
-                                  on_batches_touched=self.housekeeper.batches_touched)
+                                  on_batches_touched=self.housekeeper.batches_touched,
+                                  model=model_name, aliases=aliases)
+        # Served from now on (before the first claim), and kept so by the lease thread (which
+        # retries at once if the database is not there yet).
+        try:
+            self.leases.announce()
+        except Exception:
+            log.exception("could not announce model %s; the lease thread will retry", model_name)
         self.writer.start()
         self.webhooks.start()
         if settings.worker_metrics_port:
@@ -265,7 +280,15 @@ class WorkerService:
         return self.housekeeper.finalize(batch_id)
 
     def _announce_shards(self, shard_ids: list[str]) -> None:
-        """New or freed shards: tell the other workers (Celery) and this one."""
+        """New or freed shards: tell their model's workers (Celery) and this one."""
         if isinstance(self.queue, CeleryQueue) and shard_ids:
-            self.queue.shards_ready(shard_ids)
+            with self.db.read_session() as session:
+                rows = session.execute(
+                    select(Shard.id, Shard.model, Shard.job_id).where(Shard.id.in_(shard_ids))
+                ).all()
+            by_queue: dict[tuple[str | None, bool], list[str]] = {}
+            for row in rows:
+                by_queue.setdefault((row.model, row.job_id is not None), []).append(row.id)
+            for (model, jobs), ids_ in by_queue.items():
+                self.queue.shards_ready(ids_, model=model, jobs=jobs)
         self.leases.wake()

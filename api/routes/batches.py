@@ -21,6 +21,7 @@ from service import ids
 from service.db import utcnow
 from service.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
 from service.objects import batch_object, line_totals
+from service.served_models import ModelNotServed, resolve_request_model
 from service.settings import parse_completion_window
 from service.webhooks import check_url_literal
 
@@ -128,11 +129,12 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
                 raise ApiError(400, f"File {file.id} has no valid request lines "
                                f"({file.num_errors} lines with problems; see the file's "
                                "line_errors).", param="input_file_id", code="invalid_file")
+            model = served_model(session, ctx, file.model)
             now = utcnow()
             row = Batch(
                 id=ids.batch_id(), tenant_id=tenant_id, endpoint=request.endpoint,
                 input_file_id=file.id, completion_window=request.completion_window,
-                status=VALIDATING, metadata_=request.metadata, model=ctx.model_name,
+                status=VALIDATING, metadata_=request.metadata, model=model,
                 webhook_url=request.webhook_url, priority=request.priority, created_at=now,
                 expires_at=now + dt.timedelta(seconds=window), num_total=file.num_lines,
             )
@@ -143,6 +145,15 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
         if inline_file is not None:  # its row is rolled back: drop its bytes too
             ctx.storage.delete(inline_file.storage_key)
         raise
+
+
+def served_model(session: Session, ctx: AppContext, name: str | None) -> str:
+    """The id of the served model ``name`` names (None: the default); a 400 on ``model`` when
+    no worker serves it: work is never run on another model."""
+    try:
+        return resolve_request_model(session, ctx.settings, name).id
+    except ModelNotServed as exc:
+        raise ApiError(400, str(exc), param="model", code="model_not_found") from exc
 
 
 @router.get("/v1/batches")

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
 from api.pagination import paginate
-from api.routes.batches import check_metadata
+from api.routes.batches import check_metadata, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
 from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
@@ -70,12 +70,14 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
                        param="body")
     shard_id = ids.shard_id(job_id, 0)
     with ctx.db.session() as session:
-        job = Job(id=job_id, tenant_id=tenant.id, endpoint=endpoint, status=JOB_QUEUED,
+        model = served_model(session, ctx, parsed.body.model)
+        job = Job(id=job_id, tenant_id=tenant.id, endpoint=endpoint, model=model,
+                  status=JOB_QUEUED,
                   priority=request.priority, webhook_url=request.webhook_url,
                   metadata_=request.metadata)
         session.add(job)
         session.flush()
-        session.add(Shard(id=shard_id, tenant_id=tenant.id, job_id=job_id,
+        session.add(Shard(id=shard_id, tenant_id=tenant.id, job_id=job_id, model=model,
                           priority=JOB_PRIORITY_BASE + request.priority, num_lines=1))
         session.add(RequestLine(
             tenant_id=tenant.id, job_id=job_id, shard_id=shard_id, line_no=1, position=0,
@@ -85,7 +87,7 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
         session.flush()
         body = job_object(job, None)
     JOBS_CREATED.inc()
-    ctx.queue.shards_ready([shard_id], jobs=True)
+    ctx.queue.shards_ready([shard_id], jobs=True, model=model)
     return body
 
 

@@ -19,12 +19,14 @@ class RecordingQueue(EmbeddedQueue):
         super().__init__()
         self.batches: list[str] = []
         self.shards: list[tuple[str, bool]] = []
+        self.models: list[str | None] = []
 
     def batch_changed(self, batch_id: str) -> None:
         self.batches.append(batch_id)
 
-    def shards_ready(self, shard_ids, *, jobs: bool = False) -> None:
+    def shards_ready(self, shard_ids, *, model: str | None, jobs: bool = False) -> None:
         self.shards.extend((s, jobs) for s in shard_ids)
+        self.models.extend(model for _ in shard_ids)
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from sqlalchemy import update
 from api import uploads
 from service.keys import create_key, revoke_key
 from service.models import Batch
+from service.served_models import default_model
 from tests.conftest_services import chat_line, completion_line, jsonl, make_key, wait_for
 from tests.figures import record
 from tests.openai_shapes import check_line, error_of
@@ -373,9 +374,10 @@ LINE_CASES: list[tuple[str, bytes, str | None, str, str]] = [
 
 @pytest.fixture
 def tiny_worker(ctx, settings, tiny_model_dir):
+    # The tiny model under the API's default model id: the lines name no model.
     worker_settings = settings.model_copy(update={
-        "model": str(tiny_model_dir), "engine_options": ENGINE_OPTIONS, "poll_interval": 0.05,
-        "finalize_scan_interval": 0.3})
+        "model": str(tiny_model_dir), "served_model_name": default_model(settings),
+        "engine_options": ENGINE_OPTIONS, "poll_interval": 0.05, "finalize_scan_interval": 0.3})
     worker = WorkerService(worker_settings, db=ctx.db, storage=ctx.storage,
                            queue=ctx.queue).start()
     yield worker

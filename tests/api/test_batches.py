@@ -102,7 +102,7 @@ def test_batches_are_tenant_scoped(client, app, ctx):
 
 def test_jobs_validate_and_queue_a_priority_shard(client, ctx):
     response = client.post("/v1/jobs", json={
-        "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "body": {"model": "SmolLM2-135M-Instruct", "messages": [{"role": "user", "content": "hi"}],
                  "max_tokens": 3}, "priority": 5})
     assert response.status_code == 200, response.text
     job = response.json()

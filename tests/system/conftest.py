@@ -85,13 +85,14 @@ class Production:
     logdir: str
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start_worker(self, name: str) -> subprocess.Popen:
+    def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         log_path = os.path.join(self.logdir, f"{name}.log")
-        log = open(log_path, "wb")
+        log = open(log_path, "ab")
+        offset = log.tell()
         proc = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "worker", "--concurrency", "2",
              "--hostname", f"{name}@boxcar-test"],
-            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
         )
         self.workers[name] = proc
@@ -99,7 +100,9 @@ class Production:
         def ready() -> bool:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker {name} exited:\n{open(log_path).read()[-3000:]}")
-            return b"ready." in open(log_path, "rb").read()
+            with open(log_path, "rb") as f:
+                f.seek(offset)
+                return b"ready." in f.read()
 
         wait_for(ready, 90, 0.2, f"worker {name} to start")
         return proc

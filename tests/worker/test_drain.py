@@ -44,7 +44,9 @@ def test_batch_completes_with_every_line_once(make_stack, any_db_url):
     first = output[0]
     assert first["response"]["status_code"] == 200 and first["error"] is None
     body = first["response"]["body"]
-    assert body["object"] == "chat.completion" and body["model"] == "fake-model"
+    # Answers carry the served model's id (the settings' model), the name /v1/models lists.
+    assert body["object"] == "chat.completion" and body["model"] == "SmolLM2-135M-Instruct"
+    assert done["model"] == "SmolLM2-135M-Instruct"
     assert body["choices"][0]["message"]["content"]
     assert body["usage"]["completion_tokens"] == 4
     usage = done["usage"]

@@ -1,0 +1,155 @@
+"""Which models the deployment serves, and which of them a request names.
+
+A worker loads one model. Its id is ``served_model_name`` or the last part of its ``model``
+setting (a cached name, a folder, a ``.gguf`` file without the suffix); its aliases are the
+other names it answers to (the cached name, the GGUF file's stem). Workers announce their model
+in the ``models`` table when they start and every few seconds after.
+
+"Served" is the union of two sets, so that a batch is never refused because workers are
+restarting (a clean stop, a crash, a rolling upgrade, a node that takes minutes to load):
+- the deployment's configured models (``BOXCAR_MODELS``; unset, the one ``BOXCAR_MODEL``), which
+  are served even before any worker has started; the first is the default for requests that
+  name no model;
+- every model a worker announced within ``model_ttl`` seconds (default one hour).
+Work accepted for a served model with no live worker waits in that model's queue until one
+starts (or its completion window ends); it never runs on another model.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from service.db import utcnow
+from service.models import ServedModel, WorkerStatus
+from service.settings import Settings
+
+# A worker whose heartbeat is older than this is not counted as live (metrics.api_collector's
+# rule: five snapshot intervals, at least 15 s).
+_LIVE_MIN_S = 15.0
+_LIVE_INTERVALS = 5
+
+
+def model_id(model: str, served_model_name: str | None = None) -> str:
+    """The id a model setting (a cached name, a folder or a .gguf path) is served under."""
+    if served_model_name:
+        return served_model_name
+    name = os.path.basename(model.rstrip("/")) or model
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def setting_aliases(model: str, served_model_name: str | None = None) -> list[str]:
+    """The names a model setting answers to besides its id: the setting's own last part (the
+    cached name, or the file name) when the id differs from it."""
+    name = os.path.basename(model.rstrip("/")) or model
+    names = [model_id(model), name]
+    own = model_id(model, served_model_name)
+    return [n for n in dict.fromkeys(names) if n and n != own]
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One served model as /v1/models shows it."""
+
+    id: str
+    aliases: tuple[str, ...]
+    created: dt.datetime | None  # first announced by a worker; None: configured, never seen
+    num_workers: int  # live workers loading it now
+    configured: bool
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return (self.id, *self.aliases)
+
+
+def announce(session: Session, *, model: str, aliases: list[str],
+             now: dt.datetime | None = None) -> None:
+    """A worker says it serves ``model`` (insert the row, or refresh it and merge aliases)."""
+    now = now or utcnow()
+    row = session.get(ServedModel, model)
+    if row is None:
+        session.add(ServedModel(id=model, aliases=sorted(set(aliases)), created_at=now,
+                                last_seen_at=now))
+        return
+    merged = sorted(set(row.aliases or []) | set(aliases))
+    if merged != (row.aliases or []):
+        row.aliases = merged
+    row.last_seen_at = now
+
+
+def default_model(settings: Settings) -> str:
+    """The model of a request that names none: the first configured model."""
+    if settings.models:
+        return model_id(settings.models[0])
+    return model_id(settings.model, settings.served_model_name)
+
+
+def configured_models(settings: Settings) -> dict[str, list[str]]:
+    """The deployment's configured models: id -> aliases."""
+    if settings.models:
+        return {model_id(m): setting_aliases(m) for m in settings.models}
+    return {model_id(settings.model, settings.served_model_name):
+            setting_aliases(settings.model, settings.served_model_name)}
+
+
+def served_models(session: Session, settings: Settings,
+                  *, now: dt.datetime | None = None) -> list[ModelEntry]:
+    """Every served model (see the module's docstring), configured ones first, then by id."""
+    now = now or utcnow()
+    seen_since = now - dt.timedelta(seconds=settings.model_ttl)
+    live_since = now - dt.timedelta(
+        seconds=max(_LIVE_MIN_S, _LIVE_INTERVALS * settings.worker_metrics_interval))
+    announced = {row.id: row for row in session.scalars(
+        select(ServedModel).where(ServedModel.last_seen_at >= seen_since))}
+    configured = configured_models(settings)
+    # Configured ids are looked up too: their first-seen time and workers' aliases.
+    for row in session.scalars(select(ServedModel).where(ServedModel.id.in_(list(configured)))):
+        announced.setdefault(row.id, row)
+    live = dict(session.execute(
+        select(WorkerStatus.model, func.count()).where(WorkerStatus.heartbeat_at >= live_since,
+                                                        WorkerStatus.model.is_not(None))
+        .group_by(WorkerStatus.model)).all())
+    entries = []
+    for model in [*configured, *sorted(set(announced) - set(configured))]:
+        row = announced.get(model)
+        aliases = [*configured.get(model, []), *((row.aliases or []) if row else [])]
+        entries.append(ModelEntry(
+            id=model, aliases=tuple(a for a in dict.fromkeys(aliases) if a != model),
+            created=row.created_at if row else None, num_workers=int(live.get(model, 0)),
+            configured=model in configured))
+    return entries
+
+
+class ModelNotServed(Exception):
+    """A request names a model no worker serves (or a name two models answer to)."""
+
+    def __init__(self, name: str, served: list[ModelEntry], *, ambiguous: list[str] | None = None):
+        self.name = name
+        self.served_ids = [m.id for m in served]
+        if ambiguous:
+            message = (f"The model name {name!r} is ambiguous: it is an alias of "
+                       f"{', '.join(ambiguous)}; name one of them by its id.")
+        else:
+            message = (f"The model {name!r} is not served by this deployment; served models: "
+                       f"{', '.join(self.served_ids) or '(none)'}.")
+        super().__init__(message)
+
+
+def resolve(served: list[ModelEntry], name: str) -> ModelEntry:
+    """The served model ``name`` names: by id first, then by a unique alias."""
+    for entry in served:
+        if entry.id == name:
+            return entry
+    matches = [entry for entry in served if name in entry.aliases]
+    if len(matches) == 1:
+        return matches[0]
+    raise ModelNotServed(name, served, ambiguous=[m.id for m in matches] if matches else None)
+
+
+def resolve_request_model(session: Session, settings: Settings, name: str | None) -> ModelEntry:
+    """The served model a batch or job runs on: the one its requests name, else the default."""
+    return resolve(served_models(session, settings), name or default_model(settings))
