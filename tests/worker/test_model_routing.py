@@ -11,6 +11,7 @@ from sqlalchemy import select, update
 from service.db import utcnow
 from service.models import RequestLine, Shard
 from tests.conftest_services import chat_line, completion_line, wait_for
+from tests.openai_shapes import error_of
 from tests.worker.fake_engine import FakeEngine
 from worker import claims
 from worker.prepare import prepare_batch
@@ -86,8 +87,9 @@ def test_a_line_naming_another_model_fails_alone(make_stack, any_db_url):
     done = stack.wait_status(stack.create_batch(lines)["id"], "completed")
     assert done["model"] == "model-b"
     errors = stack.lines_of(done["error_file_id"])
-    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("a-3", "model_mismatch")]
-    assert "'model-a'" in errors[0]["error"]["message"]
+    assert [(e["custom_id"], error_of(e)["code"]) for e in errors] == [
+        ("a-3", "model_mismatch")]
+    assert "'model-a'" in error_of(errors[0])["message"]
     output = stack.lines_of(done["output_file_id"])
     assert sorted(line["custom_id"] for line in output) == ["a-1", "a-2", "a-4"]
     assert {line["response"]["body"]["model"] for line in output} == {"model-b"}
