@@ -68,7 +68,7 @@ def test_work_for_a_model_without_a_live_worker_waits_for_one(make_stack, any_db
     engine_a = FakeEngine()
     stack.add_worker(engine_a, model="model-a")
     batch = stack.create_batch([completion_line(f"b-{i}", f"beta {i}", model="model-b")
-                                for i in range(6)])
+                                for i in range(6)], endpoint="/v1/completions")
     stack.wait_status(batch["id"], "in_progress")
     time.sleep(1.0)  # many lease rounds of the model-a worker
     assert stack.batch(batch["id"])["request_counts"]["completed"] == 0

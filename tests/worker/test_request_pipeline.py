@@ -48,13 +48,12 @@ def engine(tiny_model_dir):
 
 def chat(custom_id: str, content: str = "Hi", **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": CHAT,
-            "body": {"model": "tiny", "messages": [{"role": "user", "content": content}],
-                     **body}}
+            "body": {"messages": [{"role": "user", "content": content}], **body}}
 
 
 def completion(custom_id: str, prompt: str = "Once", **body) -> dict:
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "tiny", "prompt": prompt, **body}}
+            "body": {"prompt": prompt, **body}}
 
 
 def json_schema(schema: dict, strict_mode: bool | None = None) -> dict:
@@ -189,7 +188,7 @@ def test_hermes_template_gets_tools_and_history_and_calls_are_parsed(tiny_model_
         "{{ c.function.arguments | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     assert template_supports_tools(engine.tokenizer.chat_template) == "hermes"
-    body = {"model": "tiny", "tools": [ADD], "max_tokens": 2, "messages": [
+    body = {"tools": [ADD], "max_tokens": 2, "messages": [
         {"role": "user", "content": "2+3?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_1", "type": "function",
