@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 from prometheus_client import make_asgi_app
+from starlette.concurrency import run_in_threadpool
 
 from api.deps import AppContext
-from api.errors import install_error_handlers
+from api.errors import RETRY_AFTER_SECONDS, error_body, install_error_handlers
 from api.routes import batches, files, health, jobs, models, ui, webhooks
 from metrics.api_collector import metrics_registry
 from service.db import Database
@@ -45,8 +47,28 @@ def create_app(
     )
     app.state.context = context
     install_error_handlers(app)
+    _install_schema_gate(app, context)
     for module in (files, batches, jobs, models, webhooks, health, ui):
         app.include_router(module.router)
     app.mount("/metrics", make_asgi_app(metrics_registry(
         context.db, context.settings.worker_metrics_interval)))
     return app
+
+
+def _install_schema_gate(app: FastAPI, context: AppContext) -> None:
+    """On a database whose schema is not the code's (``boxcar db upgrade`` has not run), the API
+    answers 503 with the reason instead of failing on a missing table (/readyz says so too)."""
+
+    @app.middleware("http")
+    async def schema_gate(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and not context.schema.is_current:
+            try:
+                problem = await run_in_threadpool(context.schema.problem)
+            except Exception:  # the database is down: the route's handlers answer 503 for it
+                problem = None
+            if problem is not None:
+                return JSONResponse(
+                    error_body(503, f"The service is not ready: {problem}.",
+                               code="schema_out_of_date"),
+                    status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        return await call_next(request)

@@ -3,7 +3,7 @@ behind the request's API key."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from api.errors import ApiError
 from service.db import Database
 from service.keys import authenticate
+from service.migrate import SchemaGate
 from service.queue import TaskQueue
 from service.settings import Settings
 from service.storage import ObjectStorage
@@ -22,6 +23,10 @@ class AppContext:
     db: Database
     storage: ObjectStorage
     queue: TaskQueue
+    schema: SchemaGate = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.schema = SchemaGate(self.db)
 
 
 @dataclass(frozen=True)

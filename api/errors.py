@@ -121,6 +121,13 @@ def install_error_handlers(app: FastAPI) -> None:
             return _response(500, error_body(500, "Object storage refused the request.",
                                              code="storage_error"))
 
+    # Anything else is a bug: the client gets a JSON 500 without the trace (Starlette re-raises
+    # the exception after this answer, so the server logs it).
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, _exc: Exception) -> JSONResponse:
+        return _response(500, error_body(500, "The server had an error while processing your "
+                                         "request.", code="server_error"))
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return _response(exc.status_code, error_body(exc.status_code, str(exc.detail)))

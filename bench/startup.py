@@ -44,7 +44,7 @@ LINE = {
              "messages": [{"role": "user", "content": "Say hello in one short sentence."}]},
 }
 # What ``boxcar run`` imports before it builds the engine (missing ones are skipped).
-DEFAULT_IMPORTS = "worker.cli,worker.offline,worker.metrics,engine.llm_engine"
+DEFAULT_IMPORTS = "cli.main,cli.offline,metrics.recorder,engine.llm_engine"
 
 # Runs argv[1:], then prints the child's peak RSS (MiB) as the last stderr line.
 _RSS_WRAPPER = """
@@ -83,13 +83,11 @@ print("PROBE " + json.dumps({
 
 
 def boxcar_command(explicit: str | None) -> list[str]:
-    """``--boxcar``, else the venv's ``boxcar`` script, else ``python -m worker.cli``."""
+    """``--boxcar``, else ``python -m cli.main`` of this interpreter (this checkout's code; an
+    installed ``boxcar`` script may point at another one)."""
     if explicit:
         return explicit.split()
-    script = Path(sys.executable).parent / "boxcar"
-    if script.is_file():
-        return [sys.executable, str(script)]  # this interpreter, whatever the shebang says
-    return [sys.executable, "-m", "worker.cli"]
+    return [sys.executable, "-m", "cli.main"]
 
 
 def measured(command: list[str], env: dict[str, str], cwd: Path) -> dict[str, Any]:

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -69,12 +70,14 @@ class EmbeddedServer:
         port: int = 8000,
         engine: Any | None = None,
         log_level: str = "warning",
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.settings = settings
         self.host = host
         self.port = port
         self._engine = engine
         self._log_level = log_level
+        self._on_fatal = on_fatal  # the worker's engine broke (``WorkerService``)
         self.api_key: str | None = None
         self.worker: WorkerService | None = None
         self._server: uvicorn.Server | None = None
@@ -90,7 +93,8 @@ class EmbeddedServer:
         upgrade(context.db)
         self.api_key = ensure_local_key(context.db, settings)
         self.worker = WorkerService(settings, engine=self._engine, db=context.db,
-                                    storage=context.storage, queue=context.queue).start()
+                                    storage=context.storage, queue=context.queue,
+                                    on_fatal=self._on_fatal).start()
         config = uvicorn.Config(create_app(context=context), host=self.host, port=self.port,
                                 log_level=self._log_level, lifespan="off")
         self._server = uvicorn.Server(config)

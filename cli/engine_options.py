@@ -45,6 +45,8 @@ _HELP: dict[str, dict[str, Any]] = {
     "block_size": {"help": "tokens per KV block"},
     "num_kv_blocks": {"help": "KV blocks (default: sized by --kv-cache-memory)"},
     "kv_cache_memory": {"type": parse_size, "help": "KV cache size, e.g. 512MiB or 2GiB"},
+    "max_kv_blocks": {"help": "at most this many KV blocks whatever --kv-cache-memory buys "
+                              "(boxcar run: what its file's requests need)"},
     "max_num_batched_tokens": {"help": "token budget of one step"},
     "max_num_seqs": {"help": "most sequences in one step"},
     "enable_chunked_prefill": {"help": "prefill each prompt in one step"},

@@ -20,12 +20,20 @@ EXIT_LINES_FAILED = 3
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
+    from cli.kv_sizing import kv_blocks_needed
     from cli.offline import IN_FLIGHT_PER_SEQ, run_batch_file, write_metrics_json
     from engine import EngineConfig, LLMEngine
     from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
 
+    kwargs = engine_config_kwargs(args)
     try:
-        config = EngineConfig(**engine_config_kwargs(args))
+        config = EngineConfig(**kwargs)
+        if config.num_kv_blocks is None and config.max_kv_blocks is None:
+            # What the file's requests can use at most: a short file gets a small cache.
+            needed = kv_blocks_needed(args.input, block_size=config.block_size,
+                                      max_num_seqs=config.max_num_seqs)
+            if needed is not None:
+                config = EngineConfig(**{**kwargs, "max_kv_blocks": needed})
     except ValueError as exc:
         print(f"boxcar run: {exc}", file=sys.stderr)
         return 2
@@ -59,14 +67,46 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_model_pull(args: argparse.Namespace) -> int:
+    """Everything a first start would do, done now: fetch the model into the cache, convert a
+    GGUF file to its cached HF folder, build the CPU decode-attention kernel (optional: without
+    a compiler the engine uses its PyTorch path, so that is a warning)."""
     from engine import model_cache
 
+    name = args.name or model_cache.DEFAULT_MODEL
+    print(f"[1/3] fetching {name} into {model_cache.cache_dir()}", flush=True)
     try:
-        path = model_cache.pull(args.name or model_cache.DEFAULT_MODEL)
+        path = model_cache.pull(name)
     except ValueError as exc:
         print(f"boxcar model pull: {exc}", file=sys.stderr)
         return 2
-    print(path)
+    print(f"      {path}", flush=True)
+    print("[2/3] converting to the cached folder the engine reads (once per model file)",
+          flush=True)
+    import time
+
+    from engine.kernels import cpu_decode_attention
+    from engine.models.loader import prepare_model
+
+    start = time.monotonic()
+    try:
+        folder = prepare_model(name)
+    except ValueError as exc:
+        print(f"boxcar model pull: {exc}", file=sys.stderr)
+        return 2
+    print(f"      {folder} ({time.monotonic() - start:.1f} s)", flush=True)
+    if args.no_kernel:
+        print("[3/3] CPU decode-attention kernel: skipped (--no-kernel)", flush=True)
+        return 0
+    print(f"[3/3] building the CPU decode-attention kernel into "
+          f"{cpu_decode_attention.kernel_cache_dir()}", flush=True)
+    start = time.monotonic()
+    try:
+        library = cpu_decode_attention.build(quiet=True)
+    except RuntimeError as exc:
+        print(f"warning: {exc}; CPU decode attention will use the slower PyTorch path",
+              file=sys.stderr)
+        return 0
+    print(f"      {library} ({time.monotonic() - start:.1f} s)", flush=True)
     return 0
 
 
@@ -96,9 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     model = subparsers.add_parser("model", help="manage the local model cache")
     model_commands = model.add_subparsers(dest="model_command", metavar="COMMAND")
-    pull = model_commands.add_parser("pull", help="fetch a model into the local cache")
+    pull = model_commands.add_parser(
+        "pull", help="fetch a model into the local cache, convert it and build the CPU kernel")
     pull.add_argument("name", nargs="?", default=None,
                       help=f"model name (default: {DEFAULT_MODEL})")
+    pull.add_argument("--no-kernel", action="store_true",
+                      help="do not build the CPU decode-attention kernel")
     pull.set_defaults(handler=_cmd_model_pull)
     model.set_defaults(handler=lambda _args: _usage(model))
 

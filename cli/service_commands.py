@@ -1,6 +1,10 @@
 """The service's subcommands of ``boxcar``: serve, api, worker, keys create, db upgrade, status.
 
 Settings come from ``BOXCAR_*`` variables (``service.settings``); options given here override them.
+
+Every command that opens the database checks its schema first (``service.migrate.ensure_schema``:
+SQLite is migrated, PostgreSQL must be at the code's revision) and refuses with one line naming
+``boxcar db upgrade`` instead of a traceback from the first missing table.
 """
 
 from __future__ import annotations
@@ -9,6 +13,48 @@ import argparse
 import json
 import logging
 import sys
+
+
+class Refused(Exception):
+    """A command cannot run; its message is the one line the user sees."""
+
+
+def open_database(url: str, *, check: bool = True):
+    """The database at ``url``, its schema checked (``ensure_schema``), or ``Refused``."""
+    from sqlalchemy import exc as sa_exc
+    from sqlalchemy.engine import make_url
+
+    from service.db import Database
+    from service.migrate import SchemaNotCurrent, ensure_schema
+
+    db = Database(url)
+    try:
+        if check:
+            ensure_schema(db)
+        else:
+            db.ping()
+    except SchemaNotCurrent as exc:
+        db.dispose()
+        raise Refused(str(exc)) from exc
+    except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
+        db.dispose()
+        where = make_url(url).render_as_string(hide_password=True)
+        reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+        raise Refused(f"cannot use the database {where}: {reason}") from exc
+    return db
+
+
+def _refusing(name: str, handler):
+    """``handler`` with ``Refused`` turned into one line on stderr and exit status 1."""
+
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return handler(args)
+        except Refused as exc:
+            print(f"boxcar {name}: {exc}", file=sys.stderr)
+            return 1
+
+    return run
 
 
 def _settings_from(args: argparse.Namespace):
@@ -48,12 +94,14 @@ def _logging(verbose: bool) -> None:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from cli.embedded import EmbeddedServer
+    from worker.process import exit_process
 
     # Redirected to a file, stdout is block-buffered: the key line would not reach the log.
     sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     _logging(args.verbose)
     settings = _settings_from(args)
-    server = EmbeddedServer(settings, host=args.host, port=args.port).start()
+    server = EmbeddedServer(settings, host=args.host, port=args.port,
+                            on_fatal=exit_process).start()
     print(f"boxcar is serving {settings.model} at {server.base_url} "
           f"(docs: {server.base_url}/docs)")
     print(f"API key: {server.api_key}")
@@ -70,24 +118,41 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_api(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from api.app import create_app
+    from api.app import build_context, create_app
     from service.db import Database
     from service.migrate import upgrade
 
     _logging(args.verbose)
     settings = _settings_from(args)
+    # The API starts on an out-of-date PostgreSQL schema, or one it cannot reach yet: /readyz
+    # says why it is not ready and /v1 answers 503 until `boxcar db upgrade` has run.
+    if settings.is_sqlite:
+        db = open_database(settings.database_url)  # the embedded database migrates itself
+    else:
+        db = Database(settings.database_url)
     if args.migrate:
-        upgrade(Database(settings.database_url))
-    uvicorn.run(create_app(settings), host=args.host, port=args.port, log_level="info")
+        upgrade(db)
+    context = build_context(settings, db=db)
+    log = logging.getLogger("boxcar.api")
+    try:
+        problem = context.schema.problem()
+    except Exception as exc:
+        problem = f"the database cannot be reached ({type(exc).__name__})"
+    if problem:
+        log.warning("not ready: %s", problem)
+    uvicorn.run(create_app(context=context), host=args.host, port=args.port, log_level="info")
     return 0
 
 
 def _cmd_worker(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
+    if args.healthcheck:
+        return _worker_healthcheck(settings, host=args.host)
     if not settings.broker_url:
         print("boxcar worker: set BOXCAR_BROKER_URL (e.g. redis://localhost:6379/0); "
               "`boxcar serve` runs a worker without a broker", file=sys.stderr)
         return 2
+    open_database(settings.database_url).dispose()  # the schema, before loading a model
     _logging(args.verbose)
     from worker.celery_app import build_app
 
@@ -102,12 +167,35 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _worker_healthcheck(settings, *, host: str | None) -> int:
+    """Exit 0 when a worker on this host (container) wrote its heartbeat lately, else 1."""
+    import socket
+
+    from cli.status import heartbeat_age
+
+    host = host or socket.gethostname()
+    max_age = max(3 * settings.worker_metrics_interval, 10.0)
+    db = open_database(settings.database_url, check=False)
+    try:
+        age = heartbeat_age(db, host=host)
+    finally:
+        db.dispose()
+    if age is None:
+        print(f"unhealthy: no worker heartbeat from host {host}", file=sys.stderr)
+        return 1
+    if age > max_age:
+        print(f"unhealthy: the last heartbeat from host {host} is {age:.0f}s old "
+              f"(more than {max_age:.0f}s)", file=sys.stderr)
+        return 1
+    print(f"healthy: a worker on {host} beat {age:.1f}s ago")
+    return 0
+
+
 def _cmd_keys_create(args: argparse.Namespace) -> int:
-    from service.db import Database
     from service.keys import create_key
 
     settings = _settings_from(args)
-    with Database(settings.database_url).session() as session:
+    with open_database(settings.database_url).session() as session:
         created = create_key(session, tenant_name=args.tenant, name=args.name)
     if args.json:
         print(json.dumps({"key": created.key, "key_id": created.key_id,
@@ -121,10 +209,9 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from service.db import Database
     from service.migrate import current, upgrade
 
-    db = Database(_settings_from(args).database_url)
+    db = open_database(_settings_from(args).database_url, check=False)
     upgrade(db, args.revision)
     print(f"database at revision {current(db)}")
     return 0
@@ -134,10 +221,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import time
 
     from cli.status import collect, format_status
-    from service.db import Database
 
     settings = _settings_from(args)
-    db = Database(settings.database_url)
+    db = open_database(settings.database_url)
     while True:
         report = collect(db, interval=settings.worker_metrics_interval)
         if args.json:
@@ -166,14 +252,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("-v", "--verbose", action="store_true")
     _add_engine_options(serve)
-    serve.set_defaults(handler=_cmd_serve)
+    serve.set_defaults(handler=_refusing("serve", _cmd_serve))
 
     api = subparsers.add_parser("api", help="the API server (production)")
     api.add_argument("--host", default="0.0.0.0")
     api.add_argument("--port", type=int, default=8000)
     api.add_argument("--migrate", action="store_true", help="apply migrations first")
     api.add_argument("-v", "--verbose", action="store_true")
-    api.set_defaults(handler=_cmd_api)
+    api.set_defaults(handler=_refusing("api", _cmd_api))
 
     worker = subparsers.add_parser("worker", help="a Celery worker holding one engine "
                                    "(production; one per GPU)")
@@ -181,8 +267,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="threads taking broker messages (the engine is one)")
     worker.add_argument("--hostname", default=None, help="Celery node name")
     worker.add_argument("-v", "--verbose", action="store_true")
+    worker.add_argument("--healthcheck", action="store_true",
+                        help="check instead of run: exit 0 if a worker on this host (container) "
+                        "wrote its heartbeat lately, 1 if not (a container healthcheck)")
+    worker.add_argument("--host", default=None,
+                        help="with --healthcheck: the worker's host name (default: this one)")
     _add_engine_options(worker)
-    worker.set_defaults(handler=_cmd_worker)
+    worker.set_defaults(handler=_refusing("worker", _cmd_worker))
 
     keys = subparsers.add_parser("keys", help="API keys")
     keys_commands = keys.add_subparsers(dest="keys_command", metavar="COMMAND")
@@ -190,18 +281,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--tenant", default="default", help="tenant name (made if new)")
     create.add_argument("--name", default=None, help="a label for the key")
     create.add_argument("--json", action="store_true")
-    create.set_defaults(handler=_cmd_keys_create)
+    create.set_defaults(handler=_refusing("keys create", _cmd_keys_create))
     keys.set_defaults(handler=lambda _args: _usage(keys))
 
     db = subparsers.add_parser("db", help="database schema")
     db_commands = db.add_subparsers(dest="db_command", metavar="COMMAND")
     up = db_commands.add_parser("upgrade", help="apply migrations (Alembic)")
     up.add_argument("revision", nargs="?", default="head")
-    up.set_defaults(handler=_cmd_db_upgrade)
+    up.set_defaults(handler=_refusing("db upgrade", _cmd_db_upgrade))
     db.set_defaults(handler=lambda _args: _usage(db))
 
     status = subparsers.add_parser("status", help="the queue, the workers and the batches")
     status.add_argument("--json", action="store_true", help="the report as JSON")
     status.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                         help="redraw every SECONDS until Ctrl-C")
-    status.set_defaults(handler=_cmd_status)
+    status.set_defaults(handler=_refusing("status", _cmd_status))

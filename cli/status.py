@@ -99,3 +99,14 @@ def format_status(report: dict[str, Any]) -> str:
     lines.append(f"jobs      {_counts(report['jobs'])}")
     lines.append(f"webhooks  {_counts(report['webhook_deliveries'])}")
     return "\n".join(lines)
+
+
+def heartbeat_age(db: Database, *, host: str) -> float | None:
+    """Seconds since the newest heartbeat of a worker on ``host`` (worker ids begin with the
+    host name: one container, one worker), or None when there is none."""
+    from service.models import WorkerStatus
+
+    with db.read_session() as session:
+        newest = session.scalar(select(func.max(WorkerStatus.heartbeat_at))
+                                .where(WorkerStatus.id.startswith(f"{host}:")))
+    return None if newest is None else (utcnow() - newest).total_seconds()

@@ -13,7 +13,8 @@ class EngineConfig:
     """Engine settings. ``model`` is a folder, a .gguf file or a name in the local model cache.
 
     The KV cache is sized by ``num_kv_blocks`` when given, else by ``kv_cache_memory`` bytes,
-    but never larger than ``max_num_seqs`` full-length sequences need.
+    but never larger than ``max_num_seqs`` full-length sequences need, nor than ``max_kv_blocks``
+    (what a known set of requests needs: ``boxcar run`` sets it from its file).
     """
 
     model: str
@@ -24,6 +25,7 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 4 << 30
+    max_kv_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
@@ -33,10 +35,11 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
-    # While a running or waiting request is more urgent than a running one, a step computes at
-    # most this many tokens (the urgent ones first), so the urgent request's steps stay short on
-    # a device whose step time grows with its tokens (a CPU). None: no cap.
-    urgent_step_tokens: int | None = None
+    # While an unfinished request is more urgent than others, the less urgent requests' prefill
+    # tokens (prompt chunks, admissions, recomputes) share at most this many per step; their
+    # decodes all still run. Keeps the urgent request's steps short on a device whose step time
+    # grows with its tokens (a CPU). None: no cap. No effect while every priority is equal.
+    urgent_prefill_tokens: int | None = 64
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -49,6 +52,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError(f"num_kv_blocks must be >= 2, got {self.num_kv_blocks}")
+        if self.max_kv_blocks is not None and self.max_kv_blocks < 2:
+            raise ValueError(f"max_kv_blocks must be >= 2, got {self.max_kv_blocks}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.max_num_batched_tokens < 1:
@@ -63,8 +68,11 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.urgent_step_tokens is not None and self.urgent_step_tokens < 1:
-            raise ValueError(f"urgent_step_tokens must be >= 1, got {self.urgent_step_tokens}")
+        if self.urgent_prefill_tokens is not None and self.urgent_prefill_tokens < 1:
+            raise ValueError(
+                f"urgent_prefill_tokens must be >= 1 (or None: no cap), "
+                f"got {self.urgent_prefill_tokens}"
+            )
         if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be 'cpu', 'torch' or 'triton', "

@@ -149,6 +149,8 @@ class ModelRunner:
                 self.config.kv_cache_memory // bytes_per_block,
                 self.config.max_num_seqs * blocks_per_seq,
             )
+            if self.config.max_kv_blocks is not None:
+                num_blocks = min(num_blocks, self.config.max_kv_blocks)
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_memory={self.config.kv_cache_memory} bytes holds {num_blocks} blocks "

@@ -84,25 +84,33 @@ class Scheduler:
         computed once and then hit; the requests behind it are still admitted. A waiting request
         more urgent than the last running one takes what it lacks from it: budget (that request
         skips this step), or a seat or blocks (it is preempted), repeated down the running list
-        while less urgent requests remain; while priorities differ, ``urgent_step_tokens`` (if
-        set) caps the step's budget so the urgent request's steps stay short. Otherwise no request
-        is admitted in a step that had to preempt, and the first one that does not fit stops
-        admission.
+        while less urgent requests remain. While a request more urgent than others is unfinished
+        (running or waiting), the less urgent ones' prefill tokens (prompt chunks, admissions,
+        recomputes) share at most ``urgent_prefill_tokens`` per step, so each step stays short on
+        a device whose step time grows with its tokens, while every running decode (one token
+        each: the bulk throughput) still runs; the urgent requests' own tokens are not capped.
+        Otherwise no request is admitted in a step that had to preempt, and the first one that
+        does not fit stops admission.
         """
-        step = _Step(self._step_budget())
+        step = _Step(self.config.max_num_batched_tokens)
+        step.urgent_priority, step.prefill_budget = self._prefill_cap()
         now = time.monotonic()
 
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, step.budget)
+            num_new = step.cap(request, min(request.num_tokens - request.num_computed_tokens,
+                                            step.budget))
+            if num_new == 0:
+                i += 1  # a less urgent prefill with no prefill budget left: it skips this step
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, step)
                 if victim is request:
                     break
             else:
-                step.add(self._scheduled(request, num_new))
+                step.add(self._scheduled(request, num_new), request)
                 i += 1
                 continue
             break  # the request itself was preempted: nothing behind it runs either
@@ -117,17 +125,20 @@ class Scheduler:
             self.scheduled_tokens_hist[num_batched] += 1
         return SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
 
-    def _step_budget(self) -> int:
-        """The step's token budget, cut to ``urgent_step_tokens`` while priorities differ."""
-        config = self.config
-        cap = config.urgent_step_tokens
-        if cap is not None and self.running:
-            least_urgent = self.running[-1].priority
-            most_urgent = min(self.running[0].priority,
-                              self.waiting[0].priority if self.waiting else least_urgent)
-            if most_urgent < least_urgent:
-                return min(cap, config.max_num_batched_tokens)
-        return config.max_num_batched_tokens
+    def _prefill_cap(self) -> tuple[int | None, int | None]:
+        """(most urgent priority, prefill budget of the less urgent) while priorities differ.
+
+        (None, None) when ``urgent_prefill_tokens`` is off or every request has one priority.
+        """
+        cap = self.config.urgent_prefill_tokens
+        queued = [q for q in (self.running, self.waiting) if q]
+        if cap is None or not queued:
+            return None, None
+        most_urgent = min(q[0].priority for q in queued)
+        least_urgent = max(q[-1].priority for q in queued)
+        if most_urgent == least_urgent:
+            return None, None
+        return most_urgent, cap
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
         config = self.config
@@ -161,6 +172,10 @@ class Scheduler:
                     continue
                 break
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
+            capped = step.cap(request, num_new)
+            if capped < num_new and not (capped and config.enable_chunked_prefill):
+                break  # the less urgent requests' prefill budget is spent for this step
+            num_new = capped
             if num_new > step.budget and outranks:
                 self._take_budget(request, num_new, step)
             if num_new > step.budget:
@@ -188,7 +203,7 @@ class Scheduler:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             insort(self.running, request, key=_sort_key)
-            step.add(self._scheduled(request, num_new))
+            step.add(self._scheduled(request, num_new), request)
 
     def _take_budget(self, request: Request, num_tokens: int, step: _Step) -> bool:
         """Unschedule less urgent running requests (last first) until ``num_tokens`` are free.
@@ -282,15 +297,38 @@ class _Step:
     initial_budget: int = field(init=False)
     num_preempted: int = 0
     preempted_ids: set[str] = field(default_factory=set)
+    # While priorities differ: the most urgent priority, and the prefill tokens left this step
+    # for requests less urgent than it (None: no cap).
+    urgent_priority: int | None = None
+    prefill_budget: int | None = None
+    capped_ids: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.initial_budget = self.budget
 
-    def add(self, scheduled: ScheduledRequest) -> None:
+    def is_capped(self, request: Request, num_new: int) -> bool:
+        """Whether ``num_new`` tokens of ``request`` are a less urgent prefill under the cap."""
+        return (num_new > 1 and self.prefill_budget is not None
+                and self.urgent_priority is not None and request.priority > self.urgent_priority)
+
+    def cap(self, request: Request, num_new: int) -> int:
+        """``num_new`` cut to the prefill budget left if it is a less urgent request's prefill."""
+        if self.prefill_budget is not None and self.is_capped(request, num_new):
+            return min(num_new, self.prefill_budget)
+        return num_new
+
+    def add(self, scheduled: ScheduledRequest, request: Request | None = None) -> None:
         self.scheduled[scheduled.request_id] = scheduled
         self.budget -= scheduled.num_new_tokens
+        if (request is not None and self.prefill_budget is not None
+                and self.is_capped(request, scheduled.num_new_tokens)):
+            self.prefill_budget -= scheduled.num_new_tokens
+            self.capped_ids.add(scheduled.request_id)
 
     def remove(self, request_id: str) -> None:
         scheduled = self.scheduled.pop(request_id, None)
         if scheduled is not None:
             self.budget += scheduled.num_new_tokens
+            if request_id in self.capped_ids and self.prefill_budget is not None:
+                self.prefill_budget += scheduled.num_new_tokens
+                self.capped_ids.discard(request_id)

@@ -18,7 +18,7 @@ from pydantic import StringConstraints, TypeAdapter
 from service.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
 from service.served_models import model_id
 from service.settings import Settings, get_settings
-from worker.process import WorkerService
+from worker.process import WorkerService, exit_process
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ def build_app(settings: Settings | None = None) -> Celery:
     def get_service() -> WorkerService:
         nonlocal service
         if service is None:  # a task ran before worker_init (e.g. eager mode)
-            service = WorkerService(settings).start()
+            # A broken engine ends the process (status 70) for the supervisor to restart.
+            service = WorkerService(settings, on_fatal=exit_process).start()
         return service
 
     def start_service(**_kwargs: Any) -> None:

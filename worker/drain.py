@@ -7,6 +7,12 @@ ones (the token budget, not a message count, is the unit); run one ``step()``; t
 RequestOutput into a result for the writer. An idle engine that receives single jobs waits
 ``job_collect_window`` first, so jobs that arrive together run in one batch. When fewer than
 ``low_water`` lines are left queued it calls ``on_hungry`` (the lease keeper claims more).
+
+Two kinds of failure, two answers (STYLE rule 15). Preparing one line (its chat template, its
+tokens, its limits) may raise anything: that line fails with the message and the loop goes on.
+``step()`` raising (a CUDA error, out of memory, a bug in the engine) means the engine can no
+longer be trusted: ``run`` raises ``EngineFailed`` without failing the lines in the engine, and
+the worker hands their shards back and exits (``WorkerService``), so another worker runs them.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ from worker.items import LineResult, LineWork
 from worker.line_queue import LineQueue
 
 log = logging.getLogger(__name__)
+
+
+class EngineFailed(RuntimeError):
+    """``step()`` raised: the engine's state is unknown and it must not be stepped again."""
 
 
 class Drainer:
@@ -96,10 +106,16 @@ class Drainer:
     # -- the engine thread --------------------------------------------------------------------
 
     def run(self) -> None:
-        while not self._stop.is_set():
-            if not self.turn():
-                self._wake.wait(0.05)
-                self._wake.clear()
+        """Turn until ``stop()``; raises ``EngineFailed`` (or whatever broke the loop) with the
+        lines in the engine left unsettled: their shards go back to the queue, not to errors."""
+        try:
+            while not self._stop.is_set():
+                if not self.turn():
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+        except BaseException:
+            self._in_engine.clear()  # not aborted: the engine is not to be touched again
+            raise
         self._abort_all()
 
     def turn(self) -> bool:
@@ -113,9 +129,8 @@ class Drainer:
         try:
             outputs = self.engine.step()
         except Exception as exc:
-            log.exception("engine step failed; failing the requests in it")
-            self._fail_all_in_engine(f"the engine failed: {exc}")
-            return True
+            raise EngineFailed(f"engine step failed with {len(self._in_engine)} requests in "
+                               f"it: {type(exc).__name__}: {exc}") from exc
         self.num_steps += 1
         ENGINE_STEPS.inc()
         for output in outputs:
@@ -203,12 +218,6 @@ class Drainer:
             for rid in ids:
                 self._in_engine.pop(rid, None)
                 self._tool_modes.pop(rid, None)
-
-    def _fail_all_in_engine(self, message: str) -> None:
-        works = list(self._in_engine.values())
-        self._abort_all()
-        for work in works:
-            self._fail(work, SERVER_ERROR, message)
 
     def _abort_all(self) -> None:
         ids = list(self._in_engine)

@@ -38,6 +38,8 @@ class LeaseKeeper(RoundLoop):
         on_batches_touched: Callable[[set[str]], None],
         model: str | None = None,
         aliases: list[str] | None = None,
+        engine_alive: Callable[[], bool] = lambda: True,
+        on_engine_dead: Callable[[], None] = lambda: None,
     ) -> None:
         super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
         self.db = db
@@ -52,6 +54,10 @@ class LeaseKeeper(RoundLoop):
         self._last_check = 0.0
         self._last_announce = 0.0  # never: the first round announces (unless start() did)
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
+        # Leases are renewed only for an engine that runs: a worker whose engine thread died
+        # must not keep its shards alive (nobody else could take them).
+        self._engine_alive = engine_alive
+        self._on_engine_dead = on_engine_dead
 
     def wake(self, *, check: bool = False) -> None:
         if check:
@@ -147,6 +153,11 @@ class LeaseKeeper(RoundLoop):
             self._announce_shards(reaped)
 
     def run_round(self) -> bool:
+        if not self._engine_alive():  # no heartbeats, claims or model announcements
+            if not self.stopping:
+                log.critical("the engine thread is dead: no more heartbeats or claims")
+                self._on_engine_dead()
+            return False
         if time.monotonic() - self._last_announce >= min(60.0, self.settings.model_ttl / 10):
             self.announce()
         heartbeat_every = self.settings.lease_seconds / 3

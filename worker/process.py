@@ -7,6 +7,15 @@
 - webhook thread (``WebhookSender``).
 
 The same class runs under Celery (``boxcar worker``) and beside the API (``boxcar serve``).
+
+A broken engine (``step()`` raised: a CUDA error, out of memory, a bug) or an engine thread that
+ended for any reason stops the whole worker: it stops claiming, writes the results already
+finished, hands its shards back at once (their open lines go back to pending, so another worker
+runs them now rather than after the lease expires, and no line is failed for the engine's
+fault), then calls ``on_fatal`` -- ``exit_process`` under ``boxcar worker`` and ``boxcar serve``:
+exit code 70, for the supervisor to restart it. Exactly once still holds: a result is written
+only while its line is open, and a shard that keeps breaking engines is failed after
+``max_shard_attempts`` claims (``LeaseKeeper.claim``).
 """
 
 from __future__ import annotations
@@ -41,6 +50,17 @@ from worker.result_writer import ResultWriter
 from worker.webhook_sender import WebhookSender
 
 log = logging.getLogger(__name__)
+
+# The worker's exit status when its engine broke (EX_SOFTWARE): restart me.
+EXIT_ENGINE_FAILED = 70
+
+
+def exit_process(exc: BaseException) -> None:
+    """``on_fatal`` of a worker process: the leases are already handed back; exit now, from
+    whichever thread, without waiting for Celery's or uvicorn's threads."""
+    log.critical("exiting with status %d: %s", EXIT_ENGINE_FAILED, exc)
+    logging.shutdown()
+    os._exit(EXIT_ENGINE_FAILED)
 
 
 def new_worker_id() -> str:
@@ -117,6 +137,7 @@ class WorkerService:
         storage: ObjectStorage | None = None,
         queue: TaskQueue | None = None,
         worker_id: str | None = None,
+        on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.settings = settings
         self.db = db or Database(settings.database_url)
@@ -140,6 +161,10 @@ class WorkerService:
         self.housekeeper: Housekeeper | None = None
         self.recorder: EngineRecorder | None = None
         self.publisher: MetricsPublisher | None = None
+        self._on_fatal = on_fatal
+        self.failure: BaseException | None = None  # what broke the engine, once it did
+        self.failed = threading.Event()  # set when the shutdown after a failure is done
+        self._failing = threading.Lock()
 
     # -- lifecycle ------------------------------------------------------------------------------
 
@@ -186,7 +211,9 @@ class WorkerService:
         self.leases = LeaseKeeper(self.db, settings, worker_id=self.worker_id, held=self.held,
                                   drainer=self.drainer, announce_shards=self._announce_shards,
                                   on_batches_touched=self.housekeeper.batches_touched,
-                                  model=model_name, aliases=aliases)
+                                  model=model_name, aliases=aliases,
+                                  engine_alive=self._engine_thread.is_alive,
+                                  on_engine_dead=self._engine_thread_died)
         # Served from now on (before the first claim), and kept so by the lease thread (which
         # retries at once if the database is not there yet).
         try:
@@ -200,7 +227,7 @@ class WorkerService:
 
             start_http_server(settings.worker_metrics_port,
                               registry=worker_registry(self.recorder))
-        self._engine_thread.run_forever(self.drainer.run)
+        self._engine_thread.run_forever(self._drain)
         self._spawn("leases", lambda: self.leases.run(self._stop))
         self._spawn("housekeeping", lambda: self.housekeeper.run(self._stop))
         self._spawn("metrics", lambda: self.publisher.run(self._stop))
@@ -208,7 +235,47 @@ class WorkerService:
             self.queue.subscribe(self.wake)
         self._started.set()
         log.info("worker %s started (model %s)", self.worker_id, model_name)
+        breakdown = getattr(self.engine, "startup_seconds", None)
+        if isinstance(breakdown, dict) and breakdown:
+            log.info("engine start-up: %s", ", ".join(
+                f"{phase} {seconds:.2f} s" for phase, seconds in breakdown.items()))
         return self
+
+    def _drain(self) -> None:
+        """The engine thread's last job: the drain loop; however it ends short of ``stop()``,
+        the worker stops (``fail``)."""
+        try:
+            self.drainer.run()
+        except BaseException as exc:
+            self.fail(exc)
+            return
+        if not self._stop.is_set():
+            self.fail(RuntimeError("the drain loop ended on its own"))
+
+    def _engine_thread_died(self) -> None:
+        self.fail(RuntimeError("the engine thread is gone"))
+
+    def fail(self, exc: BaseException) -> None:
+        """The engine broke: shut down in a thread of its own (it joins the others), once."""
+        with self._failing:
+            if self.failure is not None:
+                return
+            self.failure = exc
+        log.critical("worker %s: the engine failed, handing its shards back and stopping",
+                     self.worker_id, exc_info=exc)
+        self._stop.set()  # the lease thread stops claiming and heartbeating at once
+        threading.Thread(target=self._shut_down_after_failure, args=(exc,),
+                         name="boxcar-fatal", daemon=True).start()
+
+    def _shut_down_after_failure(self, exc: BaseException) -> None:
+        try:
+            self.stop(release=True)
+        except Exception:
+            log.exception("stopping after the engine failed")
+        finally:
+            self.failed.set()
+            if self._on_fatal is not None:
+                self._on_fatal(exc)
 
     def _spawn(self, name: str, target: Callable[[], None]) -> None:
         def run() -> None:
@@ -233,7 +300,8 @@ class WorkerService:
         if self._engine_thread is not None:
             self._engine_thread.finish()  # the drain loop ends on drainer.stop(); else this does
         for thread in [*self._threads, self._engine_thread]:
-            if thread is not None and thread.is_alive():
+            if (thread is not None and thread.is_alive()
+                    and thread is not threading.current_thread()):
                 thread.join(timeout)
         if self.writer is not None:
             self.writer.flush(timeout)

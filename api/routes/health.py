@@ -24,6 +24,11 @@ def readyz(ctx: ContextDep) -> JSONResponse:
             checks[name] = "ok"
         except Exception as exc:  # a probe reports, it does not raise
             checks[name] = f"error: {exc}"
+    if checks["database"] == "ok":
+        try:
+            checks["schema"] = ctx.schema.problem() or "ok"
+        except Exception as exc:
+            checks["schema"] = f"error: {exc}"
     ready = all(v == "ok" for v in checks.values())
     return JSONResponse({"status": "ok" if ready else "unavailable", "checks": checks},
                         status_code=200 if ready else 503)

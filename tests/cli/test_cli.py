@@ -90,9 +90,13 @@ def test_parse_size_rejects(text: str) -> None:
 
 
 def test_model_pull(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Pull, convert and build the kernel, with a line per phase; a kernel that cannot be
+    built (no compiler) is a warning, not a failure."""
     from engine import model_cache
+    from engine.kernels import cpu_decode_attention
+    from engine.models import loader
 
-    pulled = []
+    pulled, prepared, built = [], [], []
 
     def fake_pull(name: str) -> Path:
         if name == "nope":
@@ -100,13 +104,28 @@ def test_model_pull(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
         pulled.append(name)
         return Path("/cache") / name
 
+    def fake_build(*, quiet: bool = False) -> Path:
+        built.append(quiet)
+        if len(built) > 1:
+            raise RuntimeError("cannot build the CPU decode-attention kernel: no c++")
+        return Path("/kernels/k.so")
+
     monkeypatch.setattr(model_cache, "pull", fake_pull)
+    monkeypatch.setattr(loader, "prepare_model",
+                        lambda name: prepared.append(name) or Path("/converted") / name)
+    monkeypatch.setattr(cpu_decode_attention, "build", fake_build)
     assert cli.main(["model", "pull"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split()[0] for line in out.splitlines()] == [
+        "[1/3]", f"/cache/{model_cache.DEFAULT_MODEL}", "[2/3]",
+        f"/converted/{model_cache.DEFAULT_MODEL}", "[3/3]", "/kernels/k.so"]
     assert cli.main(["model", "pull", "other"]) == 0
-    assert pulled == [model_cache.DEFAULT_MODEL, "other"]
-    assert capsys.readouterr().out.split() == [
-        f"/cache/{model_cache.DEFAULT_MODEL}", "/cache/other"
-    ]
+    assert "warning: cannot build the CPU decode-attention kernel: no c++" in (
+        capsys.readouterr().err)
+    assert cli.main(["model", "pull", "other", "--no-kernel"]) == 0
+    assert "skipped (--no-kernel)" in capsys.readouterr().out
+    assert pulled == prepared == [model_cache.DEFAULT_MODEL, "other", "other"]
+    assert len(built) == 2
     assert cli.main(["model", "pull", "nope"]) == 2
     assert "unknown model" in capsys.readouterr().err
 

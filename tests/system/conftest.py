@@ -85,12 +85,14 @@ class Production:
     logdir: str
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
 
-    def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def start_worker(self, name: str, *, module: str = "cli.main",
+                     env: dict[str, str] | None = None) -> subprocess.Popen:
+        """``module`` runs ``boxcar`` (tests/system/faulty_worker.py wraps it to inject faults)."""
         log_path = os.path.join(self.logdir, f"{name}.log")
         log = open(log_path, "ab")
         offset = log.tell()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "worker", "--concurrency", "2",
+            [sys.executable, "-m", module, "worker", "--concurrency", "2",
              "--hostname", f"{name}@boxcar-test"],
             cwd=REPO, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,
