@@ -174,7 +174,8 @@ def _prompt(engine: Any, request: Body) -> list[int] | PrepareError:
         # conversation the template rejects is the line's fault, not the worker's.
         field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
         return PrepareError(INVALID_REQUEST,
-                            f"body.{field} could not be turned into a prompt: {exc}", field)
+                            f"body.{field} could not be turned into a prompt: "
+                            f"{type(exc).__name__}: {exc}", field)
     if not prompt_ids:
         return PrepareError(INVALID_VALUE, "the prompt has no tokens")
     return list(prompt_ids)
