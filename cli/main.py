@@ -14,6 +14,10 @@ from collections.abc import Sequence
 
 from cli.engine_options import DEFAULT_MODEL, add_engine_arguments, engine_config_kwargs
 
+# `boxcar run`'s exit status when it ran to the end but some lines failed (1: a crash or bad
+# usage, 2: bad engine options).
+EXIT_LINES_FAILED = 3
+
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from cli.kv_sizing import kv_blocks_needed
@@ -45,6 +49,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
         progress=not args.no_progress,
     )
     print(summary.format())
+    for error in summary.line_errors:
+        print(f"  {error['message']} ({error['code']})", file=sys.stderr)
     where = f"{args.output}" + (f", errors in {args.errors}" if args.errors else "")
     print(f"results in {where}")
     if args.metrics_json:
@@ -57,7 +63,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             metrics=recorder.snapshot(),
         )
         print(f"metrics in {args.metrics_json} (diagnose: boxcar doctor {args.metrics_json})")
-    return 0
+    return EXIT_LINES_FAILED if summary.num_failed else 0
 
 
 def _cmd_model_pull(args: argparse.Namespace) -> int:
@@ -113,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
     run = subparsers.add_parser(
         "run", help="run an OpenAI batch .jsonl file offline",
         description="Run every line of an OpenAI batch input file on this machine and write "
-        "the output (and error) lines as they finish.",
+        "the output (and error) lines as they finish. Exit status: 0 when every line "
+        f"succeeded, {EXIT_LINES_FAILED} when some lines failed, 1 on a crash or bad usage.",
     )
     run.add_argument("input", help="OpenAI batch input (.jsonl)")
     run.add_argument("-o", "--output", required=True, help="where the output lines go")

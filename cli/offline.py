@@ -3,8 +3,12 @@
 The input is read lazily; at most ``max_in_flight`` requests sit in the engine at once (a few
 times ``max_num_seqs``, so every step stays full without holding the file in memory); each result
 line is written the moment its request finishes, so output order follows completion, as OpenAI's
-does. A bad line (bad JSON, missing or repeated custom_id, unknown url, invalid values, a prompt
-longer than the context) becomes an error line and every other line still runs.
+does. A bad line (bad JSON, missing or repeated custom_id, a url other than the file's endpoint,
+invalid values, a prompt longer than the context) fails alone and every other line still runs:
+one with a custom_id gets an error line in OpenAI's shape; one without (not JSON, no custom_id)
+is listed by line number in the summary (``RunSummary.line_errors``), as a batch lists it in its
+``errors``. Lines are prepared by the worker's pipeline (``pipeline.engine_adapter``), so a line
+gets the same result or error here as in a batch.
 """
 
 from __future__ import annotations
@@ -20,28 +24,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any, Protocol
 
-from engine.outputs import EngineStats, RequestOutput, TokenLogprob
+from engine.outputs import EngineStats, RequestOutput
 from engine.sampling_params import SamplingParams
 from openai_format.ids import new_id
-from openai_format.parse import (
-    CONTEXT_LENGTH_EXCEEDED,
-    INVALID_REQUEST,
-    BatchLine,
-    CustomIdTracker,
-    LineError,
-    parse_line,
-)
-from openai_format.responses import (
-    ChoiceResult,
-    TokenLogprobResult,
-    chat_completion_body,
-    output_line,
-    text_completion_body,
-)
-from openai_format.sampling import to_sampling_kwargs
-from openai_format.types import INVALID_VALUE
+from openai_format.parse import BatchLine, CustomIdTracker, LineError, parse_line
+from openai_format.responses import output_line
+from openai_format.tools import ToolCallMode
+from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, response_body
 
 IN_FLIGHT_PER_SEQ = 4
+MAX_LINE_ERRORS = 100
 PROGRESS_INTERVAL_S = 0.5
 
 
@@ -53,7 +45,8 @@ class BatchEngine(Protocol):
     model_name: str
 
     def encode(self, prompt: str) -> list[int]: ...
-    def apply_chat_template(self, messages: list[dict]) -> list[int]: ...
+    def apply_chat_template(self, messages: list[dict], *,
+                            tools: list[dict] | None = None) -> list[int]: ...
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
         ...
     def step(self) -> list[RequestOutput]: ...
@@ -64,7 +57,8 @@ class BatchEngine(Protocol):
 @dataclass
 class _InFlight:
     line: BatchLine
-    request_id: str  # the response's request_id, as OpenAI's
+    request_id: str  # the engine's id; the response's request_id is ``req_`` + it
+    tool_mode: ToolCallMode | None = None
 
 
 @dataclass
@@ -75,6 +69,8 @@ class RunSummary:
     num_ok: int = 0
     num_failed: int = 0
     errors_by_code: dict[str, int] = field(default_factory=dict)
+    # Lines without a custom_id (not JSON, no custom_id): reported by line number only.
+    line_errors: list[dict[str, Any]] = field(default_factory=list)
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
@@ -162,15 +158,19 @@ def run_batch_file(
     max_in_flight: int | None = None,
     progress: bool = True,
     count_total: bool = True,
+    endpoint: str | None = None,
 ) -> RunSummary:
     """Run every line of ``input_path``; results (and errors, unless ``errors_path``) go to
-    ``output_path``. Returns the run's summary; never raises on a bad line."""
+    ``output_path``. Returns the run's summary; never raises on a bad line.
+
+    ``endpoint``: the url every line must name (as a batch's endpoint); None takes the first
+    valid line's."""
     if max_in_flight is None:
         config = getattr(engine, "config", None)
         max_in_flight = IN_FLIGHT_PER_SEQ * getattr(config, "max_num_seqs", 64)
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
-    runner = _Runner(engine, model_name or engine.model_name, max_in_flight)
+    runner = _Runner(engine, model_name or engine.model_name, max_in_flight, endpoint)
     total = count_lines(input_path) if count_total else None
     with ExitStack() as stack:
         f_in = stack.enter_context(open(input_path, "rb"))
@@ -195,7 +195,8 @@ def _progress_bar(total: int | None, enabled: bool) -> Any:
 class _Runner:
     """The drain loop's state: in-flight requests, counters, latency samples."""
 
-    def __init__(self, engine: BatchEngine, model_name: str, max_in_flight: int) -> None:
+    def __init__(self, engine: BatchEngine, model_name: str, max_in_flight: int,
+                 endpoint: str | None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.max_in_flight = max_in_flight
@@ -206,7 +207,7 @@ class _Runner:
         self.ttfts: list[float] = []
         self.tpots: list[float] = []
         self.e2es: list[float] = []
-        self.token_text: dict[int, str] = {}
+        self.endpoint = endpoint
         self.started = time.monotonic()
 
     def run(self, lines: Iterator[tuple[int, bytes]], out: IO[str], err: IO[str], bar: Any) -> None:
@@ -246,99 +247,55 @@ class _Runner:
         self.result.elapsed_s = time.monotonic() - self.started
 
     def submit(self, line_no: int, raw: bytes) -> LineError | None:
-        """Parse one line and add it to the engine, or say why it cannot run."""
+        """Parse one line and add it to the engine, or say why it cannot run: the worker's
+        pipeline (``pipeline.engine_adapter``), so a line fails here as it fails in a batch."""
         self.result.num_lines += 1
-        parsed = parse_line(raw, line_no=line_no)
+        parsed = parse_line(raw, line_no=line_no, endpoint=self.endpoint)
         if isinstance(parsed, LineError):
             return parsed
         duplicate = self.ids.check(parsed.custom_id, line_no=line_no)
         if duplicate is not None:
             return duplicate
-
-        def error(code: str, what: str) -> LineError:
-            return LineError(code, what, line_no, parsed.custom_id)
-
-        body = parsed.body
-        try:
-            if parsed.is_chat:
-                prompt_ids = self.engine.apply_chat_template(body.template_messages())
-            else:
-                prompt = body.single_prompt
-                prompt_ids = self.engine.encode(prompt) if isinstance(prompt, str) else prompt
-        except Exception as exc:  # noqa: BLE001 - jinja's TemplateError is no ValueError; a
-            # conversation the template rejects is the line's fault, not the run's.
-            return error(INVALID_REQUEST, f"body.messages could not be templated: {exc}")
-        if not prompt_ids:
-            return error(INVALID_VALUE, "the prompt has no tokens")
-        context = self.engine.max_model_len
-        if len(prompt_ids) >= context:
-            return error(
-                CONTEXT_LENGTH_EXCEEDED,
-                f"the prompt is {len(prompt_ids)} tokens; the model's context is {context} "
-                "tokens, including the completion",
-            )
-        try:
-            params = SamplingParams(**to_sampling_kwargs(body))
-        except ValueError as exc:
-            return error(INVALID_VALUE, f"body: {exc}")
+        if self.endpoint is None:
+            self.endpoint = parsed.url  # the batch's endpoint: every line must name it
         request_id = new_id()
-        try:
-            self.engine.add_request(request_id, prompt_ids, params)
-        except ValueError as exc:
-            # What the checks above leave: token ids outside the model's vocabulary.
-            return error(INVALID_VALUE, f"the engine refused the prompt: {exc}")
-        self.in_flight[request_id] = _InFlight(parsed, request_id)
+        engine_input = prepare(self.engine, parsed.url, parsed.body)
+        if not isinstance(engine_input, PrepareError):
+            engine_input = add_to_engine(self.engine, request_id, engine_input) or engine_input
+        if isinstance(engine_input, PrepareError):
+            return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id,
+                             numbered=False, param=engine_input.param)
+        self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode)
         return None
 
     def write_error(self, error: LineError, f: IO[str]) -> None:
         self.result.num_failed += 1
         self.errors[error.code] += 1
-        _write(f, error.to_line())
+        line = error.to_line(request_id=new_id("req_"))
+        if line is None:
+            if len(self.result.line_errors) < MAX_LINE_ERRORS:
+                self.result.line_errors.append(
+                    {"line": error.line_no, "code": error.code, "message": error.message})
+            return
+        _write(f, line)
 
     def write_result(self, request_output: RequestOutput, f: IO[str]) -> None:
         entry = self.in_flight.pop(request_output.request_id)
         metrics = request_output.metrics
-        choices = [
-            ChoiceResult(
-                index=c.index,
-                text=c.text,
-                num_tokens=len(c.token_ids),
-                finish_reason=c.finish_reason,
-                logprobs=None if c.logprobs is None else [self._logprob(lp) for lp in c.logprobs],
-            )
-            for c in request_output.outputs
-        ]
-        build = chat_completion_body if entry.line.is_chat else text_completion_body
-        body = build(
-            choices,
-            model=self.model_name,
-            prompt_tokens=len(request_output.prompt_token_ids),
-            cached_tokens=metrics.num_cached_tokens,
+        body, usage = response_body(
+            request_output, endpoint=entry.line.url, model=self.model_name,
+            tokenizer=self.engine.tokenizer, hex_id=new_id(), tool_mode=entry.tool_mode,
         )
-        _write(f, output_line(entry.line.custom_id, body, request_id=entry.request_id))
+        _write(f, output_line(entry.line.custom_id, body, request_id=f"req_{entry.request_id}"))
         self.result.num_ok += 1
-        self.result.num_prompt_tokens += len(request_output.prompt_token_ids)
-        self.result.num_cached_tokens += metrics.num_cached_tokens
-        self.result.num_generated_tokens += body["usage"]["completion_tokens"]
+        self.result.num_prompt_tokens += usage.prompt_tokens
+        self.result.num_cached_tokens += usage.cached_tokens
+        self.result.num_generated_tokens += usage.completion_tokens
         for values, value in (
             (self.ttfts, metrics.ttft), (self.tpots, metrics.tpot), (self.e2es, metrics.e2e_latency)
         ):
             if value is not None:
                 values.append(value)
-
-    def _text(self, token_id: int) -> str:
-        text = self.token_text.get(token_id)
-        if text is None:
-            text = self.engine.tokenizer.decode([token_id])
-            self.token_text[token_id] = text
-        return text
-
-    def _logprob(self, lp: TokenLogprob) -> TokenLogprobResult:
-        return TokenLogprobResult(
-            token=self._text(lp.token_id),
-            logprob=lp.logprob,
-            top=[(self._text(token_id), logprob) for token_id, logprob in lp.top],
-        )
 
     def summary(self) -> RunSummary:
         result = self.result

@@ -96,6 +96,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from cli.embedded import EmbeddedServer
     from worker.process import exit_process
 
+    # Redirected to a file, stdout is block-buffered: the key line would not reach the log.
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]
     _logging(args.verbose)
     settings = _settings_from(args)
     server = EmbeddedServer(settings, host=args.host, port=args.port,

@@ -88,13 +88,19 @@ class LLMEngine:
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], *, tools: list[dict] | None = None
+    ) -> list[int]:
+        """The prompt's token ids: ``messages`` (and ``tools``, OpenAI's function shape, for
+        templates that describe them) rendered by the model's chat template."""
         if not isinstance(messages, list) or not messages:
             raise ValueError("messages must be a non-empty list of {role, content} objects")
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"model {self.model_name} has no chat template")
+        # transformers types ``tools`` as a list of dicts or callables; a list of dicts is one.
+        tool_list: list = list(tools) if tools else []
         text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
+            messages, tools=tool_list or None, add_generation_prompt=True, tokenize=False
         )
         if not isinstance(text, str):
             raise ValueError("the chat template did not render to text")

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from openai_format.responses import error_line
+from openai_format.responses import failed_line
 from openai_format.types import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -35,6 +35,8 @@ INVALID_METHOD = "invalid_method"
 INVALID_URL = "invalid_url"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 SERVER_ERROR = "server_error"
+
+UTF8_BOM = b"\xef\xbb\xbf"
 
 
 
@@ -62,13 +64,28 @@ class LineError:
     line_no: int
     custom_id: str | None = None
     is_object: bool = True
+    # False for errors found when the line is prepared for the engine: the worker writes
+    # those without the line number (it runs rows, not file lines), and so does `boxcar run`.
+    numbered: bool = True
+    param: str | None = None  # the body field at fault, where one is known
 
     @property
     def message(self) -> str:
-        return f"line {self.line_no}: {self.detail}"
+        return f"line {self.line_no}: {self.detail}" if self.numbered else self.detail
 
-    def to_line(self) -> dict[str, Any]:
-        return error_line(self.custom_id, self.code, self.message)
+    def to_line(self, *, request_id: str) -> dict[str, Any] | None:
+        """The error file's line (OpenAI's shape for a refused request), or None for a line
+        without a custom_id: that one is reported by its line number only (a batch's
+        ``errors.data``, ``boxcar run``'s summary)."""
+        if self.custom_id is None:
+            return None
+        return failed_line(self.custom_id, self.code, self.message, request_id=request_id,
+                           param=self.param, status_code=status_code(self.code))
+
+
+def status_code(code: str) -> int:
+    """The HTTP status a request failing with ``code`` gets."""
+    return 500 if code == SERVER_ERROR else 400
 
 
 class CustomIdTracker:
@@ -105,10 +122,14 @@ def parse_line(
         return LineError(code, what, line_no, is_object=False)
 
     if isinstance(raw, bytes):
+        if line_no == 1 and raw.startswith(UTF8_BOM):
+            raw = raw[len(UTF8_BOM):]
         try:
             raw = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             return not_an_object(INVALID_JSON, f"not valid UTF-8 (byte {exc.start})")
+    elif line_no == 1 and raw.startswith("\ufeff"):
+        raw = raw[1:]  # a file saved with a byte order mark (Windows editors write one)
     if not raw.strip():
         return not_an_object(INVALID_JSON, "empty line")
     try:
@@ -145,12 +166,12 @@ def parse_line(
     try:
         parsed = model.model_validate(body)
     except ValidationError as exc:
-        code, what = _describe(exc)
+        code, what = describe_validation_error(exc)
         return error(code, what, custom_id)
     return BatchLine(custom_id, url, parsed, line_no)
 
 
-def _describe(exc: ValidationError) -> tuple[str, str]:
+def describe_validation_error(exc: ValidationError) -> tuple[str, str]:
     """The first pydantic error as (code, "body.field must be ...")."""
     err = exc.errors(include_url=False)[0]
     path = _path(err["loc"])

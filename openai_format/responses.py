@@ -31,6 +31,8 @@ class ChoiceResult:
     num_tokens: int
     finish_reason: str | None
     logprobs: Sequence[TokenLogprobResult] | None = None
+    # OpenAI ``tool_calls`` read from the text; ``text`` is then the content left (may be "").
+    tool_calls: Sequence[dict[str, Any]] = ()
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -120,15 +122,20 @@ def chat_completion_body(
     created: int | None = None,
 ) -> dict[str, Any]:
     """A ``chat.completion`` object, as OpenAI's /v1/chat/completions returns it."""
-    rendered = [
-        {
+    rendered = []
+    for c in choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+        finish_reason = _finish_reason(c.finish_reason)
+        if c.tool_calls:
+            message["content"] = c.text or None
+            message["tool_calls"] = list(c.tool_calls)
+            finish_reason = "tool_calls"
+        rendered.append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "message": message,
             "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
-            "finish_reason": _finish_reason(c.finish_reason),
-        }
-        for c in choices
-    ]
+            "finish_reason": finish_reason,
+        })
     return _completion_object("chat.completion", "chatcmpl", rendered, choices, model=model,
                               prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                               completion_id=completion_id, created=created)
@@ -168,8 +175,25 @@ def output_line(custom_id: str, body: dict[str, Any], *, request_id: str) -> dic
     }
 
 
-def error_line(custom_id: str | None, code: str, message: str) -> dict[str, Any]:
-    """A failed line of a batch error file (``custom_id`` is None when the line had none)."""
+def failed_line(
+    custom_id: str, code: str, message: str, *, request_id: str, param: str | None = None,
+    status_code: int = 400,
+) -> dict[str, Any]:
+    """A request that was refused or failed, as OpenAI writes it in the error file: the HTTP
+    error the request would have got, inside ``response``."""
+    kind = "server_error" if status_code >= 500 else "invalid_request_error"
+    return {
+        "id": f"batch_req_{new_id()}",
+        "custom_id": custom_id,
+        "response": {"status_code": status_code, "request_id": request_id,
+                     "body": {"error": {"message": message, "type": kind, "param": param,
+                                        "code": code}}},
+        "error": None,
+    }
+
+
+def error_line(custom_id: str, code: str, message: str) -> dict[str, Any]:
+    """A line that never ran (``batch_expired``, ``batch_cancelled``): no response."""
     return {
         "id": f"batch_req_{new_id()}",
         "custom_id": custom_id,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai_format.tools import forced_call
 from openai_format.types import ChatCompletionRequest, CompletionRequest
 
 
@@ -13,9 +14,15 @@ def to_sampling_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[
 
     ``logprobs`` is the number of alternatives per token: chat's ``top_logprobs`` (0 when only
     ``logprobs: true``), completions' ``logprobs``; None when not asked for.
+    ``structured_output`` holds StructuredOutputParams' fields: a JSON response format, or the
+    call a ``tool_choice`` forces.
     """
+    structured = body.response_format.structured_output() if body.response_format else None
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        forced = forced_call(body)
+        if forced is not None:
+            structured = {"json_schema": forced[0], "strict": forced[1]}
     else:
         logprobs = body.logprobs
     return {
@@ -36,4 +43,6 @@ def to_sampling_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[
         "min_tokens": body.min_tokens or 0,
         "ignore_eos": bool(body.ignore_eos),
         "logprobs": logprobs,
+        "logit_bias": body.logit_bias_ids(),
+        "structured_output": structured,
     }

@@ -29,7 +29,7 @@ def sort_key(line: BatchLine) -> str:
 
 def stored_body(line: BatchLine) -> dict[str, Any]:
     """The body as it is kept on the row (validated, unknown fields dropped)."""
-    return line.body.model_dump(mode="json", exclude_none=True)
+    return line.body.model_dump(mode="json", exclude_none=True, by_alias=True)
 
 
 def estimate_tokens(line: BatchLine) -> tuple[int, int]:

@@ -64,8 +64,8 @@ class Settings(BaseSettings):
     completion_windows: list[str] = Field(default_factory=lambda: ["1h", "4h", "24h"])
     # The highest ``priority`` a tenant may give a job or a batch (the schema allows 0-100).
     max_priority: int = 10
-    # Lines may use either endpoint, like `boxcar run`; False: a line's url must be the batch's.
-    mixed_endpoints: bool = True
+    # False (OpenAI's rule): a line's url must be the batch's endpoint; True: either endpoint.
+    mixed_endpoints: bool = False
     bootstrap_api_key: str | None = None  # ensured to exist (tenant "default") at start
 
     # Work distribution.

@@ -26,9 +26,10 @@ from typing import Any
 
 from metrics.counters import ENGINE_STEPS, LINES_FINISHED
 from openai_format.ids import new_id
-from openai_format.parse import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, SERVER_ERROR
+from openai_format.parse import SERVER_ERROR
+from openai_format.tools import ToolCallMode
+from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, response_body
 from service.models import LINE_COMPLETED, LINE_FAILED
-from worker.engine_adapter import response_body, to_engine_input
 from worker.items import LineResult, LineWork
 from worker.line_queue import LineQueue
 
@@ -63,6 +64,7 @@ class Drainer:
         self._on_hungry = on_hungry
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
+        self._tool_modes: dict[str, ToolCallMode] = {}  # lines whose output holds tool calls
         self._drops: list[Callable[[LineWork], bool]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -152,62 +154,24 @@ class Drainer:
             self._on_hungry()  # claim more before the engine runs dry, not at the next poll
 
     def _add_to_engine(self, work: LineWork) -> None:
-        try:
-            engine_input = to_engine_input(self.engine, work.endpoint, work.body)
-            too_long = self._context_overflow(engine_input)
-        except ValueError as exc:
-            self._fail(work, INVALID_REQUEST, str(exc))
-            return
-        except Exception as exc:  # one line's template or tokens: that line fails, not the loop
-            log.exception("preparing %s failed", work.engine_request_id)
-            self._fail(work, INVALID_REQUEST,
-                       f"the request could not be prepared: {type(exc).__name__}: {exc}")
-            return
-        if too_long is not None:
-            self._fail(work, CONTEXT_LENGTH_EXCEEDED, too_long)
-            return
-        try:
-            self.engine.add_request(work.engine_request_id, engine_input.prompt,
-                                    engine_input.params, priority=work.engine_priority)
-        except ValueError as exc:  # the engine's message; the code from the prompt's length
-            too_long = self._prompt_fills_context(engine_input.prompt)
-            self._fail(work, CONTEXT_LENGTH_EXCEEDED if too_long else INVALID_REQUEST, str(exc))
+        # The same pipeline as ``boxcar run``: a line's error is the same on both paths.
+        engine_input = prepare(self.engine, work.endpoint, work.body)
+        if not isinstance(engine_input, PrepareError):
+            engine_input = add_to_engine(self.engine, work.engine_request_id, engine_input,
+                                         priority=work.engine_priority) or (
+                engine_input)
+        if isinstance(engine_input, PrepareError):
+            self._fail(work, engine_input.code, engine_input.message, param=engine_input.param)
             return
         self._in_engine[work.engine_request_id] = work
-        num_tokens = len(engine_input.prompt) if isinstance(engine_input.prompt, list) else (
-            max(1, len(engine_input.prompt) // 4))
+        if engine_input.tool_mode is not None:
+            self._tool_modes[work.engine_request_id] = engine_input.tool_mode
+        num_tokens = len(engine_input.prompt)
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
-
-    def _prompt_fills_context(self, prompt: str | list[int]) -> bool:
-        """Whether the prompt leaves no room to generate in the model's context."""
-        max_model_len = getattr(self.engine, "max_model_len", None)
-        if not isinstance(max_model_len, int):
-            return False
-        if isinstance(prompt, str):
-            prompt = self.engine.encode(prompt)
-        return len(prompt) >= max_model_len
-
-    def _context_overflow(self, engine_input: Any) -> str | None:
-        """Why an explicit max_tokens cannot fit beside the prompt in the model's context (the
-        engine would silently cut it short), or None. A token is at least one byte, so a text
-        prompt is only tokenized here when its bytes alone could overflow."""
-        max_model_len = getattr(self.engine, "max_model_len", None)
-        max_tokens = engine_input.params.max_tokens
-        if not isinstance(max_model_len, int) or max_tokens is None:
-            return None
-        prompt = engine_input.prompt
-        if isinstance(prompt, str):
-            if len(prompt.encode()) + max_tokens <= max_model_len:
-                return None
-            prompt = self.engine.encode(prompt)
-        if len(prompt) + max_tokens <= max_model_len:
-            return None
-        return (f"This model's maximum context length is {max_model_len} tokens, but "
-                f"{len(prompt) + max_tokens} were requested ({len(prompt)} in the prompt, "
-                f"{max_tokens} in max_tokens); lower max_tokens or shorten the prompt.")
 
     def _finish(self, output: Any) -> None:
         work = self._in_engine.pop(output.request_id, None)
+        tool_mode = self._tool_modes.pop(output.request_id, None)
         if work is None:
             return
         if output.finish_reason == "abort":
@@ -217,6 +181,7 @@ class Drainer:
             body, usage = response_body(
                 output, endpoint=work.endpoint, model=self.model_name,
                 tokenizer=getattr(self.engine, "tokenizer", None), hex_id=hex_id,
+                tool_mode=tool_mode,
             )
         except Exception as exc:
             log.exception("could not build the response of %s", work.engine_request_id)
@@ -230,11 +195,13 @@ class Drainer:
             cached_tokens=usage.cached_tokens,
         ))
 
-    def _fail(self, work: LineWork, code: str, message: str) -> None:
+    def _fail(self, work: LineWork, code: str, message: str, *, param: str | None = None) -> None:
         self.num_finished += 1
         LINES_FINISHED.labels(LINE_FAILED).inc()
-        self._submit(LineResult(work, LINE_FAILED, error={"code": code, "message": message},
-                                request_id=new_id("req_")))
+        error = {"code": code, "message": message}
+        if param is not None:
+            error["param"] = param
+        self._submit(LineResult(work, LINE_FAILED, error=error, request_id=new_id("req_")))
 
     def _apply_drops(self) -> None:
         with self._lock:
@@ -251,6 +218,7 @@ class Drainer:
             self.engine.abort_request(ids)
             for rid in ids:
                 self._in_engine.pop(rid, None)
+                self._tool_modes.pop(rid, None)
 
     def _abort_all(self) -> None:
         ids = list(self._in_engine)
@@ -260,3 +228,4 @@ class Drainer:
             except Exception:
                 log.exception("aborting %d requests failed", len(ids))
         self._in_engine.clear()
+        self._tool_modes.clear()

@@ -13,13 +13,15 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+from typing import Any
 
 from sqlalchemy import exists, func, select, update
 from sqlalchemy.orm import Session
 
 from metrics.counters import BATCHES_FINALIZED
 from openai_format.ids import new_id
-from openai_format.responses import error_line, output_line
+from openai_format.parse import SERVER_ERROR, status_code
+from openai_format.responses import error_line, failed_line, output_line
 from service import ids
 from service.db import Database, utcnow
 from service.models import (
@@ -162,14 +164,27 @@ def _write_files(
                 cached += row.cached_tokens
                 out.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
             else:
-                error = row.error or {"code": "server_error", "message": "no result"}
-                custom_id = row.custom_id or error.get("custom_id")
-                line = error_line(custom_id, error.get("code", "server_error"),
-                                  error.get("message", ""))
                 failed += 1
-                err.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+                line = _error_file_line(row)
+                if line is not None:
+                    err.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
         out_bytes, err_bytes = out.num_bytes, err.num_bytes
     return out_bytes, err_bytes, completed, failed, input_tokens, output_tokens, cached
+
+
+def _error_file_line(row: Any) -> dict[str, Any] | None:
+    """OpenAI's error-file line: a line that never ran (cancelled, expired) has ``error``; a
+    refused or failed request has ``response`` with its HTTP error. A line without a custom_id
+    (not JSON, none given) has no error-file line: the batch's ``errors`` name it by line."""
+    error = row.error or {"code": SERVER_ERROR, "message": "no result"}
+    custom_id = row.custom_id or error.get("custom_id")
+    if not custom_id:
+        return None
+    code, message = error.get("code", SERVER_ERROR), error.get("message", "")
+    if row.status in (LINE_CANCELLED, LINE_EXPIRED):
+        return error_line(custom_id, code, message)
+    return failed_line(custom_id, code, message, request_id=row.request_id or new_id("req_"),
+                       param=error.get("param"), status_code=status_code(code))
 
 
 def _write_and_close(

@@ -133,13 +133,13 @@ def _insert_lines(session: Session, rows: Iterator[dict]) -> tuple[int, int]:
 
 def prepare_batch(
     db: Database, storage: ObjectStorage, batch_id: str, *, worker_id: str, shard_size: int,
-    mixed_endpoints: bool = True,
+    mixed_endpoints: bool = False,
 ) -> list[str] | None:
     """Turn a validating batch into lines and shards. Returns the new shard ids, or None when
     the batch was not this worker's to prepare (not validating, or leased by another).
 
-    ``mixed_endpoints``: lines may name either endpoint (as ``boxcar run`` allows); otherwise a
-    line whose url is not the batch's endpoint is an error line, as with OpenAI."""
+    ``mixed_endpoints``: lines may name either endpoint; otherwise (the default) a line whose
+    url is not the batch's endpoint is an error line, as with OpenAI."""
     with db.session() as session:
         if not claim_batch_lease(session, batch_id, statuses=(VALIDATING,), worker_id=worker_id,
                                  seconds=PREPARE_LEASE_SECONDS):

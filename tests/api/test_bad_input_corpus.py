@@ -18,6 +18,7 @@ from service.models import Batch
 from service.served_models import default_model
 from tests.conftest_services import chat_line, completion_line, jsonl, make_key, wait_for
 from tests.figures import record
+from tests.openai_shapes import check_line, error_of
 from worker.process import WorkerService
 
 ENGINE_OPTIONS = {"device": "cpu", "max_num_seqs": 8, "num_kv_blocks": 256, "num_threads": 1}
@@ -280,12 +281,12 @@ LINE_CASES: list[tuple[str, bytes, str | None, str, str]] = [
     ("invalid UTF-8", b'{"custom_id": "u\xff"}', None, "invalid_json", "not valid UTF-8"),
     ("not JSON", _raw('{"custom_id": "nj",'), None, "invalid_json", "not valid JSON"),
     ("a JSON list", _raw("[1, 2]"), None, "invalid_request", "expected a JSON object"),
-    ("custom_id missing", _raw(json.dumps({"method": "POST", "url": "/v1/completions",
-                                           "body": {"prompt": "x"}})),
+    ("custom_id missing", _raw(json.dumps({"method": "POST", "url": "/v1/chat/completions",
+                                           "body": {"messages": []}})),
      None, "missing_custom_id", "custom_id is missing"),
-    ("custom_id empty", _raw(json.dumps({**completion_line("", "x")})), None,
+    ("custom_id empty", _raw(json.dumps({**chat_line("", "x")})), None,
      "missing_custom_id", "non-empty string"),
-    ("custom_id a number", _raw(json.dumps({**completion_line("x", "x"), "custom_id": 7})),
+    ("custom_id a number", _raw(json.dumps({**chat_line("x", "x"), "custom_id": 7})),
      None, "missing_custom_id", "non-empty string"),
     ("custom_id repeated", _raw(json.dumps(chat_line("good-0", "again"))), "good-0",
      "duplicate_custom_id", "used by an earlier line"),
@@ -294,13 +295,27 @@ LINE_CASES: list[tuple[str, bytes, str | None, str, str]] = [
     ("unknown url", _raw(json.dumps({**chat_line("emb", "x"), "url": "/v1/embeddings"})),
      "emb", "invalid_url", "'/v1/embeddings'"),
     ("body missing", _raw(json.dumps({"custom_id": "nob", "method": "POST",
-                                      "url": "/v1/completions"})),
+                                      "url": "/v1/chat/completions"})),
      "nob", "invalid_request", "body is missing"),
     ("body a string", _raw(json.dumps({**chat_line("strb", "x"), "body": "hi"})), "strb",
      "invalid_request", "body must be an object, got a string"),
-    ("chat body on the completions url", _raw(json.dumps({**chat_line("wrong", "x"),
-                                                          "url": "/v1/completions"})),
-     "wrong", "invalid_request", "body.prompt is required"),
+    ("chat body without messages", _raw(json.dumps({**chat_line("wrong", "x"),
+                                                    "body": {"prompt": "x"}})),
+     "wrong", "invalid_value", "body.prompt is not a supported parameter"),
+    ("unknown parameter", _raw(json.dumps(chat_line("unk", "x", temprature=0.5))), "unk",
+     "invalid_value", "body.temprature is not a supported parameter"),
+    ("reasoning_effort", _raw(json.dumps(chat_line("re", "x", reasoning_effort="low"))), "re",
+     "invalid_value", "body.reasoning_effort is not supported"),
+    ("logit_bias key not a token id", _raw(json.dumps(chat_line("lbk", "x",
+                                                                logit_bias={"a": 1}))),
+     "lbk", "invalid_value", "body.logit_bias keys must be token ids"),
+    ("logit_bias 200", _raw(json.dumps(chat_line("lbv", "x", logit_bias={"5": 200}))),
+     "lbv", "invalid_value", "between -100 and 100"),
+    ("json_schema without a schema spec", _raw(json.dumps(chat_line(
+        "rf", "x", response_format={"type": "json_schema"}))), "rf", "invalid_value",
+     "body.response_format.json_schema is required"),
+    ("tool_choice without tools", _raw(json.dumps(chat_line("tc", "x", tool_choice="required"))),
+     "tc", "invalid_value", "body.tool_choice requires body.tools"),
     ("negative temperature", _raw(json.dumps(chat_line("t-", "x", temperature=-0.5))), "t-",
      "invalid_value", "body.temperature must be between 0 and 2"),
     ("absurd temperature", _raw(json.dumps(chat_line("t+", "x", temperature=1e300))), "t+",
@@ -334,8 +349,10 @@ LINE_CASES: list[tuple[str, bytes, str | None, str, str]] = [
     ("an image part", _raw(json.dumps({**chat_line("img", "x"), "body": {"messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}})),
      "img", "invalid_value", "only text parts are supported"),
-    ("empty prompt", _raw(json.dumps(completion_line("ep", ""))), "ep", "invalid_value",
-     "body.prompt must not be empty"),
+    ("tool call arguments not JSON", _raw(json.dumps({**chat_line("ep", "x"), "body": {
+        "messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{"}}]}]}})),
+     "ep", "invalid_value", "arguments must be a JSON object as text"),
     ("model not a string", _raw(json.dumps({**chat_line("mdl", "x"), "body": {
         **chat_line("mdl", "x")["body"], "model": 42}})), "mdl", "invalid_request",
      "body.model must be a string, got a number"),
@@ -343,14 +360,23 @@ LINE_CASES: list[tuple[str, bytes, str | None, str, str]] = [
     ("max_tokens above the context", _raw(json.dumps(chat_line("mbig", "x",
                                                                max_tokens=100_000))),
      "mbig", "context_length_exceeded", "maximum context length is 512 tokens"),
-    ("completion prompt longer than the context", _raw(json.dumps(
-        completion_line("plong", "~" * 2000, max_tokens=8))), "plong",
-     "context_length_exceeded", "2000 in the prompt"),
+    ("prompt and max_tokens longer than the context", _raw(json.dumps(
+        chat_line("plong", "~" * 200, max_tokens=400))), "plong",
+     "context_length_exceeded", "400 in max_tokens"),
     ("chat prompt longer than the context", _raw(json.dumps({**chat_line("clong", "x"), "body": {
         "messages": [{"role": "user", "content": "~" * 2000}]}})), "clong",
-     "context_length_exceeded", "the context is 512 tokens"),
-    ("token ids outside the vocabulary", _raw(json.dumps(completion_line("tok", [99999]))),
-     "tok", "invalid_request", "prompt token ids must be in [0,"),
+     "context_length_exceeded", "context is 512 tokens"),
+    ("logit_bias outside the vocabulary", _raw(json.dumps(chat_line(
+        "tok", "x", logit_bias={"99999": 1}))), "tok", "invalid_value",
+     "token id 99999 is outside the model's vocabulary"),
+    ("a schema the compiler refuses", _raw(json.dumps(chat_line("sch", "x", response_format={
+        "type": "json_schema", "json_schema": {"name": "s", "schema": {"type": "nonsense"}}}))),
+     "sch", "invalid_value", "body.response_format.json_schema.schema"),
+    ("tool_choice auto on a model without tool calls", _raw(json.dumps(chat_line(
+        "auto", "x", tools=[{"type": "function", "function": {"name": "f"}}]))), "auto",
+     "invalid_value", "body.tool_choice 'auto'"),
+    ("a completions line in a chat batch", _raw(json.dumps(completion_line("cmpl", "x"))),
+     "cmpl", "invalid_url", "does not match the batch's endpoint"),
 ]
 
 
@@ -368,7 +394,8 @@ def tiny_worker(ctx, settings, tiny_model_dir):
 
 def test_bad_lines_fail_alone(client, tiny_worker):
     good = [chat_line(f"good-{i}", f"Question {i}?", max_tokens=3) for i in range(6)]
-    good.append(completion_line("good-text", "Once upon", max_tokens=3))
+    good.append(chat_line("good-text", "Once upon", max_tokens=3, temperature=0,
+                          logit_bias={"65": 5}, user="u", metadata={"k": "v"}))
     body = b""
     for i, (_, line, *_rest) in enumerate(LINE_CASES):
         if i % 5 == 0 and good:
@@ -390,15 +417,24 @@ def test_bad_lines_fail_alone(client, tiny_worker):
               client.get(f"/v1/files/{done['output_file_id']}/content").text.splitlines()]
     assert sorted(x["custom_id"] for x in output) == sorted(
         [f"good-{i}" for i in range(6)] + ["good-text"])
+    for line in output:
+        check_line(line, "/v1/chat/completions")
     errors = [json.loads(x) for x in
               client.get(f"/v1/files/{done['error_file_id']}/content").text.splitlines()]
-    assert len(errors) == len(LINE_CASES)
-    for (name, _, custom_id, code, fragment), line in zip(LINE_CASES, errors, strict=True):
-        assert (line["custom_id"], line["error"]["code"]) == (custom_id, code), (name, line)
-        assert fragment in line["error"]["message"], (name, line)
+    # A line without a custom_id is not in the error file: the batch's errors name its line.
+    with_id = [case for case in LINE_CASES if case[2] is not None]
+    assert len(errors) == len(with_id)
+    for (name, _, custom_id, code, fragment), line in zip(with_id, errors, strict=True):
+        error = error_of(line)
+        assert (line["custom_id"], error["code"]) == (custom_id, code), (name, line)
+        assert fragment in error["message"], (name, line)
+    batch_errors = {e["line"]: e for e in done["errors"]["data"]}
+    for name, _, custom_id, code, fragment in LINE_CASES:
         at_upload = any(e["code"] == code for e in upload_errors.values())
+        if custom_id is None:
+            assert any(e["code"] == code and fragment in e["message"]
+                       for e in batch_errors.values()), name
         record(TABLE, entry="line", input=name, status="error line", code=code,
-               found_by="upload" if at_upload else "worker",
-               message=line["error"]["message"][:70])
-    # Found at upload already: everything but what needs the model.
-    assert file["error_count"] == len(LINE_CASES) - 4
+               found_by="upload" if at_upload else "worker", message=fragment[:70])
+    # Found at upload already: everything but what needs the model or the batch's endpoint.
+    assert file["error_count"] == len(LINE_CASES) - 7

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from fastapi.testclient import TestClient
+from openai.types import Batch
 
 from tests.api.test_files import upload
 from tests.conftest_services import chat_line, jsonl, make_key
+from tests.openai_shapes import strict
 
 BATCH_FIELDS = {
     "id", "object", "endpoint", "errors", "input_file_id", "completion_window", "status",
@@ -34,6 +36,7 @@ def test_create_batch_has_openai_shape(client, ctx):
     assert batch["usage"]["input_tokens_details"] == {"cached_tokens": 0}
     assert ctx.queue.batches == [batch["id"]]
     assert client.get(f"/v1/batches/{batch['id']}").json()["id"] == batch["id"]
+    strict(Batch, batch)
 
 
 def test_batch_request_errors(client):

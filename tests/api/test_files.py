@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 
+from openai.types import FileObject
+
 from tests.conftest_services import chat_line, jsonl
+from tests.openai_shapes import strict
 
 
 def upload(client, data: bytes, *, purpose: str = "batch", filename: str = "in.jsonl"):
@@ -24,6 +27,7 @@ def test_upload_counts_lines_and_records_line_errors(client, ctx):
     assert file["line_count"] == 5 and file["error_count"] == 3
     assert [e["line"] for e in file["line_errors"]] == [2, 3, 4]
     assert file["line_errors"][1]["code"] == "duplicate_custom_id"
+    strict(FileObject, file)
     # Stored as uploaded, byte for byte.
     content = client.get(f"/v1/files/{file['id']}/content")
     assert content.status_code == 200 and content.content == data
@@ -122,3 +126,9 @@ def test_multipart_parser_handles_any_chunking(tmp_path):
         assert parser.fields == {"purpose": "batch"} and parser.filename == "in.jsonl"
         assert (ingest.num_lines, ingest.num_errors) == (31, 1)
         assert get_bytes(storage, ingest.storage_key) == data
+
+
+def test_a_byte_order_mark_does_not_cost_line_one(client):
+    data = b"\xef\xbb\xbf" + jsonl([chat_line("a", "hi"), chat_line("b", "ok")])
+    file = upload(client, data).json()
+    assert file["line_count"] == 2 and file["error_count"] == 0, file

@@ -13,6 +13,7 @@ import pytest
 
 from cli import main as cli
 from cli.engine_options import parse_size
+from tests.openai_shapes import error_of
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -154,27 +155,35 @@ def test_run_end_to_end(tmp_path: Path, request: pytest.FixtureRequest,
     lines = [
         {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
          "body": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}},
-        {"custom_id": "b", "method": "POST", "url": "/v1/completions",
-         "body": {"prompt": "The quick", "max_tokens": 2, "temperature": 0}},
+        {"custom_id": "b", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "The quick"}], "max_tokens": 2,
+                  "temperature": 0}},
         {"custom_id": "c", "method": "POST", "url": "/v1/embeddings", "body": {}},
     ]
     source = tmp_path / "in.jsonl"
-    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    # Saved with a byte order mark: line 1 still counts.
+    source.write_bytes(b"\xef\xbb\xbf" + "".join(json.dumps(line) + "\n"
+                                                 for line in lines).encode())
     out, errors, metrics = tmp_path / "out.jsonl", tmp_path / "err.jsonl", tmp_path / "m.json"
     code = cli.main([
         "run", str(source), "-o", str(out), "--errors", str(errors), "--metrics-json",
         str(metrics), "--model", str(model_dir), "--dtype", "float32", "--device", "cpu",
         "--max-num-seqs", "2", "--kv-cache-memory", "8MiB", "--threads", "1", "--no-progress",
     ])
-    assert code == 0
+    assert code == cli.EXIT_LINES_FAILED == 3  # a line failed
     assert "2 ok, 1 failed" in capsys.readouterr().out
     assert sorted(json.loads(line)["custom_id"] for line in out.read_text().splitlines()) == [
         "a", "b"
     ]
-    assert json.loads(errors.read_text())["error"]["code"] == "invalid_url"
+    assert error_of(json.loads(errors.read_text()))["code"] == "invalid_url"
     data = json.loads(metrics.read_text())
     assert data["num_ok"] == 2 and data["engine_config"]["max_num_seqs"] == 2
     assert "engine_stats" in data and data["model"]
+    # Every line good: exit status 0.
+    source.write_text(json.dumps(lines[0]) + "\n")
+    assert cli.main(["run", str(source), "-o", str(out), "--model", str(model_dir), "--dtype",
+                     "float32", "--device", "cpu", "--kv-cache-memory", "8MiB", "--threads",
+                     "1", "--no-progress"]) == 0
 
 
 def test_every_engine_config_field_is_an_option() -> None:
@@ -201,3 +210,37 @@ def test_the_service_default_model_is_the_engines() -> None:
     from service.settings import Settings
 
     assert Settings.model_fields["model"].default == model_cache.DEFAULT_MODEL == cli.DEFAULT_MODEL
+
+
+def test_serve_to_a_file_shows_the_key_line_at_once(tmp_path: Path,
+                                                    request: pytest.FixtureRequest) -> None:
+    """``boxcar serve > log``: stdout is a file (block-buffered by default); the key line must
+    be in the log while the server runs, not when it exits."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    model_dir = request.getfixturevalue("tiny_model_dir")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tmp_path / "log"
+    env = {**os.environ, "BOXCAR_DATABASE_URL": f"sqlite:///{tmp_path / 'b.db'}",
+           "BOXCAR_STORAGE_URL": str(tmp_path / "objects"), "PYTHONPATH": os.getcwd()}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "import sys; from cli.main import main; sys.exit(main())",
+             "serve", "--port", str(port), "--model", str(model_dir), "--dtype", "float32",
+             "--device", "cpu", "--kv-cache-memory", "8MiB", "--threads", "1"],
+            stdout=out, stderr=subprocess.DEVNULL, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "API key: " not in log.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, "boxcar serve exited"
+            time.sleep(0.2)
+        assert "API key: " in log.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(30)

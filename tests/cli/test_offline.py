@@ -128,30 +128,47 @@ def read_lines(path: Path) -> list[dict]:
 
 MIXED = [
     chat_line("chat-1", max_tokens=3),
-    completion_line("cmpl-1", max_tokens=2),
+    completion_line("cmpl-1", max_tokens=2),  # not the file's endpoint (its first line's)
     "{not json",
     json.dumps({"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {}}),
     chat_line("chat-1"),  # duplicate
     chat_line("too-long", "y" * 80),
     chat_line("bad-temp", temperature=5),
     json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),
-    completion_line("bad-ids", [1, 300]),
-    chat_line("tool", max_tokens=2).replace('"role": "user"', '"role": "tool"'),
+    chat_line("tool", max_tokens=2).replace('"role": "user"',
+                                            '"role": "tool", "tool_call_id": "c"'),
     "",
-    completion_line("ids", [72, 105], max_tokens=3, logprobs=1),
     chat_line("chat-n", n=2, max_tokens=2, logprobs=True, top_logprobs=2),
     chat_line("other-model", model="gpt-4o", max_tokens=1),
 ]
 EXPECTED_ERRORS = {
-    None: {"invalid_json", "missing_custom_id"},
+    "cmpl-1": {"invalid_url"},
     "bad-url": {"invalid_url"},
     "chat-1": {"duplicate_custom_id"},
     "too-long": {"context_length_exceeded"},
     "bad-temp": {"invalid_value"},
-    "bad-ids": {"invalid_value"},
     "tool": {"invalid_request"},
 }
-EXPECTED_OK = {"chat-1", "cmpl-1", "ids", "chat-n", "other-model"}
+# Lines without a custom_id: in the summary by line number, not in the error file.
+EXPECTED_LINE_ERRORS = [(3, "invalid_json"), (8, "missing_custom_id")]
+EXPECTED_OK = {"chat-1", "chat-n", "other-model"}
+COMPLETIONS = [
+    completion_line("cmpl-1", max_tokens=2),
+    completion_line("bad-ids", [1, 300]),
+    completion_line("ids", [72, 105], max_tokens=3, logprobs=1),
+    chat_line("chat-1", max_tokens=1),
+]
+
+
+def check_failed_line(line: dict) -> str:
+    """OpenAI's shape of a refused request; returns its code."""
+    assert line["error"] is None
+    response = line["response"]
+    assert response["status_code"] == 400 and response["request_id"].startswith("req_")
+    error = response["body"]["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] == "invalid_request_error" and error["message"]
+    return error["code"]
 
 
 def test_run_batch_file_mixed(tmp_path: Path) -> None:
@@ -160,29 +177,21 @@ def test_run_batch_file_mixed(tmp_path: Path) -> None:
     summary = run_batch_file(engine, write_input(tmp_path, MIXED), output, progress=False)
 
     lines = read_lines(output)
-    ok = [line for line in lines if line["error"] is None]
-    errors = [line for line in lines if line["error"] is not None]
+    ok = [line for line in lines if line["response"]["status_code"] == 200]
+    errors = [line for line in lines if line["response"]["status_code"] != 200]
     assert sorted(line["custom_id"] for line in ok) == sorted(EXPECTED_OK)
     found: dict[str | None, set[str]] = {}
     for line in errors:
-        assert line["response"] is None
-        assert line["error"]["message"].startswith("line ")
-        found.setdefault(line["custom_id"], set()).add(line["error"]["code"])
+        found.setdefault(line["custom_id"], set()).add(check_failed_line(line))
     assert found == EXPECTED_ERRORS
-    assert len(lines) == len(MIXED) - 1  # the blank line is skipped
+    assert [(e["line"], e["code"]) for e in summary.line_errors] == EXPECTED_LINE_ERRORS
+    assert len(lines) == len(MIXED) - 1 - len(EXPECTED_LINE_ERRORS)  # the blank line is skipped
 
     by_id = {line["custom_id"]: line["response"] for line in ok}
-    for custom_id, response in by_id.items():
+    for response in by_id.values():
         assert response["status_code"] == 200 and response["request_id"]
-        body = response["body"]
-        assert body["model"] == "fake-model"
-        if custom_id in ("cmpl-1", "ids"):
-            Completion.model_validate(body)
-        else:
-            ChatCompletion.model_validate(body)
-    assert by_id["cmpl-1"]["body"]["choices"][0]["text"] == "xx"
-    assert by_id["ids"]["body"]["usage"]["prompt_tokens"] == 2
-    assert by_id["ids"]["body"]["choices"][0]["logprobs"]["tokens"] == ["x", "x", "x"]
+        assert response["body"]["model"] == "fake-model"
+        ChatCompletion.model_validate(response["body"])
     chat_n = ChatCompletion.model_validate(by_id["chat-n"]["body"])
     assert [c.index for c in chat_n.choices] == [0, 1]
     assert chat_n.usage.completion_tokens == 4
@@ -190,11 +199,27 @@ def test_run_batch_file_mixed(tmp_path: Path) -> None:
 
     assert summary.num_lines == len(MIXED) - 1
     assert summary.num_ok == len(EXPECTED_OK) and summary.num_failed == 8
-    assert summary.errors_by_code["invalid_value"] == 2
-    assert summary.num_generated_tokens == 3 + 2 + 3 + 4 + 1
+    assert summary.errors_by_code["invalid_value"] == 1
+    assert summary.num_generated_tokens == 3 + 4 + 1
     assert summary.num_preemptions == 1 and summary.prefix_cache_hit_rate == 0.25
     assert summary.ttft_s["p50"] is not None
-    assert "5 ok, 8 failed" in summary.format()
+    assert "3 ok, 8 failed" in summary.format()
+
+
+def test_run_batch_file_completions(tmp_path: Path) -> None:
+    output = tmp_path / "out.jsonl"
+    summary = run_batch_file(FakeEngine(), write_input(tmp_path, COMPLETIONS), output,
+                             progress=False)
+    by_id = {line["custom_id"]: line for line in read_lines(output)}
+    assert check_failed_line(by_id["bad-ids"]) == "invalid_value"
+    assert check_failed_line(by_id["chat-1"]) == "invalid_url"
+    for custom_id in ("cmpl-1", "ids"):
+        Completion.model_validate(by_id[custom_id]["response"]["body"])
+    assert by_id["cmpl-1"]["response"]["body"]["choices"][0]["text"] == "xx"
+    ids = by_id["ids"]["response"]["body"]
+    assert ids["usage"]["prompt_tokens"] == 2
+    assert ids["choices"][0]["logprobs"]["tokens"] == ["x", "x", "x"]
+    assert summary.num_ok == 2 and summary.num_failed == 2
 
 
 def test_errors_go_to_separate_file(tmp_path: Path) -> None:
@@ -205,7 +230,8 @@ def test_errors_go_to_separate_file(tmp_path: Path) -> None:
     assert {line["custom_id"] for line in read_lines(output)} == EXPECTED_OK
     assert all(line["error"] is None for line in read_lines(output))
     error_lines = read_lines(errors)
-    assert len(error_lines) == 8 and all(line["response"] is None for line in error_lines)
+    assert len(error_lines) == 6 and all(line["response"]["status_code"] == 400
+                                         for line in error_lines)
 
 
 def test_window_is_bounded_and_every_id_once(tmp_path: Path) -> None:
@@ -275,7 +301,8 @@ def test_metrics_json_and_helpers(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
     write_metrics_json(metrics, summary, model="fake-model")
     data = json.loads(metrics.read_text())
-    assert data["num_ok"] == 5 and data["model"] == "fake-model"
+    assert data["num_ok"] == 3 and data["model"] == "fake-model"
+    assert [e["line"] for e in data["line_errors"]] == [3, 8]
     assert data["engine_stats"]["num_kv_blocks"] == 8
     assert {"generated_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate"} <= set(data)
     assert sample_percentiles([]) == {"p50": None, "p95": None, "p99": None}
@@ -314,13 +341,11 @@ def test_real_engine_end_to_end(tmp_path: Path, real_engine) -> None:  # noqa: A
         for i in range(8)
     ]
     lines += [
-        completion_line("cmpl", "Once upon a time", max_tokens=5, temperature=0, logprobs=2),
-        completion_line("cmpl-ids", [1, 2, 3], max_tokens=3, seed=1),
-        completion_line("seeded-n", "Hello", max_tokens=3, n=2, seed=3),
         "{bad json",
         chat_line("chat-0"),
-        completion_line("huge", "word " * 400, max_tokens=4),
-        completion_line("bad-ids", [1, 10**9], max_tokens=2),
+        chat_line("huge", "word " * 400, max_tokens=4),
+        chat_line("too-much", "Hi", max_tokens=1000),
+        completion_line("other-url", "Once", max_tokens=2),
     ]
     output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     summary = run_batch_file(
@@ -328,26 +353,37 @@ def test_real_engine_end_to_end(tmp_path: Path, real_engine) -> None:  # noqa: A
         max_in_flight=6, progress=False,
     )
     ok = read_lines(output)
-    assert sorted(line["custom_id"] for line in ok) == sorted(
-        [f"chat-{i}" for i in range(8)] + ["cmpl", "cmpl-ids", "seeded-n"]
-    )
+    assert sorted(line["custom_id"] for line in ok) == sorted(f"chat-{i}" for i in range(8))
     for line in ok:
-        body = line["response"]["body"]
-        if line["custom_id"].startswith("chat"):
-            parsed = ChatCompletion.model_validate(body)
-        else:
-            parsed = Completion.model_validate(body)
+        parsed = ChatCompletion.model_validate(line["response"]["body"])
         assert parsed.usage.completion_tokens >= 1
-    by_id = {line["custom_id"]: line["response"]["body"] for line in ok}
-    assert len(by_id["seeded-n"]["choices"]) == 2
-    logprobs = by_id["cmpl"]["choices"][0]["logprobs"]
-    assert len(logprobs["tokens"]) == by_id["cmpl"]["usage"]["completion_tokens"]
-    codes = {line["custom_id"]: line["error"]["code"] for line in read_lines(errors)}
+    codes = {line["custom_id"]: check_failed_line(line) for line in read_lines(errors)}
     assert codes == {
-        None: "invalid_json", "chat-0": "duplicate_custom_id",
-        "huge": "context_length_exceeded", "bad-ids": "invalid_value",
+        "chat-0": "duplicate_custom_id", "huge": "context_length_exceeded",
+        "too-much": "context_length_exceeded", "other-url": "invalid_url",
     }
-    assert summary.num_ok == 11 and summary.num_failed == 4
+    assert [e["code"] for e in summary.line_errors] == ["invalid_json"]
+    assert summary.num_ok == 8 and summary.num_failed == 5
     assert summary.max_in_flight_seen <= 6
     # The shared system prompt is a prefix-cache hit for the later chats.
     assert summary.num_cached_tokens > 0
+
+
+def test_real_engine_completions(tmp_path: Path, real_engine) -> None:  # noqa: ANN001
+    lines = [
+        completion_line("cmpl", "Once upon a time", max_tokens=5, temperature=0, logprobs=2),
+        completion_line("cmpl-ids", [1, 2, 3], max_tokens=3, seed=1),
+        completion_line("seeded-n", "Hello", max_tokens=3, n=2, seed=3),
+        completion_line("bad-ids", [1, 10**9], max_tokens=2),
+    ]
+    output = tmp_path / "out.jsonl"
+    summary = run_batch_file(real_engine, write_input(tmp_path, lines), output, progress=False)
+    by_id = {line["custom_id"]: line for line in read_lines(output)}
+    for custom_id in ("cmpl", "cmpl-ids", "seeded-n"):
+        Completion.model_validate(by_id[custom_id]["response"]["body"])
+    assert len(by_id["seeded-n"]["response"]["body"]["choices"]) == 2
+    cmpl = by_id["cmpl"]["response"]["body"]
+    assert len(cmpl["choices"][0]["logprobs"]["tokens"]) == cmpl["usage"]["completion_tokens"]
+    assert check_failed_line(by_id["bad-ids"]) == "invalid_value"
+    assert "vocabulary" in by_id["bad-ids"]["response"]["body"]["error"]["message"]
+    assert summary.num_ok == 3 and summary.num_failed == 1

@@ -97,7 +97,7 @@ def test_valid_completion_line_bytes_and_token_ids() -> None:
     assert isinstance(wrapped, BatchLine) and wrapped.body.single_prompt == [4, 5]
 
 
-def test_text_parts_developer_role_and_unknown_fields() -> None:
+def test_text_parts_developer_role_and_output_neutral_fields() -> None:
     line = parse(chat(
         messages=[
             {"role": "developer", "content": [{"type": "text", "text": "Be "},
@@ -106,8 +106,7 @@ def test_text_parts_developer_role_and_unknown_fields() -> None:
             {"role": "assistant", "content": None},
             {"role": "tool", "content": "42", "tool_call_id": "call_1"},
         ],
-        some_future_field={"x": 1},
-        vendor_extension=True,
+        user="u-1", metadata={"k": "v"}, store=False, service_tier="auto",
     ))
     assert isinstance(line, BatchLine)
     assert line.body.template_messages() == [
@@ -231,7 +230,27 @@ def test_chat_body_missing_messages() -> None:
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "only text parts"),
         ({"stream": True}, "body.stream"),
-        ({"response_format": {"type": "json_object"}}, "body.response_format"),
+        ({"response_format": {"type": "xml"}}, "body.response_format.type"),
+        ({"response_format": {"type": "json_schema"}}, "body.response_format.json_schema is"),
+        ({"some_future_field": 1}, "body.some_future_field is not a supported parameter"),
+        ({"functions": []}, "body.functions is not supported (use tools)"),
+        ({"reasoning_effort": "low"}, "body.reasoning_effort is not supported"),
+        ({"prediction": {"type": "content"}}, "body.prediction is not supported"),
+        ({"logit_bias": {"abc": 1}}, "body.logit_bias keys must be token ids"),
+        ({"logit_bias": {"5": 101}},
+         "body.logit_bias values must be between -100 and 100, got 101 for token 5"),
+        ({"tool_choice": "required"}, "body.tool_choice requires body.tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "names 'g', which is not in body.tools"),
+        ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "function name"),
+        ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "body.response_format must be 'text'"),
+        ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "body.min_tokens"),
+        ({"messages": [{"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1"}}]}]},
+         "arguments must be a JSON object as text"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "tool_call_id is required"),
     ],
 )
 def test_chat_body_invalid_values(body: dict, fragment: str) -> None:
@@ -305,7 +324,7 @@ def test_sampling_mapping_chat() -> None:
         "n": 2, "temperature": 0, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 7,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1,
         "stop": ["END"], "stop_token_ids": [5], "max_tokens": 12, "min_tokens": 2,
-        "ignore_eos": True, "logprobs": 3,
+        "ignore_eos": True, "logprobs": 3, "logit_bias": None, "structured_output": None,
     }
     params = SamplingParams(**kwargs)
     assert params.greedy and params.stop == ["END"]
@@ -386,13 +405,104 @@ def test_output_line_shape() -> None:
     json.dumps(line)
 
 
-def test_error_line_shape() -> None:
-    line = error_line("req-9", "invalid_value", "line 3: body.n must be between 1 and 128")
+def test_error_line_shapes() -> None:
+    # A request that never ran (cancelled, expired): error, no response.
+    line = error_line("req-9", "batch_expired", "expired")
     assert set(line) == {"id", "custom_id", "response", "error"}
     assert line["id"].startswith("batch_req_") and line["custom_id"] == "req-9"
     assert line["response"] is None
-    assert line["error"] == {"code": "invalid_value",
-                             "message": "line 3: body.n must be between 1 and 128"}
-    error = parse("{oops")
-    assert error.to_line()["custom_id"] is None
-    assert error.to_line()["error"]["code"] == "invalid_json"
+    assert line["error"] == {"code": "batch_expired", "message": "expired"}
+    # A refused request: OpenAI's HTTP error inside the response, error null.
+    error = parse(chat(n=0))
+    assert isinstance(error, LineError)
+    refused = error.to_line(request_id="req_1")
+    assert refused is not None and refused["error"] is None
+    assert refused["custom_id"] == "req-1"
+    assert refused["response"]["status_code"] == 400
+    assert refused["response"]["request_id"] == "req_1"
+    assert refused["response"]["body"]["error"] == {
+        "message": error.message, "type": "invalid_request_error", "param": None,
+        "code": "invalid_value"}
+    # A line without a custom_id has no error-file line (the batch's errors name it).
+    assert parse("{oops").to_line(request_id="req_2") is None
+
+
+# --- structured outputs, tools, logit_bias -------------------------------------------------------
+
+ADD_TOOL = {"type": "function", "function": {
+    "name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}},
+                                  "required": ["a"]}, "strict": True}}
+NOOP_TOOL = {"type": "function", "function": {"name": "noop"}}
+
+
+def test_response_format_maps_to_structured_output() -> None:
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    for strict_mode, expected in ((True, True), (False, False), (None, False)):
+        spec: dict = {"name": "x", "schema": schema}
+        if strict_mode is not None:
+            spec["strict"] = strict_mode
+        body = parse(chat(response_format={"type": "json_schema", "json_schema": spec})).body
+        assert to_sampling_kwargs(body)["structured_output"] == {"json_schema": schema,
+                                                                 "strict": expected}
+    body = parse(completion(response_format={"type": "json_object"})).body
+    assert to_sampling_kwargs(body)["structured_output"] == {"json_object": True}
+    assert to_sampling_kwargs(parse(chat(response_format={"type": "text"})).body)[
+        "structured_output"] is None
+    kwargs = to_sampling_kwargs(parse(completion(logit_bias={"7": -100, "9": 2.5})).body)
+    assert kwargs["logit_bias"] == {7: -100.0, 9: 2.5}
+
+
+def test_forced_tool_calls_map_to_schemas() -> None:
+    named = parse(chat(tools=[ADD_TOOL, NOOP_TOOL],
+                       tool_choice={"type": "function", "function": {"name": "add"}})).body
+    assert to_sampling_kwargs(named)["structured_output"] == {
+        "json_schema": ADD_TOOL["function"]["parameters"], "strict": True}
+    required = parse(chat(tools=[ADD_TOOL, NOOP_TOOL], tool_choice="required")).body
+    structured = to_sampling_kwargs(required)["structured_output"]
+    branches = structured["json_schema"]["anyOf"]
+    assert [b["properties"]["name"] for b in branches] == [{"const": "add"}, {"const": "noop"}]
+    assert branches[1]["properties"]["arguments"]["additionalProperties"] is False
+    assert structured["strict"] is False  # noop is not strict
+    assert required.tool_mode == "required" and named.tool_mode == "named"
+    assert parse(chat(tools=[ADD_TOOL])).body.tool_mode == "auto"
+    none = parse(chat(tools=[ADD_TOOL], tool_choice="none")).body
+    assert none.tool_mode is None and none.template_tools() is None
+    assert to_sampling_kwargs(none)["structured_output"] is None
+
+
+def test_tool_calls_in_the_history_reach_the_template() -> None:
+    body = parse(chat(messages=[
+        {"role": "user", "content": "1+1"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "add", "arguments": '{"a": 1}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "2"},
+    ], tools=[ADD_TOOL])).body
+    assert body.template_messages()[1]["tool_calls"] == [
+        {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1}}}]
+    assert body.template_tools() == [ADD_TOOL]
+
+
+def test_chat_body_with_tool_calls_is_an_openai_chat_completion() -> None:
+    from openai_format.tools import ToolCallMode, tool_calls_from_text
+
+    content, calls = tool_calls_from_text(ToolCallMode("forced_any"),
+                                          '{"name": "add", "arguments": {"a": 3}}')
+    assert content is None and calls[0]["function"] == {"name": "add", "arguments": '{"a": 3}'}
+    assert tool_calls_from_text(ToolCallMode("forced_name", "add"), '{"a": 4}')[1][0][
+        "function"] == {"name": "add", "arguments": '{"a": 4}'}
+    # A cut-off call stays text.
+    assert tool_calls_from_text(ToolCallMode("forced_name", "add"), '{"a": ') == ('{"a": ', [])
+    body = chat_completion_body([ChoiceResult(0, "", 5, "stop", tool_calls=calls)], model="m",
+                                prompt_tokens=2)
+    parsed = ChatCompletion.model_validate(body, strict=True)
+    assert parsed.choices[0].finish_reason == "tool_calls"
+    assert parsed.choices[0].message.content is None
+    assert parsed.choices[0].message.tool_calls[0].function.name == "add"
+
+
+def test_a_byte_order_mark_on_line_one_is_skipped() -> None:
+    raw = b"\xef\xbb\xbf" + json.dumps(chat()).encode()
+    assert isinstance(parse_line(raw, line_no=1), BatchLine)
+    assert isinstance(parse_line(raw.decode(), line_no=1), BatchLine)
+    expect_error(raw, "invalid_json", "not valid JSON")  # line 7: not the file's start

@@ -22,6 +22,7 @@ from sqlalchemy import create_engine, text
 
 from tests.conftest_services import chat_line, jsonl, wait_for
 from tests.figures import record
+from tests.openai_shapes import error_of
 from tests.system.stack import MULTIPART_HEADERS, multipart_upload
 
 TABLE = "Faults: every custom_id exactly once (tiny model, real PostgreSQL/Redis/SeaweedFS)"
@@ -138,8 +139,9 @@ def outcome(client: httpx.Client, batch_id: str, expected: list[str]) -> dict:
             for raw in response.text.splitlines():
                 line = json.loads(raw)
                 seen.append(line["custom_id"])
-                if line["error"]:
-                    codes[line["error"]["code"]] = codes.get(line["error"]["code"], 0) + 1
+                if line["error"] or line["response"]["status_code"] != 200:
+                    code = error_of(line)["code"]
+                    codes[code] = codes.get(code, 0) + 1
     counts = batch["request_counts"]
     assert counts["total"] == len(expected)
     assert counts["completed"] + counts["failed"] == len(seen)

@@ -14,12 +14,14 @@ ROOT = Path(__file__).resolve().parents[2]
 ALLOWED = {
     "engine": set(),
     "openai_format": set(),
+    "pipeline": {"engine", "openai_format"},
     "service": {"openai_format"},
     "metrics": {"service"},
     "api": {"service", "openai_format", "metrics"},
-    "worker": {"engine", "service", "openai_format", "metrics"},
-    "cli": {"engine", "service", "openai_format", "metrics", "api", "worker"},
-    "bench": {"engine", "service", "openai_format", "metrics", "api", "worker", "cli"},
+    "worker": {"engine", "pipeline", "service", "openai_format", "metrics"},
+    "cli": {"engine", "pipeline", "service", "openai_format", "metrics", "api", "worker"},
+    "bench": {"engine", "pipeline", "service", "openai_format", "metrics", "api", "worker",
+              "cli"},
 }
 
 

@@ -17,6 +17,7 @@ from cli.embedded import EmbeddedServer
 from service.settings import Settings
 from tests.conftest import make_checkpoint
 from tests.conftest_services import completion_line, free_port, jsonl, wait_for
+from tests.openai_shapes import error_of
 from tests.system.conftest import ENGINE_OPTIONS
 from worker.process import WorkerService
 
@@ -115,7 +116,7 @@ def test_two_models_in_one_deployment(deployment, two_models):
         if done.error_file_id:
             errors = [json.loads(x) for x in
                       client.files.content(done.error_file_id).text.splitlines()]
-            assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
+            assert [(e["custom_id"], error_of(e)["code"]) for e in errors] == [
                 ("m-1", "model_mismatch")]
     job_done = wait_for(
         lambda: (r := client.get(f"/jobs/{job['id']}", cast_to=object))["status"] == "completed"

@@ -11,7 +11,8 @@ import time
 import openai
 import pytest
 
-from tests.conftest_services import chat_line, completion_line, jsonl, wait_for
+from tests.conftest_services import chat_line, jsonl, wait_for
+from tests.openai_shapes import check_line, error_of
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 
@@ -25,7 +26,7 @@ def run_openai_flow(base_url: str, api_key: str) -> None:
     client = openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0)
     good = [chat_line(f"chat-{i}", f"Shared instructions: be brief. Question {i}?",
                       max_tokens=6, temperature=0) for i in range(10)]
-    good += [completion_line(f"text-{i}", f"Once upon a time {i}", max_tokens=5)
+    good += [chat_line(f"text-{i}", f"Once upon a time {i}", max_tokens=5, ignore_eos=True)
              for i in range(3)]
     bad = ['{"custom_id": "no-json",', chat_line("chat-0", "duplicate"),
            chat_line("hot", "x", temperature=9)]
@@ -49,10 +50,13 @@ def run_openai_flow(base_url: str, api_key: str) -> None:
     by_id = {line["custom_id"]: line for line in output}
     chat = by_id["chat-3"]["response"]["body"]
     assert chat["object"] == "chat.completion" and chat["usage"]["completion_tokens"] == 6
-    assert by_id["text-1"]["response"]["body"]["object"] == "text_completion"
+    for line in output:
+        check_line(line, "/v1/chat/completions")
     errors = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
-    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [
-        (None, "invalid_json"), ("chat-0", "duplicate_custom_id"), ("hot", "invalid_value")]
+    assert [(e["custom_id"], error_of(e)["code"]) for e in errors] == [
+        ("chat-0", "duplicate_custom_id"), ("hot", "invalid_value")]
+    # The line without a custom_id is named by its line number in the batch's errors.
+    assert [(e.line, e.code) for e in done.errors.data][:1] == [(5, "invalid_json")]
 
     listed = [b.id for b in client.batches.list(limit=10)]
     assert batch.id in listed

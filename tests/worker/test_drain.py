@@ -7,8 +7,10 @@ import json
 import time
 
 from fastapi.testclient import TestClient
+from openai.types import Batch
 
 from tests.conftest_services import chat_line, make_key, wait_for
+from tests.openai_shapes import check_line, error_of, strict
 from tests.worker.fake_engine import FakeEngine
 
 
@@ -29,10 +31,16 @@ def test_batch_completes_with_every_line_once(make_stack, any_db_url):
     output = stack.lines_of(done["output_file_id"])
     errors = stack.lines_of(done["error_file_id"])
     assert sorted(custom_ids(output)) == sorted(f"req-{i}" for i in range(10))
-    assert custom_ids(errors) == [None, "req-3", "long"]  # input order
-    assert [e["error"]["code"] for e in errors] == [
-        "invalid_json", "duplicate_custom_id", "context_length_exceeded"]
+    # Input order; the line without a custom_id is in the batch's errors, by line number.
+    assert custom_ids(errors) == ["req-3", "long"]
+    assert [error_of(e)["code"] for e in errors] == [
+        "duplicate_custom_id", "context_length_exceeded"]
+    assert [(e["line"], e["code"]) for e in done["errors"]["data"]] == [
+        (6, "invalid_json"), (7, "duplicate_custom_id")]
     assert done["request_counts"] == {"total": 13, "completed": 10, "failed": 3}
+    for line in output + errors:
+        check_line(line, "/v1/chat/completions")
+    strict(Batch, done)
     first = output[0]
     assert first["response"]["status_code"] == 200 and first["error"] is None
     body = first["response"]["body"]

@@ -11,6 +11,7 @@ from sqlalchemy import select
 
 from service.models import LINE_PENDING, RequestLine, Shard
 from tests.conftest_services import chat_line
+from tests.openai_shapes import error_of
 from tests.worker.fake_engine import FakeEngine
 from worker.drain import EngineFailed
 from worker.lease_keeper import LeaseKeeper
@@ -109,7 +110,7 @@ def test_a_line_whose_template_raises_fails_alone(make_stack, sqlite_url):
     assert done["request_counts"] == {"total": 10, "completed": 9, "failed": 1}
     (error,) = stack.lines_of(done["error_file_id"])
     assert error["custom_id"] == "a3"
-    message = error["error"]["message"]
+    message = error_of(error)["message"]
     assert "TemplateError" in message and "roles must alternate" in message
     assert len(stack.lines_of(done["output_file_id"])) == 9
 

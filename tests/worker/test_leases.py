@@ -9,6 +9,7 @@ from sqlalchemy import select, update
 
 from service.models import LINE_COMPLETED, RequestLine, Shard
 from tests.conftest_services import chat_line, wait_for
+from tests.openai_shapes import error_of
 from tests.worker.fake_engine import FakeEngine
 from worker.items import LineResult, LineWork
 from worker.prepare import prepare_batch
@@ -82,4 +83,4 @@ def test_a_shard_that_keeps_killing_workers_fails_its_lines(make_stack, sqlite_u
     done = stack.wait_status(batch["id"], "completed")
     errors = stack.lines_of(done["error_file_id"])
     assert sorted(ids_of(errors)) == ["p0", "p1", "p2"]
-    assert {e["error"]["code"] for e in errors} == {"server_error"}
+    assert {error_of(e)["code"] for e in errors} == {"server_error"}

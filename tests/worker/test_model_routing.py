@@ -11,6 +11,7 @@ from sqlalchemy import select, update
 from service.db import utcnow
 from service.models import RequestLine, Shard
 from tests.conftest_services import chat_line, completion_line, wait_for
+from tests.openai_shapes import error_of
 from tests.worker.fake_engine import FakeEngine
 from worker import claims
 from worker.prepare import prepare_batch
@@ -67,7 +68,7 @@ def test_work_for_a_model_without_a_live_worker_waits_for_one(make_stack, any_db
     engine_a = FakeEngine()
     stack.add_worker(engine_a, model="model-a")
     batch = stack.create_batch([completion_line(f"b-{i}", f"beta {i}", model="model-b")
-                                for i in range(6)])
+                                for i in range(6)], endpoint="/v1/completions")
     stack.wait_status(batch["id"], "in_progress")
     time.sleep(1.0)  # many lease rounds of the model-a worker
     assert stack.batch(batch["id"])["request_counts"]["completed"] == 0
@@ -86,8 +87,9 @@ def test_a_line_naming_another_model_fails_alone(make_stack, any_db_url):
     done = stack.wait_status(stack.create_batch(lines)["id"], "completed")
     assert done["model"] == "model-b"
     errors = stack.lines_of(done["error_file_id"])
-    assert [(e["custom_id"], e["error"]["code"]) for e in errors] == [("a-3", "model_mismatch")]
-    assert "'model-a'" in errors[0]["error"]["message"]
+    assert [(e["custom_id"], error_of(e)["code"]) for e in errors] == [
+        ("a-3", "model_mismatch")]
+    assert "'model-a'" in error_of(errors[0])["message"]
     output = stack.lines_of(done["output_file_id"])
     assert sorted(line["custom_id"] for line in output) == ["a-1", "a-2", "a-4"]
     assert {line["response"]["body"]["model"] for line in output} == {"model-b"}

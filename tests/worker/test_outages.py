@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from tests.conftest_services import chat_line, wait_for
+from tests.openai_shapes import error_of
 from tests.worker.fake_engine import FakeEngine
 
 
@@ -108,7 +109,7 @@ def test_max_tokens_beyond_the_context_fails_only_its_line(make_stack, sqlite_ur
              chat_line("sum", "x" * 40, max_tokens=40),  # fits alone, not with the prompt
              chat_line("fits", "x" * 40, max_tokens=4)]
     done = stack.wait_status(stack.create_batch(lines)["id"], "completed")
-    errors = {e["custom_id"]: e["error"] for e in stack.lines_of(done["error_file_id"])}
+    errors = {e["custom_id"]: error_of(e) for e in stack.lines_of(done["error_file_id"])}
     assert set(errors) == {"huge", "sum"}
     assert all(e["code"] == "context_length_exceeded" for e in errors.values())
     assert "maximum context length is 64 tokens" in errors["huge"]["message"]

@@ -1,0 +1,260 @@
+"""The one request pipeline between a request line and the engine, used by the worker's drain
+and by ``boxcar run`` alike: ``prepare`` turns (endpoint, body) into an ``EngineInput`` or a
+``PrepareError``, ``add_to_engine`` hands it to the engine, ``response_body`` turns the finished
+``RequestOutput`` into an OpenAI response body.
+
+``prepare`` never raises on a line's content: a template that rejects the conversation (jinja's
+``raise_exception``), a prompt longer than the context, a token id outside the vocabulary, a
+schema the grammar compiler refuses, each becomes that line's error, with the same code and
+message on both paths.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.sampling_params import SamplingParams, StructuredOutputParams
+from engine.structured_output import StructuredOutputError
+from openai_format.parse import (
+    CONTEXT_LENGTH_EXCEEDED,
+    INVALID_REQUEST,
+    SERVER_ERROR,
+    describe_validation_error,
+)
+from openai_format.responses import (
+    ChoiceResult,
+    TokenLogprobResult,
+    chat_completion_body,
+    text_completion_body,
+)
+from openai_format.sampling import to_sampling_kwargs
+from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
+from openai_format.types import (
+    CHAT_URL,
+    INVALID_VALUE,
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineInput:
+    """What the engine gets for one line, and how its output is read back."""
+
+    prompt: list[int]
+    params: SamplingParams
+    # The body field a grammar came from, to name it when the engine cannot compile it.
+    format_field: str | None = None
+    tool_mode: ToolCallMode | None = None
+
+
+@dataclass(frozen=True)
+class PrepareError:
+    """Why a line cannot run: a line error code, a message naming the field, the field."""
+
+    code: str
+    message: str
+    param: str | None = None
+
+
+Body = ChatCompletionRequest | CompletionRequest
+
+
+def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareError:
+    """The typed body (a stored body is validated again into its type)."""
+    if isinstance(body, ChatCompletionRequest | CompletionRequest):
+        return body
+    model = ChatCompletionRequest if endpoint == CHAT_URL else CompletionRequest
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        code, message = describe_validation_error(exc)
+        return PrepareError(code, message)
+
+
+def prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+    """The engine input for one line, or its error. Never raises: whatever goes wrong while
+    one line is prepared fails that line (``server_error`` for what no check foresaw)."""
+    try:
+        return _prepare(engine, endpoint, body)
+    except Exception as exc:  # noqa: BLE001 - one line's failure must not escape its line
+        log.exception("preparing a request failed")
+        return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
+
+
+def _prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+    request = parse_body(endpoint, body)
+    if isinstance(request, PrepareError):
+        return request
+    tool_mode: ToolCallMode | None = None
+    format_field = None
+    if request.response_format is not None and request.response_format.type == "json_schema":
+        format_field = "body.response_format.json_schema.schema"
+    if isinstance(request, ChatCompletionRequest):
+        mode = request.tool_mode
+        if mode == "auto":
+            syntax = template_supports_tools(getattr(engine.tokenizer, "chat_template", None))
+            if syntax is None:
+                return PrepareError(
+                    INVALID_VALUE,
+                    "body.tool_choice 'auto' (the default when tools are given) needs a model "
+                    "whose chat template writes tool calls, and this model's does not: set "
+                    "tool_choice to 'required', {type: 'function', function: {name}} or 'none'",
+                    "tool_choice")
+            tool_mode = ToolCallMode(syntax)
+        elif mode is not None:
+            tool_mode = ToolCallMode("forced_name" if mode == "named" else "forced_any",
+                                     request.forced_tools[0].function.name)
+            format_field = "body.tools[].function.parameters"
+    prompt = _prompt(engine, request)
+    if isinstance(prompt, PrepareError):
+        return prompt
+    kwargs = to_sampling_kwargs(request)
+    too_long = _context_overflow(engine, prompt, kwargs["max_tokens"])
+    if too_long is not None:
+        return PrepareError(CONTEXT_LENGTH_EXCEEDED, too_long)
+    vocab = _vocab_size(engine)
+    if vocab is not None:
+        if max(prompt) >= vocab:
+            return PrepareError(INVALID_VALUE, f"body.prompt: token id {max(prompt)} is outside "
+                                f"the model's vocabulary (ids 0 to {vocab - 1})", "prompt")
+        outside = sorted(t for t in kwargs["logit_bias"] or {} if t >= vocab)
+        if outside:
+            return PrepareError(INVALID_VALUE, f"body.logit_bias: token id {outside[0]} is "
+                                f"outside the model's vocabulary (ids 0 to {vocab - 1})",
+                                "logit_bias")
+    try:
+        structured = kwargs.pop("structured_output")
+        params = SamplingParams(
+            **kwargs,
+            structured_output=None if structured is None else StructuredOutputParams(**structured),
+        )
+    except ValueError as exc:
+        return PrepareError(INVALID_VALUE, f"body: {exc}")
+    return EngineInput(prompt, params, format_field, tool_mode)
+
+
+def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
+                  **kwargs: Any) -> PrepareError | None:
+    """``engine.add_request``; a request the engine refuses (a schema its grammar compiler
+    cannot take) becomes the line's error."""
+    try:
+        engine.add_request(request_id, engine_input.prompt, engine_input.params, **kwargs)
+    except StructuredOutputError as exc:
+        return PrepareError(INVALID_VALUE, f"{engine_input.format_field or 'body'}: {exc}",
+                            engine_input.format_field)
+    except ValueError as exc:
+        return PrepareError(INVALID_VALUE, f"the engine refused the request: {exc}")
+    except Exception as exc:  # noqa: BLE001 - e.g. the grammar library failing on one format
+        log.exception("adding request %s failed", request_id)
+        return PrepareError(SERVER_ERROR, f"the engine could not take the request: {exc}")
+    return None
+
+
+def _prompt(engine: Any, request: Body) -> list[int] | PrepareError:
+    try:
+        if isinstance(request, ChatCompletionRequest):
+            tools = request.template_tools()
+            if tools is None:
+                prompt_ids = engine.apply_chat_template(request.template_messages())
+            else:
+                prompt_ids = engine.apply_chat_template(request.template_messages(), tools=tools)
+        else:
+            prompt = request.single_prompt
+            prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    except Exception as exc:  # noqa: BLE001 - jinja's TemplateError is no ValueError; a
+        # conversation the template rejects is the line's fault, not the worker's.
+        field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        return PrepareError(INVALID_REQUEST,
+                            f"body.{field} could not be turned into a prompt: "
+                            f"{type(exc).__name__}: {exc}", field)
+    if not prompt_ids:
+        return PrepareError(INVALID_VALUE, "the prompt has no tokens")
+    return list(prompt_ids)
+
+
+def _vocab_size(engine: Any) -> int | None:
+    runner = getattr(engine, "model_runner", None)
+    vocab = getattr(runner, "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
+
+
+def _context_overflow(engine: Any, prompt: list[int], max_tokens: int | None) -> str | None:
+    """Why the prompt, with an explicit max_tokens, cannot fit in the model's context (the
+    engine would silently cut the completion short), or None."""
+    max_model_len = getattr(engine, "max_model_len", None)
+    if not isinstance(max_model_len, int):
+        return None
+    if len(prompt) >= max_model_len:
+        return (f"the prompt is {len(prompt)} tokens; the model's context is {max_model_len} "
+                "tokens, including the completion")
+    if max_tokens is None or len(prompt) + max_tokens <= max_model_len:
+        return None
+    return (f"This model's maximum context length is {max_model_len} tokens, but "
+            f"{len(prompt) + max_tokens} were requested ({len(prompt)} in the prompt, "
+            f"{max_tokens} in max_tokens); lower max_tokens or shorten the prompt.")
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
+
+
+def _logprobs(
+    tokenizer: Any, entries: list[TokenLogprob] | None
+) -> list[TokenLogprobResult] | None:
+    if entries is None:
+        return None
+    return [
+        TokenLogprobResult(
+            token=_token_text(tokenizer, e.token_id),
+            logprob=e.logprob,
+            top=[(_token_text(tokenizer, tid), lp) for tid, lp in e.top],
+        )
+        for e in entries
+    ]
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+def _choice(c: Any, tokenizer: Any, tool_mode: ToolCallMode | None) -> ChoiceResult:
+    text, tool_calls = c.text, []
+    if tool_mode is not None and c.finish_reason != "length":
+        content, tool_calls = tool_calls_from_text(tool_mode, c.text)
+        text = content or ""
+    return ChoiceResult(
+        index=c.index, text=text, num_tokens=len(c.token_ids),
+        finish_reason=c.finish_reason, logprobs=_logprobs(tokenizer, c.logprobs),
+        tool_calls=tool_calls,
+    )
+
+
+def response_body(
+    output: RequestOutput, *, endpoint: str, model: str, tokenizer: Any, hex_id: str,
+    tool_mode: ToolCallMode | None = None,
+) -> tuple[dict[str, Any], Usage]:
+    """The chat.completion or text_completion object for a finished request, and its usage;
+    ``hex_id`` (random hex) makes the object's id."""
+    choices = [_choice(c, tokenizer, tool_mode) for c in output.outputs]
+    prompt_tokens = output.metrics.num_prompt_tokens or len(output.prompt_token_ids)
+    cached_tokens = output.metrics.num_cached_tokens
+    build = chat_completion_body if endpoint == CHAT_URL else text_completion_body
+    prefix = "chatcmpl-" if endpoint == CHAT_URL else "cmpl-"
+    body = build(
+        choices, model=model, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+        completion_id=prefix + hex_id, created=int(time.time()),
+    )
+    usage = Usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)
+    return body, usage
