@@ -66,7 +66,9 @@ def scrape(url: str, *, duration: float, interval: float, progress: bool = True,
             elapsed = time.monotonic() - started
             bar.n = min(round(elapsed), bar.total)
             bar.refresh()
-            if elapsed >= duration:
+            # A window is the change between two samples: take a second one however slow the
+            # first was (a loaded machine), unless no window was asked for.
+            if elapsed >= duration and (len(samples) >= 2 or duration <= 0):
                 break
             time.sleep(min(interval, max(duration - elapsed, 0.0)))
     return window_snapshot(samples)

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 # Fields boxcar adds to the objects OpenAI defines (documented in the README).
 BOXCAR_EXTRAS = {
-    Batch: {"priority", "eta", "deadline", "prefix_cache_hit_rate"},
+    Batch: {"priority", "prefix_cache_hit_rate", "estimated_completion_at", "deadline_at_risk"},
     FileObject: {"line_count", "error_count", "line_errors"},
 }
 
