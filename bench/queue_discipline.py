@@ -52,7 +52,7 @@ def chat_lines(num: int, seed: int) -> list[dict[str, Any]]:
         messages = [{"role": "system", "content": f"{_SYSTEM} Ticket {seed}."},
                     {"role": "user", "content": words}]
         lines.append({"custom_id": f"s{seed}-{i}", "body": {
-            "model": "bench", "messages": messages, "max_tokens": rng.randint(16, 64),
+            "messages": messages, "max_tokens": rng.randint(16, 64),
             "temperature": 0, "ignore_eos": True}})
     return lines
 

@@ -40,7 +40,7 @@ SERVE_TARGET_S = 10.0
 RSS_TARGET_MB = 1.5 * 1024
 LINE = {
     "custom_id": "startup-1", "method": "POST", "url": "/v1/chat/completions",
-    "body": {"model": "default", "max_tokens": 16, "temperature": 0,
+    "body": {"max_tokens": 16, "temperature": 0,
              "messages": [{"role": "user", "content": "Say hello in one short sentence."}]},
 }
 # What ``boxcar run`` imports before it builds the engine (missing ones are skipped).

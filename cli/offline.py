@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 from collections import Counter
@@ -192,6 +193,18 @@ def _progress_bar(total: int | None, enabled: bool) -> Any:
     )
 
 
+def _served_names(engine: BatchEngine, model_name: str) -> set[str]:
+    """The names a line's ``model`` may use in this run: the reported name, the engine's, and
+    the model setting with and without its folder and ``.gguf`` suffix (the ids and aliases the
+    service gives the same setting)."""
+    names = {model_name, getattr(engine, "model_name", None)}
+    setting = getattr(getattr(engine, "config", None), "model", None)
+    if isinstance(setting, str):
+        base = os.path.basename(setting.rstrip("/")) or setting
+        names |= {setting, base, base.removesuffix(".gguf")}
+    return {name for name in names if isinstance(name, str) and name}
+
+
 class _Runner:
     """The drain loop's state: in-flight requests, counters, latency samples."""
 
@@ -208,6 +221,7 @@ class _Runner:
         self.tpots: list[float] = []
         self.e2es: list[float] = []
         self.endpoint = endpoint
+        self.model_names = _served_names(engine, model_name)
         self.started = time.monotonic()
 
     def run(self, lines: Iterator[tuple[int, bytes]], out: IO[str], err: IO[str], bar: Any) -> None:
@@ -256,6 +270,14 @@ class _Runner:
         duplicate = self.ids.check(parsed.custom_id, line_no=line_no)
         if duplicate is not None:
             return duplicate
+        model = getattr(parsed.body, "model", None)
+        if model is not None and model not in self.model_names:
+            # The service refuses a batch naming a model it does not serve; a run serves one.
+            served = ", ".join(sorted(self.model_names))
+            return LineError("model_not_found",
+                             f"body.model {model!r} is not served by this run (it serves: "
+                             f"{served}); name one of those or leave model out", line_no,
+                             parsed.custom_id, numbered=False, param="model")
         if self.endpoint is None:
             self.endpoint = parsed.url  # the batch's endpoint: every line must name it
         request_id = new_id()

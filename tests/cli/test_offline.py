@@ -103,7 +103,7 @@ class FakeEngine:
 
 
 def chat_line(custom_id: str, content: str = "Hi", **body: object) -> str:
-    body = {"model": "m", "messages": [{"role": "user", "content": content}], **body}
+    body = {"messages": [{"role": "user", "content": content}], **body}
     return json.dumps(
         {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
     )
@@ -112,7 +112,7 @@ def chat_line(custom_id: str, content: str = "Hi", **body: object) -> str:
 def completion_line(custom_id: str, prompt: object = "Once", **body: object) -> str:
     return json.dumps({
         "custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-        "body": {"model": "m", "prompt": prompt, **body},
+        "body": {"prompt": prompt, **body},
     })
 
 
@@ -139,7 +139,7 @@ MIXED = [
                                             '"role": "tool", "tool_call_id": "c"'),
     "",
     chat_line("chat-n", n=2, max_tokens=2, logprobs=True, top_logprobs=2),
-    chat_line("other-model", model="gpt-4o", max_tokens=1),
+    chat_line("other-model", model="gpt-4o", max_tokens=1),  # not this run's model
 ]
 EXPECTED_ERRORS = {
     "cmpl-1": {"invalid_url"},
@@ -148,10 +148,11 @@ EXPECTED_ERRORS = {
     "too-long": {"context_length_exceeded"},
     "bad-temp": {"invalid_value"},
     "tool": {"invalid_request"},
+    "other-model": {"model_not_found"},
 }
 # Lines without a custom_id: in the summary by line number, not in the error file.
 EXPECTED_LINE_ERRORS = [(3, "invalid_json"), (8, "missing_custom_id")]
-EXPECTED_OK = {"chat-1", "chat-n", "other-model"}
+EXPECTED_OK = {"chat-1", "chat-n"}
 COMPLETIONS = [
     completion_line("cmpl-1", max_tokens=2),
     completion_line("bad-ids", [1, 300]),
@@ -198,12 +199,12 @@ def test_run_batch_file_mixed(tmp_path: Path) -> None:
     assert [t.token for t in chat_n.choices[0].logprobs.content[0].top_logprobs] == ["x", "y"]
 
     assert summary.num_lines == len(MIXED) - 1
-    assert summary.num_ok == len(EXPECTED_OK) and summary.num_failed == 8
+    assert summary.num_ok == len(EXPECTED_OK) and summary.num_failed == 9
     assert summary.errors_by_code["invalid_value"] == 1
-    assert summary.num_generated_tokens == 3 + 4 + 1
+    assert summary.num_generated_tokens == 3 + 4
     assert summary.num_preemptions == 1 and summary.prefix_cache_hit_rate == 0.25
     assert summary.ttft_s["p50"] is not None
-    assert "3 ok, 8 failed" in summary.format()
+    assert "2 ok, 9 failed" in summary.format()
 
 
 def test_run_batch_file_completions(tmp_path: Path) -> None:
@@ -230,7 +231,7 @@ def test_errors_go_to_separate_file(tmp_path: Path) -> None:
     assert {line["custom_id"] for line in read_lines(output)} == EXPECTED_OK
     assert all(line["error"] is None for line in read_lines(output))
     error_lines = read_lines(errors)
-    assert len(error_lines) == 6 and all(line["response"]["status_code"] == 400
+    assert len(error_lines) == 7 and all(line["response"]["status_code"] == 400
                                          for line in error_lines)
 
 
@@ -301,7 +302,7 @@ def test_metrics_json_and_helpers(tmp_path: Path) -> None:
     metrics = tmp_path / "metrics.json"
     write_metrics_json(metrics, summary, model="fake-model")
     data = json.loads(metrics.read_text())
-    assert data["num_ok"] == 3 and data["model"] == "fake-model"
+    assert data["num_ok"] == 2 and data["model"] == "fake-model"
     assert [e["line"] for e in data["line_errors"]] == [3, 8]
     assert data["engine_stats"]["num_kv_blocks"] == 8
     assert {"generated_tokens_per_s", "ttft_s", "tpot_s", "prefix_cache_hit_rate"} <= set(data)
@@ -333,7 +334,7 @@ def test_real_engine_end_to_end(tmp_path: Path, real_engine) -> None:  # noqa: A
     lines = [
         json.dumps({
             "custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "m", "max_tokens": 4 + i % 3, "temperature": 0, "messages": [
+            "body": {"max_tokens": 4 + i % 3, "temperature": 0, "messages": [
                 {"role": "system", "content": system},
                 {"role": "user", "content": f"Question number {i}?"},
             ]},
@@ -387,3 +388,20 @@ def test_real_engine_completions(tmp_path: Path, real_engine) -> None:  # noqa: 
     assert check_failed_line(by_id["bad-ids"]) == "invalid_value"
     assert "vocabulary" in by_id["bad-ids"]["response"]["body"]["error"]["message"]
     assert summary.num_ok == 3 and summary.num_failed == 1
+
+
+def test_a_line_naming_another_model_fails_alone(tmp_path: Path) -> None:
+    """A run serves one model: a line naming another is refused (as the service refuses a batch
+    naming a model it does not serve); a line naming this one, or none, runs."""
+    engine = FakeEngine()
+    output = tmp_path / "out.jsonl"
+    lines = [chat_line("named", model="fake-model"), chat_line("other", model="gpt-4o-mini"),
+             chat_line("none")]
+    summary = run_batch_file(engine, write_input(tmp_path, lines), output, progress=False)
+    by_id = {line["custom_id"]: line for line in read_lines(output)}
+    assert by_id["named"]["response"]["status_code"] == 200
+    assert by_id["none"]["response"]["status_code"] == 200
+    assert check_failed_line(by_id["other"]) == "model_not_found"
+    error = by_id["other"]["response"]["body"]["error"]
+    assert error["param"] == "model" and "fake-model" in error["message"]
+    assert summary.num_ok == 2 and summary.num_failed == 1
