@@ -7,22 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.outputs import RequestMetrics
-from engine.request import Request, RequestStatus
-from engine.sampling_params import SamplingParams
-from tests.engine.test_scheduler import check_invariants, make_scheduler, step
-
-
-def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0) -> Request:
-    return Request(
-        request_id=rid,
-        prompt_token_ids=prompt,
-        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-        max_tokens=max_tokens,
-        eos_token_ids=(),
-        metrics=RequestMetrics(0.0, num_prompt_tokens=len(prompt)),
-        priority=priority,
-    )
+from engine.request import RequestStatus
+from tests.engine.test_scheduler import check_invariants, make_request, make_scheduler, step
 
 
 def ids(out) -> set[str]:

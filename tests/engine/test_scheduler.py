@@ -16,7 +16,7 @@ def make_scheduler(num_blocks=64, **kw) -> Scheduler:
     return Scheduler(config, num_blocks, max_model_len=num_blocks * 4)
 
 
-def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
+def make_request(rid: str, prompt: list[int], max_tokens: int = 4, priority: int = 0) -> Request:
     return Request(
         request_id=rid,
         prompt_token_ids=prompt,
@@ -24,6 +24,7 @@ def make_request(rid: str, prompt: list[int], max_tokens: int = 4) -> Request:
         max_tokens=max_tokens,
         eos_token_ids=(),
         metrics=RequestMetrics(0.0, num_prompt_tokens=len(prompt)),
+        priority=priority,
     )
 
 
