@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.offline import WORDS, Workload, make_workload
+from bench.workload import WORDS, Workload, make_workload
 
 
 def make_mixed(tokenizer: Any, num_requests: int, seed: int) -> Workload:

@@ -26,7 +26,7 @@ import statistics
 import time
 from typing import Any
 
-from bench.offline import WORDS
+from bench.workload import WORDS
 
 TOPICS = (
     "rivers", "mountains", "music", "science", "gardens", "books", "engines", "windows", "caches",

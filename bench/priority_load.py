@@ -28,7 +28,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from bench.offline import make_workload
+from bench.workload import make_workload
 
 
 def cold(llm: Any) -> None:
