@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from bench.engine_setup import add_engine_args, build_llm, interleaved
 from bench.workload import WORDS, Workload, make_workload
 
 
@@ -104,19 +105,12 @@ def run_order(llm: Any, w: Workload, order: list[int]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.admission_order",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    add_engine_args(parser)
     parser.add_argument("--requests", type=int, default=96)
     parser.add_argument("--max-num-seqs", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from engine import LLM
-
-    llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
-              max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory)
+    llm = build_llm(args, max_num_seqs=args.max_num_seqs)
     w = make_mixed(llm.tokenizer, args.requests, args.seed)
     print(f"{args.requests} requests, {w.num_prompt_tokens} prompt tokens, "
           f"{w.num_output_tokens} output tokens, max_num_seqs {args.max_num_seqs}, tail = steps "
@@ -124,13 +118,11 @@ def main(argv: list[str] | None = None) -> int:
           "machine shared: compare ratios", flush=True)
     llm.generate([w.prompts[0][:32]])  # warm up
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in ORDERS}
-    names = list(ORDERS)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            results[name].append(run_order(llm, w, ORDERS[name](w)))
-            x = results[name][-1]
-            print(f"round {r} {name:<22} {x['seconds']:.1f}s, {x['tail_steps']} tail steps",
-                  flush=True)
+    for r, name in interleaved(list(ORDERS), args.rounds):
+        results[name].append(run_order(llm, w, ORDERS[name](w)))
+        x = results[name][-1]
+        print(f"round {r} {name:<22} {x['seconds']:.1f}s, {x['tail_steps']} tail steps",
+              flush=True)
     base = statistics.median(x["seconds"] for x in results["as given"])
     print(f"\n{'order':<23}{'seconds':>9}{'vs given':>10}{'steps':>7}{'tail steps':>12}"
           f"{'tail s':>8}{'cached':>8}")

@@ -26,6 +26,7 @@ import statistics
 import time
 from typing import Any
 
+from bench.engine_setup import add_engine_args, build_llm, interleaved
 from bench.workload import WORDS
 
 TOPICS = (
@@ -77,26 +78,19 @@ def run_once(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prefix_sharing",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    add_engine_args(parser, rounds=2)
     parser.add_argument("--lines", type=int, default=32)
     parser.add_argument("--prefix-tokens", type=int, default=420)
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: on a shared machine more threads oversubscribe)")
-    parser.add_argument("--kv-cache-memory", type=int, default=1 << 30)
-    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
     from dataclasses import replace
 
-    from engine import LLM
     from engine.scheduler import Scheduler
 
     # One model and KV cache; each run gets a fresh scheduler (the only part the prefix-cache
     # switch reaches), so every run starts cold and the variants share the same weights.
-    llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
-              kv_cache_memory=args.kv_cache_memory)
+    llm = build_llm(args)
     engine = llm.engine
 
     def scheduler(enable_prefix_caching: bool, hold: bool) -> Scheduler:
@@ -123,12 +117,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.threads} threads (machine shared: compare ratios)", flush=True)
     llm.generate([prompts[0][:50]])  # warm up
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
-    names = list(variants)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            engine.scheduler = variants[name]()
-            results[name].append(run_once(llm, prompts, args.max_tokens))
-            print(f"round {r} {name:<16} {results[name][-1]['seconds']:.2f}s", flush=True)
+    for r, name in interleaved(list(variants), args.rounds):
+        engine.scheduler = variants[name]()
+        results[name].append(run_once(llm, prompts, args.max_tokens))
+        print(f"round {r} {name:<16} {results[name][-1]['seconds']:.2f}s", flush=True)
 
     reference = results["no prefix cache"][0]["tokens"]
     target = (args.lines - 1) * shared

@@ -28,6 +28,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from bench.engine_setup import add_engine_args, build_llm, interleaved
 from bench.workload import make_workload
 
 
@@ -86,14 +87,10 @@ def run_load(llm: Any, bulk: Any, job: tuple[list[int], int] | None, job_priorit
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.priority_load",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="SmolLM2-135M-Instruct")
+    add_engine_args(parser, kv_cache_memory=2 << 30)
     parser.add_argument("--bulk", type=int, default=150)
     parser.add_argument("--job-delay", type=float, default=3.0)
     parser.add_argument("--job-max-tokens", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--kv-cache-memory", type=int, default=2 << 30)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--caps", default="64",
                         help="comma-separated EngineConfig.urgent_prefill_tokens values, one "
                              "'job urgent' run each; the first is checked against the bound")
@@ -101,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-no-cap", action="store_true")
     args = parser.parse_args(argv)
 
-    from engine import LLM
-
-    llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
-              kv_cache_memory=args.kv_cache_memory)
+    llm = build_llm(args)
     bulk = make_workload(llm.tokenizer, num_requests=args.bulk, prompt_range=(30, 120),
                          output_range=(16, 64), seed=args.seed)
     job_prompt = make_workload(llm.tokenizer, num_requests=1, prompt_range=(120, 120),
@@ -139,13 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.skip_no_cap:
         del variants["job urgent, no cap"]
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in variants}
-    names = list(variants)
-    for r in range(args.rounds):
-        for name in names if r % 2 == 0 else reversed(names):
-            results[name].append(variants[name]())
-            x = results[name][-1]
-            print(f"round {r} {name:<22} bulk {x['bulk_seconds']:.1f}s "
-                  f"{x['bulk_tokens_per_s']:.1f} tok/s, job {x['job_latency']}", flush=True)
+    for r, name in interleaved(list(variants), args.rounds):
+        results[name].append(variants[name]())
+        x = results[name][-1]
+        print(f"round {r} {name:<22} bulk {x['bulk_seconds']:.1f}s "
+              f"{x['bulk_tokens_per_s']:.1f} tok/s, job {x['job_latency']}", flush=True)
 
     reference = statistics.median(x["bulk_tokens_per_s"] for x in results["bulk alone"])
     bound = max(3 * solo, solo + 4.0)
