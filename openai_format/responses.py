@@ -4,8 +4,9 @@ engine-free results, and the lines of the output and error files."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from openai_format.ids import new_id
@@ -95,74 +96,65 @@ def _completion_logprobs(entries: Sequence[TokenLogprobResult]) -> dict[str, Any
     }
 
 
-def _completion_object(
-    object_name: str, id_prefix: str, choices: list[dict[str, Any]],
-    source: Sequence[ChoiceResult], *, model: str, prompt_tokens: int, cached_tokens: int,
-    completion_id: str | None, created: int | None,
-) -> dict[str, Any]:
-    """The envelope both completion objects share around their ``choices``."""
+def _chat_choice(c: ChoiceResult) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    finish_reason = _finish_reason(c.finish_reason)
+    if c.tool_calls:
+        message["content"] = c.text or None
+        message["tool_calls"] = list(c.tool_calls)
+        finish_reason = "tool_calls"
     return {
-        "id": completion_id or f"{id_prefix}-{new_id()}",
-        "object": object_name,
+        "index": c.index,
+        "message": message,
+        "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
+        "finish_reason": finish_reason,
+    }
+
+
+def _text_choice(c: ChoiceResult) -> dict[str, Any]:
+    return {
+        "index": c.index,
+        "text": c.text,
+        "logprobs": None if c.logprobs is None else _completion_logprobs(c.logprobs),
+        "finish_reason": _finish_reason(c.finish_reason),
+    }
+
+
+@dataclass(frozen=True)
+class _CompletionKind:
+    object_name: str
+    id_prefix: str
+    render_choice: Callable[[ChoiceResult], dict[str, Any]]
+
+
+def _completion_body(
+    kind: _CompletionKind,
+    choices: Sequence[ChoiceResult],
+    *,
+    model: str,
+    prompt_tokens: int,
+    cached_tokens: int = 0,
+    completion_id: str | None = None,
+    created: int | None = None,
+) -> dict[str, Any]:
+    """A completion object of ``kind``: the envelope both kinds share around their choices."""
+    return {
+        "id": completion_id or f"{kind.id_prefix}-{new_id()}",
+        "object": kind.object_name,
         "created": int(time.time()) if created is None else created,
         "model": model,
-        "choices": choices,
-        "usage": _usage(source, prompt_tokens, cached_tokens),
+        "choices": [kind.render_choice(c) for c in choices],
+        "usage": _usage(choices, prompt_tokens, cached_tokens),
         "system_fingerprint": None,
     }
 
 
-def chat_completion_body(
-    choices: Sequence[ChoiceResult],
-    *,
-    model: str,
-    prompt_tokens: int,
-    cached_tokens: int = 0,
-    completion_id: str | None = None,
-    created: int | None = None,
-) -> dict[str, Any]:
-    """A ``chat.completion`` object, as OpenAI's /v1/chat/completions returns it."""
-    rendered = []
-    for c in choices:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
-        finish_reason = _finish_reason(c.finish_reason)
-        if c.tool_calls:
-            message["content"] = c.text or None
-            message["tool_calls"] = list(c.tool_calls)
-            finish_reason = "tool_calls"
-        rendered.append({
-            "index": c.index,
-            "message": message,
-            "logprobs": None if c.logprobs is None else _chat_logprobs(c.logprobs),
-            "finish_reason": finish_reason,
-        })
-    return _completion_object("chat.completion", "chatcmpl", rendered, choices, model=model,
-                              prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                              completion_id=completion_id, created=created)
-
-
-def text_completion_body(
-    choices: Sequence[ChoiceResult],
-    *,
-    model: str,
-    prompt_tokens: int,
-    cached_tokens: int = 0,
-    completion_id: str | None = None,
-    created: int | None = None,
-) -> dict[str, Any]:
-    """A ``text_completion`` object, as OpenAI's /v1/completions returns it."""
-    rendered = [
-        {
-            "index": c.index,
-            "text": c.text,
-            "logprobs": None if c.logprobs is None else _completion_logprobs(c.logprobs),
-            "finish_reason": _finish_reason(c.finish_reason),
-        }
-        for c in choices
-    ]
-    return _completion_object("text_completion", "cmpl", rendered, choices, model=model,
-                              prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
-                              completion_id=completion_id, created=created)
+# A ``chat.completion`` object, as OpenAI's /v1/chat/completions returns it.
+chat_completion_body = partial(
+    _completion_body, _CompletionKind("chat.completion", "chatcmpl", _chat_choice))
+# A ``text_completion`` object, as OpenAI's /v1/completions returns it.
+text_completion_body = partial(
+    _completion_body, _CompletionKind("text_completion", "cmpl", _text_choice))
 
 
 def output_line(custom_id: str, body: dict[str, Any], *, request_id: str) -> dict[str, Any]:
