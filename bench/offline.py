@@ -100,10 +100,10 @@ def model_flops(config: Any, work: dict[str, Any], workload: Workload) -> float:
 
 
 def measure_tables(shapes: ModelShapes, dtypes: list[str], *, max_tokens: int,
-                   max_sampled: int) -> dict[str, GemmTable]:
+                   max_sampled: int, **timing: Any) -> dict[str, GemmTable]:
     """The layers' GEMMs in each run dtype, and the output layer in the screen's dtype."""
-    tables = {d: measure_gemms(shapes.layer_gemms, d, max_tokens) for d in dtypes}
-    head = measure_gemms((shapes.lm_head,), SCREEN_DTYPE, max_sampled)
+    tables = {d: measure_gemms(shapes.layer_gemms, d, max_tokens, **timing) for d in dtypes}
+    head = measure_gemms((shapes.lm_head,), SCREEN_DTYPE, max_sampled, **timing)
     tables.setdefault(SCREEN_DTYPE, GemmTable(SCREEN_DTYPE)).seconds.update(head.seconds)
     return tables
 
@@ -179,9 +179,14 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = load_checkpoint(args.model)
     shapes = ModelShapes.from_config(checkpoint.config)
 
+    # --quick is a smoke test: shorter timing loops and a smaller copy, a rougher floor.
+    timing = {"min_seconds": 0.002, "repeats": 2} if args.quick else {}
+    copy_bytes = (64 if args.quick else 256) << 20
+
     def measure() -> tuple[dict[str, GemmTable], float]:
         return (measure_tables(shapes, args.dtypes, max_tokens=args.max_num_batched_tokens,
-                               max_sampled=args.max_num_seqs), measure_copy_bandwidth())
+                               max_sampled=args.max_num_seqs, **timing),
+                measure_copy_bandwidth(copy_bytes))
 
     # The floor's inputs are measured before the runs and again at the end, and the faster of
     # each is used: this machine's speed drifts over minutes, and the faster is the harder bar.
