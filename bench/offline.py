@@ -184,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bytes = (64 if args.quick else 256) << 20
 
     def measure() -> tuple[dict[str, GemmTable], float]:
+        print("roofline: timing the model's GEMMs and a copy", flush=True)
         return (measure_tables(shapes, args.dtypes, max_tokens=args.max_num_batched_tokens,
                                max_sampled=args.max_num_seqs, **timing),
                 measure_copy_bandwidth(copy_bytes))
