@@ -180,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ModelShapes.from_config(checkpoint.config)
 
     # --quick is a smoke test: shorter timing loops and a smaller copy, a rougher floor.
-    timing = {"min_seconds": 0.002, "repeats": 2} if args.quick else {}
+    timing = {"min_seconds": 0.005, "repeats": 3} if args.quick else {}
     copy_bytes = (64 if args.quick else 256) << 20
 
     def measure() -> tuple[dict[str, GemmTable], float]:

@@ -16,8 +16,10 @@ the KV context each request attends over). Each step costs at least:
 
 Norms, rotary, activations, sampling and scheduling are left out, so it is a floor: a run
 reaching 100% of it would be doing nothing but the unavoidable GEMMs and memory traffic.
-GEMM times between the measured row counts (powers of two up to the largest step) are
-interpolated linearly. Copy bandwidth counts bytes read plus bytes written per second.
+GEMM times are the fastest single call (a shared machine's interruptions only slow calls
+down), at powers of two up to the largest step, never more for fewer rows (fewer can run padded
+to more), interpolated linearly between. Copy bandwidth counts bytes read plus bytes written
+per second.
 """
 
 from __future__ import annotations
@@ -124,18 +126,17 @@ def record_steps(scheduler: Any) -> Iterator[list[Step]]:
 
 
 def _best_seconds(fn: Callable[[], Any], *, min_seconds: float, repeats: int) -> float:
-    """Best per-call time of ``fn`` over ``repeats`` timed loops of at least ``min_seconds``."""
+    """The fastest single call of ``fn`` among at least ``repeats`` calls and ``min_seconds``.
+
+    The fastest call, not the mean: on a shared machine a call that lost its core for a few
+    milliseconds says nothing about what the hardware can do."""
     fn()
-    start = time.perf_counter()
-    fn()
-    once = max(time.perf_counter() - start, 1e-7)
-    calls = max(1, int(min_seconds / once))
-    best = float("inf")
-    for _ in range(repeats):
+    best, spent, calls = float("inf"), 0.0, 0
+    while calls < repeats or spent < min_seconds:
         start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - start) / calls)
+        fn()
+        seconds = time.perf_counter() - start
+        best, spent, calls = min(best, seconds), spent + seconds, calls + 1
     return best
 
 
@@ -203,15 +204,25 @@ class GemmTable:
         return merged
 
 
+def padded(seconds: dict[int, float]) -> dict[int, float]:
+    """Each row count's time lowered to that of any larger count measured faster: fewer rows
+    can always run as more (padded), so the floor never charges more for fewer rows."""
+    result, best = {}, float("inf")
+    for rows in sorted(seconds, reverse=True):
+        best = min(best, seconds[rows])
+        result[rows] = best
+    return dict(sorted(result.items()))
+
+
 def measure_gemms(gemms: tuple[Gemm, ...], dtype: str, max_rows: int, *,
-                  min_seconds: float = 0.01, repeats: int = 3) -> GemmTable:
+                  min_seconds: float = 0.05, repeats: int = 5) -> GemmTable:
     table = GemmTable(dtype)
     for gemm in gemms:
-        table.seconds[gemm.name] = {
+        table.seconds[gemm.name] = padded({
             rows: min(_best_seconds(fn, min_seconds=min_seconds, repeats=repeats)
                       for fn in _gemm_candidates(gemm, rows, dtype))
             for rows in gemm_ladder(max_rows)
-        }
+        })
     return table
 
 

@@ -15,6 +15,7 @@ from bench.roofline import (
     gemm_ladder,
     measure_copy_bandwidth,
     measure_gemms,
+    padded,
     record_steps,
 )
 from engine.outputs import ScheduledRequest, SchedulerOutput
@@ -50,6 +51,10 @@ def test_gemm_ladder() -> None:
     assert gemm_ladder(1) == [1]
     assert gemm_ladder(8) == [1, 2, 4, 8]
     assert gemm_ladder(5) == [1, 2, 4, 5]
+
+
+def test_fewer_rows_never_cost_more_than_more_rows() -> None:
+    assert padded({1: 1.0, 2: 5.0, 4: 2.0, 8: 6.0}) == {1: 1.0, 2: 2.0, 4: 2.0, 8: 6.0}
 
 
 def test_table_interpolates_between_measured_rows() -> None:
