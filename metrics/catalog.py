@@ -76,6 +76,11 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
        "Prompt tokens of finished requests in full blocks whose prefix an earlier request had"),
     _c("admission_blocked_steps", "boxcar_engine_admission_blocked_steps",
        "Steps that left requests waiting although seats and token budget were free"),
+    # The worker's claims ride in the same snapshot so the API's /metrics sums them over workers:
+    # attempts per claim above 1 means workers chase the same shards (bench/scale.py reads both).
+    _c("shard_claim_attempts", "boxcar_shard_claim_attempts",
+       "Shard claim attempts, won or lost to another worker"),
+    _c("shard_claims", "boxcar_shard_claims", "Shard claims won"),
     _c("busy_s", "boxcar_engine_busy_seconds",
        "Wall time of the engine loop while it had work (steps and the gaps between them)"),
     _c("prefill_model_s", "boxcar_engine_model_seconds",

@@ -177,6 +177,14 @@ class EngineRecorder:
 
     # -- any thread ---------------------------------------------------------------------------
 
+    def observe_claim(self, *, won: bool) -> None:
+        """One shard claim attempt (the lease thread's), won or lost to another worker."""
+        with self._lock:
+            counters = self._snap["counters"]
+            counters["shard_claim_attempts"] += 1
+            if won:
+                counters["shard_claims"] += 1
+
     def tick(self) -> None:
         """Add a timeline point if one is due (the publisher calls it: idle time shows too)."""
         with self._lock:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
+from metrics.recorder import EngineRecorder
 from service import served_models
 from service.db import Database, utcnow
 from service.loop import RoundLoop
@@ -40,6 +41,7 @@ class LeaseKeeper(RoundLoop):
         aliases: list[str] | None = None,
         engine_alive: Callable[[], bool] = lambda: True,
         on_engine_dead: Callable[[], None] = lambda: None,
+        recorder: EngineRecorder | None = None,
     ) -> None:
         super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
         self.db = db
@@ -58,6 +60,7 @@ class LeaseKeeper(RoundLoop):
         # must not keep its shards alive (nobody else could take them).
         self._engine_alive = engine_alive
         self._on_engine_dead = on_engine_dead
+        self.recorder = recorder  # counts claim attempts and wins for /metrics
 
     def wake(self, *, check: bool = False) -> None:
         if check:
@@ -78,6 +81,8 @@ class LeaseKeeper(RoundLoop):
         with self.db.session() as session:
             claim = claims.try_claim(session, shard_id, worker_id=self.worker_id,
                                      lease_seconds=settings.lease_seconds, model=self.model)
+            if self.recorder is not None:
+                self.recorder.observe_claim(won=claim is not None)
             if claim is None:
                 return False
             poisoned = claim.attempts > settings.max_shard_attempts

@@ -213,7 +213,8 @@ class WorkerService:
                                   on_batches_touched=self.housekeeper.batches_touched,
                                   model=model_name, aliases=aliases,
                                   engine_alive=self._engine_thread.is_alive,
-                                  on_engine_dead=self._engine_thread_died)
+                                  on_engine_dead=self._engine_thread_died,
+                                  recorder=self.recorder)
         # Served from now on (before the first claim), and kept so by the lease thread (which
         # retries at once if the database is not there yet).
         try:
