@@ -32,6 +32,7 @@ from bench.scale_probes import (
     claim_counters,
     commits,
     cpu_busy_share,
+    free_connections,
     machine_cpu_ticks,
 )
 from bench.scale_stack import ScaleStack
@@ -90,7 +91,17 @@ def request_lines(num_lines: int) -> bytes:
     return ("\n".join(lines) + "\n").encode()
 
 
+# Connections one worker process may hold at once (measured on main before issue 17: 4-5 at peak,
+# the API 1-3), for the warning below.
+CONNECTIONS_PER_WORKER = 5
+
+
 def run_once(config: RunConfig) -> RunResult:
+    free = free_connections(config.database_url)
+    if free < CONNECTIONS_PER_WORKER * config.num_workers + 5:
+        print(f"warning: the PostgreSQL server has {free} connections free; {config.num_workers} "
+              f"workers may hold up to ~{CONNECTIONS_PER_WORKER} each. If they run out, the run "
+              "fails or measures a starved service.", file=sys.stderr, flush=True)
     engine_env = {"BOXCAR_BENCH_ENGINE": config.engine}
     if config.engine == "paced":
         engine_env["BOXCAR_BENCH_LINES_PER_S"] = str(config.lines_per_s)
@@ -145,6 +156,7 @@ def measure_batch(stack: ScaleStack, client, file_id: str, config: RunConfig,
                 polls.append(took)
             if batch["status"] in TERMINAL:
                 break
+            stack.check_workers()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the batch is still {batch['status']} after "
                                    f"{config.timeout_s:.0f} s: {batch['request_counts']}")

@@ -57,6 +57,15 @@ def commits(server_url: str, database: str) -> int:
     return int(row[0])
 
 
+def free_connections(server_url: str) -> int:
+    """Connections the server has left: max_connections less those open now."""
+    with psycopg.connect(libpq_url(server_url), autocommit=True) as conn:
+        row = conn.execute("SELECT current_setting('max_connections')::int - "
+                           "(SELECT count(*) FROM pg_stat_activity)").fetchone()
+    assert row is not None
+    return int(row[0])
+
+
 def claim_counters(metrics_text: str) -> tuple[float, float] | None:
     """(attempts, claims) summed over workers from a /metrics page; None when the page has no
     such counters (code from before they existed)."""

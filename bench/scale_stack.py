@@ -129,11 +129,16 @@ class ScaleStack:
                 start_new_session=True))
             log.close()
 
+    def check_workers(self) -> None:
+        """Raise, with its log, if a worker exited: a run must not go on short of workers."""
+        for i, proc in enumerate(self.workers):
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker w{i} exited with status {proc.returncode}:\n"
+                                   f"{self.log_tail(f'w{i}')}")
+
     def wait_workers(self) -> None:
         def all_ready() -> bool:
-            for i, proc in enumerate(self.workers):
-                if proc.poll() is not None:
-                    raise RuntimeError(f"worker w{i} exited:\n{self.log_tail(f'w{i}')}")
+            self.check_workers()
             return all(b"ready." in Path(self.root, f"w{i}.log").read_bytes()
                        for i in range(len(self.workers)))
 
