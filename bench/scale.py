@@ -26,6 +26,8 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 
+import httpx
+
 from bench import scale_report
 from bench.scale_probes import (
     PgSampler,
@@ -81,6 +83,15 @@ class RunResult:
     duplicated: int
 
 
+def ok(response: httpx.Response) -> httpx.Response:
+    """The response, or an error with the API's own message (e.g. a file over
+    BOXCAR_MAX_FILE_LINES)."""
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.request.method} {response.request.url.path} answered "
+                           f"{response.status_code}: {response.text[:500]}")
+    return response
+
+
 def request_lines(num_lines: int) -> bytes:
     lines = (json.dumps({"custom_id": f"L{i:07d}", "method": "POST",
                          "url": "/v1/chat/completions",
@@ -115,7 +126,7 @@ def run_once(config: RunConfig) -> RunResult:
         with stack.client() as client:
             response = client.post("/v1/files", data={"purpose": "batch"}, files={
                 "file": ("bench.jsonl", request_lines(config.num_lines))})
-            response.raise_for_status()
+            ok(response)
             file_id = response.json()["id"]
             idle = idle_commits_per_s(stack, config)
             return measure_batch(stack, client, file_id, config, idle)
@@ -133,7 +144,7 @@ def idle_commits_per_s(stack: ScaleStack, config: RunConfig) -> float:
     return (after - before) / (end - start) / config.num_workers
 
 
-def measure_batch(stack: ScaleStack, client, file_id: str, config: RunConfig,
+def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config: RunConfig,
                   idle_commits: float) -> RunResult:
     sampler = PgSampler(config.database_url, stack.name).start()
     cpu_before = machine_cpu_ticks()
@@ -143,14 +154,14 @@ def measure_batch(stack: ScaleStack, client, file_id: str, config: RunConfig,
         response = client.post("/v1/batches", json={
             "input_file_id": file_id, "endpoint": "/v1/chat/completions",
             "completion_window": "24h"})
-        response.raise_for_status()
+        ok(response)
         batch = response.json()
         deadline = time.monotonic() + config.timeout_s
         while True:
             poll_start = time.perf_counter()
             response = client.get(f"/v1/batches/{batch['id']}")
             took = time.perf_counter() - poll_start
-            response.raise_for_status()
+            ok(response)
             batch = response.json()
             if batch["status"] in LIVE:
                 polls.append(took)
@@ -170,7 +181,7 @@ def measure_batch(stack: ScaleStack, client, file_id: str, config: RunConfig,
     missing, duplicated = check_output(client, batch, config.num_lines)
     time.sleep(SNAPSHOT_WAIT_S)
     response = client.get("/metrics", follow_redirects=True)  # a mounted app: /metrics/
-    response.raise_for_status()
+    ok(response)
     counters = claim_counters(response.text)
     attempts, claims = counters if counters is not None else (None, None)
     lines_per_s = config.num_lines / elapsed
@@ -193,12 +204,12 @@ def measure_batch(stack: ScaleStack, client, file_id: str, config: RunConfig,
     )
 
 
-def check_output(client, batch: dict, num_lines: int) -> tuple[int, int]:
+def check_output(client: httpx.Client, batch: dict, num_lines: int) -> tuple[int, int]:
     """(custom_ids missing from the output file, custom_ids in it more than once)."""
     seen: Counter[str] = Counter()
     if batch.get("output_file_id"):
         response = client.get(f"/v1/files/{batch['output_file_id']}/content")
-        response.raise_for_status()
+        ok(response)
         seen.update(json.loads(line)["custom_id"] for line in response.text.splitlines()
                     if line.strip())
     expected = {f"L{i:07d}" for i in range(num_lines)}
