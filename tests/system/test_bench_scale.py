@@ -112,15 +112,21 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     assert result["exactly_once"] and result["missing"] == result["duplicated"] == 0
     # Not applicable to the instant engine: it has no pace to be ideal against.
     assert result["ideal_lines_per_s"] is result["efficiency"] is None
+    # A fast machine may finish 200 lines before the 50 ms sampler sees an active backend:
+    # then, and only then, there is no share to report.
+    no_active_sample = result["active_backend_samples"] == 0
+    assert (result["lock_wait_share"] is None) == no_active_sample
     measured = {k: v for k, v in result.items()
                 if k not in ("engine", "ideal_lines_per_s", "efficiency",
-                             "lines_per_s_per_worker", "exactly_once")}
+                             "lines_per_s_per_worker", "exactly_once")
+                and not (k == "lock_wait_share" and no_active_sample)}
     for name, value in measured.items():
         assert isinstance(value, int | float) and math.isfinite(value), (name, value)
     assert result["lines_per_s"] > 0 and result["num_status_polls"] >= 1
     assert result["claims"] >= 1 and result["attempts_per_claim"] >= 1
     assert result["peak_connections"] >= 2 and result["pg_cpu_ms_per_line"] > 0
-    assert 0 < result["machine_cpu_busy"] <= 1 and 0 <= result["lock_wait_share"] <= 1
+    assert 0 < result["machine_cpu_busy"] <= 1
+    assert no_active_sample or 0 <= result["lock_wait_share"] <= 1
     assert {t["name"]: t["status"] for t in report["targets"]}[
         "every custom_id exactly once in every run (runs broken)"] == "met"
     print(f"tiny scale run took {time.monotonic() - started:.1f} s")
