@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.randn(args.num_seqs, num_heads, head_dim, generator=g)
     wall: dict[str, list[float]] = {name: [] for name in caches}
     cpu: dict[str, list[float]] = {name: [] for name in caches}
-    for name, (k, v) in caches.items():  # warm up
+    for k, v in caches.values():  # warm up
         kernel.paged_decode_attention(q, k, v, tables, lens, 0.125, variant=args.variant)
     for _ in range(args.rounds):
         for name, (k, v) in caches.items():
