@@ -321,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--matmul-size", type=int, default=None)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "auto"),
+                        help="boxcar's dtype (the transformers baselines stay float32)")
     for name in ("hf-single", "hf-static", "hf-continuous"):
         parser.add_argument(f"--skip-{name}", action="store_true")
     parser.add_argument("--json", default=None, help="write the figures here")
@@ -333,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(args.seed)
     num_requests = args.num_requests or (8 if args.quick else 64)
     prompt_range, output_range = ((30, 100), (8, 32)) if args.quick else ((30, 400), (16, 256))
-    llm = LLM(args.model, dtype="float32", device="cpu", num_threads=args.threads,
+    llm = LLM(args.model, dtype=args.dtype, device="cpu", num_threads=args.threads,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     workload = make_workload(llm.tokenizer, num_requests=num_requests, prompt_range=prompt_range,
                              output_range=output_range, seed=args.seed)
