@@ -158,6 +158,13 @@ class EngineRecorder:
         with self._lock:
             self._snap["counters"]["requests_rejected"] += 1
 
+    def observe_claims(self, attempts: int, won: int) -> None:
+        """A claim statement (the lease thread): shards asked for, shards won."""
+        with self._lock:
+            counters = self._snap["counters"]
+            counters["shard_claim_attempts"] += attempts
+            counters["shard_claims"] += won
+
     def _repeated(self, token_ids: list[int]) -> int:
         """Tokens in full blocks whose whole prefix an earlier prompt had (the part a prefix
         cache could have served: never the last token, which must be computed)."""

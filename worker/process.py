@@ -188,7 +188,7 @@ class WorkerService:
                                        on_prepared=self._announce_shards,
                                        on_finalized=self.webhooks.wake)
         self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
-                                   on_shards_done=self.housekeeper.batches_touched)
+                                   on_batches_drained=self.housekeeper.batches_touched)
         # Answers carry the model's id, the name /v1/models lists and requests are routed by.
         model_name = self.model_id
         aliases = setting_aliases(settings.model, settings.served_model_name)
@@ -213,7 +213,8 @@ class WorkerService:
                                   on_batches_touched=self.housekeeper.batches_touched,
                                   model=model_name, aliases=aliases,
                                   engine_alive=self._engine_thread.is_alive,
-                                  on_engine_dead=self._engine_thread_died)
+                                  on_engine_dead=self._engine_thread_died,
+                                  on_claims=self.recorder.observe_claims)
         # Served from now on (before the first claim), and kept so by the lease thread (which
         # retries at once if the database is not there yet).
         try:
@@ -337,7 +338,7 @@ class WorkerService:
                 or not self.leases.has_room(is_job=ids.is_job_shard(shard_id))):
             self.leases.wake()
             return False
-        return self.leases.claim(shard_id)
+        return self.leases.claim([shard_id], max_bulk=1, max_jobs=1) == 1
 
     def handle_batch(self, batch_id: str) -> str | None:
         """Prepare or finalize ``batch_id`` as its state asks; notice a cancel at once."""
