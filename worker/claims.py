@@ -20,10 +20,10 @@ import datetime as dt
 from collections import Counter
 from dataclasses import dataclass
 
-from sqlalchemy import and_, func, or_, select, true, update
+from sqlalchemy import and_, case, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
-from service import counters
+from service import counters, ids
 from service.counters import CounterDelta
 from service.db import utcnow
 from service.models import (
@@ -157,22 +157,24 @@ def claim_shards(
         Shard.job_id.is_not(None),
         select(Batch.id).where(Batch.id == Shard.batch_id, Batch.status == IN_PROGRESS).exists(),
     )
-    free = session.execute(
-        select(Shard.id, Shard.tenant_id, Shard.batch_id, Shard.job_id, Shard.priority,
-               Shard.attempts)
-        .where(Shard.id.in_(shard_ids), _claimable(now), batch_running, _of_model(model))
-        .with_for_update(skip_locked=True, of=Shard)
-    ).all()
-    by_id = {row.id: row for row in free}
     picked: list[ClaimedShard] = []
-    room = {True: max_jobs, False: max_bulk}
-    for shard_id in shard_ids:
-        row = by_id.pop(shard_id, None)
-        if row is None or room[row.job_id is not None] <= 0:
+    job_ids = [sid for sid in shard_ids if ids.is_job_shard(sid)]
+    bulk_ids = [sid for sid in shard_ids if not ids.is_job_shard(sid)]
+    for wanted, limit in ((job_ids, max_jobs), (bulk_ids, max_bulk)):
+        if not wanted or limit <= 0:
             continue
-        room[row.job_id is not None] -= 1
-        picked.append(ClaimedShard(row.id, row.tenant_id, row.batch_id, row.job_id,
-                                   row.priority, row.attempts + 1))
+        # Lock only as many as wanted, the first free ones in the caller's order: the rest
+        # stay free for the workers claiming beside this one.
+        rank = case({sid: i for i, sid in enumerate(wanted)}, value=Shard.id)
+        rows = session.execute(
+            select(Shard.id, Shard.tenant_id, Shard.batch_id, Shard.job_id, Shard.priority,
+                   Shard.attempts)
+            .where(Shard.id.in_(wanted), _claimable(now), batch_running, _of_model(model))
+            .order_by(rank).limit(limit)
+            .with_for_update(skip_locked=True, of=Shard)
+        ).all()
+        picked += [ClaimedShard(r.id, r.tenant_id, r.batch_id, r.job_id, r.priority,
+                                r.attempts + 1) for r in rows]
     if not picked:
         return []
     session.execute(
@@ -182,10 +184,10 @@ def claim_shards(
                 lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
         .execution_options(synchronize_session=False)
     )
-    job_ids = [c.job_id for c in picked if c.job_id is not None]
-    if job_ids:
+    claimed_jobs = [c.job_id for c in picked if c.job_id is not None]
+    if claimed_jobs:
         session.execute(
-            update(Job).where(Job.id.in_(job_ids), Job.status == JOB_QUEUED)
+            update(Job).where(Job.id.in_(claimed_jobs), Job.status == JOB_QUEUED)
             .values(status=JOB_IN_PROGRESS).execution_options(synchronize_session=False)
         )
     return picked
