@@ -46,7 +46,8 @@ class LeaseKeeper(RoundLoop):
         on_engine_dead: Callable[[], None] = lambda: None,
         on_claims: Callable[[int, int], None] = lambda attempts, won: None,
     ) -> None:
-        super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
+        super().__init__(min(settings.poll_interval, settings.lease_seconds / 3),
+                         idle_interval=min(settings.idle_poll_interval, settings.lease_seconds / 3))
         self.db = db
         self.settings = settings
         self.worker_id = worker_id
@@ -57,6 +58,7 @@ class LeaseKeeper(RoundLoop):
         self.model = model  # claim only this model's shards (None: any, a test's fake engine)
         self.aliases = aliases or []
         self._last_check = 0.0
+        self._last_reap = 0.0
         self._last_announce = 0.0  # never: the first round announces (unless start() did)
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
         # Leases are renewed only for an engine that runs: a worker whose engine thread died
@@ -157,12 +159,25 @@ class LeaseKeeper(RoundLoop):
             self._last_announce = time.monotonic()
 
     def check(self) -> None:
-        """Heartbeat; drop lost shards and stopped batches; reap expired leases."""
+        """Heartbeat what is held (one statement); drop lost shards and stopped batches; reap
+        expired leases once a lease period (claims take expired shards anyway: reaping only
+        rings for them). A worker holding nothing touches the database only to reap."""
+        held = self.held.ids()
+        reap = time.monotonic() - self._last_reap >= self.settings.lease_seconds
+        if not held and not reap:
+            return
+        lost: set[str] = set()
+        statuses: dict[str, str] = {}
+        reaped: list[str] = []
         with self.db.session() as session:
-            lost = claims.heartbeat(session, self.held.ids(), worker_id=self.worker_id,
-                                    lease_seconds=self.settings.lease_seconds)
-            statuses = claims.batch_statuses(session, self.held.batch_ids())
-            reaped = claims.reap_expired(session)
+            if held:
+                lost = claims.heartbeat(session, held, worker_id=self.worker_id,
+                                        lease_seconds=self.settings.lease_seconds)
+                statuses = claims.batch_statuses(session, self.held.batch_ids())
+            if reap:
+                reaped = claims.reap_expired(session)
+        if reap:
+            self._last_reap = time.monotonic()
         if lost:
             log.warning("lost the lease of %d shards: %s", len(lost), sorted(lost))
             self.held.remove(lost)
@@ -177,6 +192,10 @@ class LeaseKeeper(RoundLoop):
         if reaped:
             log.info("made %d shards with expired leases claimable again", len(reaped))
             self._announce_shards(reaped)
+
+    def is_idle(self) -> bool:
+        """Nothing held, nothing queued, and the last claim found no candidate."""
+        return not len(self.held) and not self.drainer.num_backlog and not self._found_work
 
     def run_round(self) -> bool:
         if not self._engine_alive():  # no heartbeats, claims or model announcements

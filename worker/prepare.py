@@ -19,6 +19,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from openai_format.parse import CustomIdTracker, LineError, parse_line
+from openai_format.sampling import engine_fields
 from service import counters
 from service.counters import CounterDelta
 from service.db import Database, utcnow
@@ -97,7 +98,7 @@ def _line_rows(
             yield row
             continue
         row.update(custom_id=parsed.custom_id, body=stored_body(parsed), sort_key=sort_key(parsed),
-                   endpoint=parsed.url)
+                   endpoint=parsed.url, engine_fields=engine_fields(parsed.body))
         prompt_tokens, output_tokens = estimate_tokens(parsed)
         estimates[0] += prompt_tokens
         estimates[1] += output_tokens
@@ -163,7 +164,8 @@ def _prepare(
         rows = []
         for row in _line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints,
                               estimates=estimates):
-            for key in ("custom_id", "body", "error", "finished_at", "position", "shard_id"):
+            for key in ("custom_id", "body", "engine_fields", "error", "finished_at", "position",
+                        "shard_id"):
                 row.setdefault(key, None)
             rows.append(row)
         num_shards = _assign_shards(rows, batch_id=batch.id, shard_size=shard_size)

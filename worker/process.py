@@ -183,12 +183,14 @@ class WorkerService:
             self.db, allow_private=settings.webhook_allow_private,
             retry_delays=settings.webhook_retry_delays, timeout=settings.webhook_timeout,
             interval=min(settings.poll_interval, 1.0),
+            idle_interval=settings.idle_poll_interval,
         )
         self.housekeeper = Housekeeper(self.db, self.storage, settings, worker_id=self.worker_id,
                                        on_prepared=self._announce_shards,
                                        on_finalized=self.webhooks.wake)
         self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
-                                   on_batches_drained=self.housekeeper.batches_touched)
+                                   on_batches_drained=self.housekeeper.batches_touched,
+                                   on_jobs_settled=self.webhooks.wake)
         # Answers carry the model's id, the name /v1/models lists and requests are routed by.
         model_name = self.model_id
         aliases = setting_aliases(settings.model, settings.served_model_name)

@@ -132,6 +132,7 @@ class ResultWriter:
         *,
         worker_id: str,
         on_batches_drained: Callable[[set[str]], None] = lambda batch_ids: None,
+        on_jobs_settled: Callable[[], None] = lambda: None,
         max_batch: int = 256,
         max_delay: float = 0.02,
     ) -> None:
@@ -139,6 +140,7 @@ class ResultWriter:
         self._held = held
         self._worker_id = worker_id
         self._on_batches_drained = on_batches_drained
+        self._on_jobs_settled = on_jobs_settled  # their webhook events are queued
         self._max_batch = max_batch
         self._max_delay = max_delay
         self._queue: queue.Queue[LineResult | None] = queue.Queue()
@@ -208,6 +210,8 @@ class ResultWriter:
         # The last line of a batch finishes a shard of it (or lands after a lost lease): only
         # then can its open count have reached zero. Read after the commit, so of two writers
         # closing a batch's last lines at once, the later one sees zero.
+        if any(r.work.job_id is not None for r in results):
+            self._on_jobs_settled()
         maybe_drained = closed & ({s.batch_id for s in finished} if not unheld else closed)
         if maybe_drained:
             self._hand_drained(maybe_drained)
