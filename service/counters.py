@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, fields
 
 from sqlalchemy import case, delete, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from service.models import COUNTER_SLOTS, LINE_COMPLETED, LINE_OPEN, BatchCounter, RequestLine
@@ -62,18 +64,11 @@ def slot_of(worker_id: str) -> int:
     return zlib.crc32(worker_id.encode()) % COUNTER_SLOTS
 
 
-def _upsert(session: Session):
-    if session.get_bind().dialect.name == "postgresql":
-        from sqlalchemy.dialects.postgresql import insert
-    else:
-        from sqlalchemy.dialects.sqlite import insert
-    return insert
-
-
 def add(session: Session, deltas: dict[str, CounterDelta], *, slot: int) -> None:
     """Add ``deltas`` (batch id -> change) to ``slot`` of each batch. Batches are taken in id
     order, so two writers that touch the same batches lock their rows in the same order."""
-    insert = _upsert(session)
+    # Both dialects spell the upsert alike (INSERT ... ON CONFLICT DO UPDATE).
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
     for batch_id in sorted(deltas):
         delta = deltas[batch_id]
         if delta == CounterDelta():
