@@ -74,7 +74,7 @@ class Settings(BaseSettings):
     poll_interval: float = 0.5
     # The longest an idle worker's loops sleep between polls (doubling from poll_interval):
     # broker messages wake them at once, so polling is only the fallback.
-    idle_poll_interval: float = 10.0
+    idle_poll_interval: float = 20.0
     max_shard_attempts: int = 5
     worker_max_shards: int = 8
     worker_max_lines: int = 4096

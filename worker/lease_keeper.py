@@ -47,7 +47,8 @@ class LeaseKeeper(RoundLoop):
         on_claims: Callable[[int, int], None] = lambda attempts, won: None,
     ) -> None:
         super().__init__(min(settings.poll_interval, settings.lease_seconds / 3),
-                         idle_interval=min(settings.idle_poll_interval, settings.lease_seconds / 3))
+                         # Idle means nothing held: no lease to renew, only the reaper's turn.
+                         idle_interval=settings.idle_poll_interval)
         self.db = db
         self.settings = settings
         self.worker_id = worker_id
