@@ -3,8 +3,8 @@
 Every write is conditional on the line still being open, so when two workers ran the same line
 (a lease that expired under a slow worker) the first result stays and the second is a no-op: the
 open lines among a write's are locked first (in pk order), and only those are written and
-counted in their batches' counters (``service.counters``, this worker's slot, the transaction's
-last statement so the counter row is held for the commit alone). A shard whose last line is
+counted in their batches' counters (``service.counters``, this worker's slot, at the end of the
+transaction, so the counter row is held only until the commit). A shard whose last line is
 written is marked done in the same transaction; single jobs get their status and their webhook
 events there too. After the commit, a batch whose open-line count reached zero is handed to
 finalize once (``on_batches_drained``), instead of a finalize attempt per finished shard.
