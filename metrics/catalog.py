@@ -76,17 +76,17 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
        "Prompt tokens of finished requests in full blocks whose prefix an earlier request had"),
     _c("admission_blocked_steps", "boxcar_engine_admission_blocked_steps",
        "Steps that left requests waiting although seats and token budget were free"),
-    # The worker's claims ride in the same snapshot so the API's /metrics sums them over workers:
-    # attempts per claim above 1 means workers chase the same shards (bench/scale.py reads both).
-    _c("shard_claim_attempts", "boxcar_shard_claim_attempts",
-       "Shard claim attempts, won or lost to another worker"),
-    _c("shard_claims", "boxcar_shard_claims", "Shard claims won"),
     _c("busy_s", "boxcar_engine_busy_seconds",
        "Wall time of the engine loop while it had work (steps and the gaps between them)"),
     _c("prefill_model_s", "boxcar_engine_model_seconds",
        "Time in the model runner, split by phase", labels={"phase": "prefill"}),
     _c("decode_model_s", "boxcar_engine_model_seconds",
        "Time in the model runner, split by phase", labels={"phase": "decode"}),
+    # The worker's claims (not the engine's), in the same snapshot so the API's /metrics sums
+    # them over workers: their ratio is how often workers collide (bench/scale.py reads both).
+    _c("shard_claim_attempts", "boxcar_shard_claim_attempts",
+       "Shards a worker asked for in its claim statements"),
+    _c("shard_claims", "boxcar_shard_claims", "Shards a worker's claim statements won"),
     _g("running", "boxcar_requests_running", "Requests running in the engine"),
     _g("waiting", "boxcar_requests_waiting", "Requests waiting in the engine"),
     _g("kv_usage", "boxcar_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",

@@ -158,6 +158,13 @@ class EngineRecorder:
         with self._lock:
             self._snap["counters"]["requests_rejected"] += 1
 
+    def observe_claims(self, attempts: int, won: int) -> None:
+        """A claim statement (the lease thread): shards asked for, shards won."""
+        with self._lock:
+            counters = self._snap["counters"]
+            counters["shard_claim_attempts"] += attempts
+            counters["shard_claims"] += won
+
     def _repeated(self, token_ids: list[int]) -> int:
         """Tokens in full blocks whose whole prefix an earlier prompt had (the part a prefix
         cache could have served: never the last token, which must be computed)."""
@@ -176,14 +183,6 @@ class EngineRecorder:
         return repeated
 
     # -- any thread ---------------------------------------------------------------------------
-
-    def observe_claim(self, *, won: bool) -> None:
-        """One shard claim attempt (the lease thread's), won or lost to another worker."""
-        with self._lock:
-            counters = self._snap["counters"]
-            counters["shard_claim_attempts"] += 1
-            if won:
-                counters["shard_claims"] += 1
 
     def tick(self) -> None:
         """Add a timeline point if one is due (the publisher calls it: idle time shows too)."""

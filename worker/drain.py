@@ -28,7 +28,13 @@ from metrics.counters import ENGINE_STEPS, LINES_FINISHED
 from openai_format.ids import new_id
 from openai_format.parse import SERVER_ERROR
 from openai_format.tools import ToolCallMode
-from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, response_body
+from pipeline.engine_adapter import (
+    PrepareError,
+    add_to_engine,
+    prepare,
+    prepare_fields,
+    response_body,
+)
 from service.models import LINE_COMPLETED, LINE_FAILED
 from worker.items import LineResult, LineWork
 from worker.line_queue import LineQueue
@@ -154,8 +160,12 @@ class Drainer:
             self._on_hungry()  # claim more before the engine runs dry, not at the next poll
 
     def _add_to_engine(self, work: LineWork) -> None:
-        # The same pipeline as ``boxcar run``: a line's error is the same on both paths.
-        engine_input = prepare(self.engine, work.endpoint, work.body)
+        # The same pipeline as ``boxcar run``: a line's error is the same on both paths. A line
+        # stored with its engine fields is not parsed again (older rows are).
+        if work.engine_fields is not None:
+            engine_input = prepare_fields(self.engine, work.engine_fields)
+        else:
+            engine_input = prepare(self.engine, work.endpoint, work.body)
         if not isinstance(engine_input, PrepareError):
             engine_input = add_to_engine(self.engine, work.engine_request_id, engine_input,
                                          priority=work.engine_priority) or (

@@ -183,12 +183,14 @@ class WorkerService:
             self.db, allow_private=settings.webhook_allow_private,
             retry_delays=settings.webhook_retry_delays, timeout=settings.webhook_timeout,
             interval=min(settings.poll_interval, 1.0),
+            idle_interval=settings.idle_poll_interval,
         )
         self.housekeeper = Housekeeper(self.db, self.storage, settings, worker_id=self.worker_id,
                                        on_prepared=self._announce_shards,
                                        on_finalized=self.webhooks.wake)
         self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
-                                   on_shards_done=self.housekeeper.batches_touched)
+                                   on_batches_drained=self.housekeeper.batches_touched,
+                                   on_jobs_settled=self.webhooks.wake)
         # Answers carry the model's id, the name /v1/models lists and requests are routed by.
         model_name = self.model_id
         aliases = setting_aliases(settings.model, settings.served_model_name)
@@ -214,7 +216,7 @@ class WorkerService:
                                   model=model_name, aliases=aliases,
                                   engine_alive=self._engine_thread.is_alive,
                                   on_engine_dead=self._engine_thread_died,
-                                  recorder=self.recorder)
+                                  on_claims=self.recorder.observe_claims)
         # Served from now on (before the first claim), and kept so by the lease thread (which
         # retries at once if the database is not there yet).
         try:
@@ -338,7 +340,7 @@ class WorkerService:
                 or not self.leases.has_room(is_job=ids.is_job_shard(shard_id))):
             self.leases.wake()
             return False
-        return self.leases.claim(shard_id)
+        return self.leases.claim([shard_id], max_bulk=1, max_jobs=1) == 1
 
     def handle_batch(self, batch_id: str) -> str | None:
         """Prepare or finalize ``batch_id`` as its state asks; notice a cancel at once."""

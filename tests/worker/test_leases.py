@@ -98,7 +98,7 @@ def test_claim_attempts_and_wins_reach_the_api_metrics(make_stack, sqlite_url):
     attempts = counters["shard_claim_attempts"]
     assert attempts >= 3
     # A shard already claimed (done) is an attempt lost, not a claim.
-    assert worker.leases.claim(shard_ids[0]) is False
+    assert worker.leases.claim([shard_ids[0]], max_bulk=1, max_jobs=1) == 0
     counters = worker.recorder.snapshot()["counters"]
     assert (counters["shard_claim_attempts"], counters["shard_claims"]) == (attempts + 1, 3)
 
