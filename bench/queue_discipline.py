@@ -2,6 +2,7 @@
 bulk batch, and the batch's estimated completion.
 
     python -m bench.queue_discipline [--bulk 150] [--rounds 1] [--urgent-prefill-tokens 64]
+    python -m bench.queue_discipline --eta-only   # step 3 alone: the estimate's errors
 
 One embedded service (REST, worker, SQLite, the real engine). Seeded chat workloads: ``--bulk``
 lines of 20-80 words, 16-64 greedy output tokens with EOS ignored (each batch its own seed, so
@@ -151,6 +152,19 @@ def _fmt_errors(errors: dict[float, tuple[float, float] | None]) -> str:
     return ", ".join(parts)
 
 
+def _print_job_figures(runs: dict[str, list[dict[str, Any]]], solo: float) -> None:
+    alone = statistics.median(x["tokens_per_s"] for x in runs["bulk alone"])
+    with_job = statistics.median(x["tokens_per_s"] for x in runs["bulk + job"])
+    latency = statistics.median(x["job_latency"] for x in runs["bulk + job"])
+    bound = max(3 * solo, solo + 4.0)
+    print(f"\njob under load {latency:.2f}s = {latency / solo:.1f}x solo {solo:.2f}s; "
+          f"bound max(3 x solo, solo + 4 s) = {bound:.2f}s: "
+          f"{'met' if latency <= bound else 'NOT met'}")
+    drop = 1 - with_job / alone
+    print(f"bulk throughput alone {alone:.1f} tok/s, with the job {with_job:.1f} tok/s: "
+          f"drop {drop:.1%} (target <= 5%): {'met' if drop <= 0.05 else 'NOT met'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.queue_discipline",
                                      description=__doc__.split("\n\n")[0])
@@ -160,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--urgent-prefill-tokens", type=int, default=64)
     parser.add_argument("--skip-queued", action="store_true")
+    parser.add_argument("--eta-only", action="store_true",
+                        help="measure only the estimate (step 3): no job, no bulk + job runs")
     args = parser.parse_args(argv)
 
     workdir = tempfile.mkdtemp(prefix="boxcar-bench-queue-")
@@ -178,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens); urgent_prefill_tokens {args.urgent_prefill_tokens}; machine shared: "
               "compare ratios", flush=True)
         bench.solo_job()  # warm up
-        solo = statistics.median(bench.solo_job() for _ in range(3))
-        print(f"job solo: {solo:.2f}s", flush=True)
-        runs: dict[str, list[dict[str, Any]]] = {"bulk alone": [], "bulk + job": []}
+        solo = 0.0
+        if not args.eta_only:
+            solo = statistics.median(bench.solo_job() for _ in range(3))
+            print(f"job solo: {solo:.2f}s", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {"bulk alone": []}
+        if not args.eta_only:
+            runs["bulk + job"] = []
         for r in range(args.rounds):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for name in order:
@@ -200,16 +220,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"queued behind another: {queued['elapsed']:.1f}s; eta errors: "
                   f"{_fmt_errors(queued['errors'])}", flush=True)
 
-        alone = statistics.median(x["tokens_per_s"] for x in runs["bulk alone"])
-        with_job = statistics.median(x["tokens_per_s"] for x in runs["bulk + job"])
-        latency = statistics.median(x["job_latency"] for x in runs["bulk + job"])
-        bound = max(3 * solo, solo + 4.0)
-        print(f"\njob under load {latency:.2f}s = {latency / solo:.1f}x solo {solo:.2f}s; "
-              f"bound max(3 x solo, solo + 4 s) = {bound:.2f}s: "
-              f"{'met' if latency <= bound else 'NOT met'}")
-        drop = 1 - with_job / alone
-        print(f"bulk throughput alone {alone:.1f} tok/s, with the job {with_job:.1f} tok/s: "
-              f"drop {drop:.1%} (target <= 5%): {'met' if drop <= 0.05 else 'NOT met'}")
+        if not args.eta_only:
+            _print_job_figures(runs, solo)
         worst: list[float] = []
         for result in [*runs["bulk alone"], *([queued] if queued else [])]:
             worst.extend(float("inf") if e is None else e[0] for e in result["errors"].values())

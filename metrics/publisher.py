@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import delete
 
@@ -31,12 +33,14 @@ class MetricsPublisher(RoundLoop):
     round_name = "metrics heartbeat"
 
     def __init__(self, db: Database, recorder: EngineRecorder, *, worker_id: str,
-                 model: str | None, interval: float) -> None:
+                 model: str | None, interval: float,
+                 forecast: Callable[[], dict[str, Any] | None] | None = None) -> None:
         super().__init__(interval)
         self.db = db
         self.recorder = recorder
         self.worker_id = worker_id
         self.model = model
+        self._forecast = forecast  # the held lines' forecast (worker.forecaster), or none
         self._started_at = utcnow()
 
     def run(self, stop: threading.Event) -> None:
@@ -50,6 +54,11 @@ class MetricsPublisher(RoundLoop):
     def publish(self) -> None:
         self.recorder.tick()
         snapshot = self.recorder.snapshot()
+        if self._forecast is not None:
+            try:
+                snapshot["forecast"] = self._forecast()
+            except Exception:  # the heartbeat must go out whatever the forecast does
+                log.exception("could not forecast the held lines")
         with self.db.session() as session:
             row = session.get(WorkerStatus, self.worker_id)
             if row is None:
