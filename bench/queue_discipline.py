@@ -136,11 +136,12 @@ class Bench:
 
 def _errors(started: float, at: float, eta: float | None, finished: float
             ) -> tuple[float, float] | None:
-    """(error against the time left at the reading, against the time since the POST)."""
+    """(error against the time left at the reading, against the time since the POST); signed:
+    above zero the estimate was later than the batch's completion."""
     if eta is None:
         return None
-    return (abs(eta - finished) / max(finished - at, 1e-9),
-            abs(eta - finished) / max(finished - started, 1e-9))
+    return ((eta - finished) / max(finished - at, 1e-9),
+            (eta - finished) / max(finished - started, 1e-9))
 
 
 def _fmt_errors(errors: dict[float, tuple[float, float] | None]) -> str:
@@ -148,7 +149,7 @@ def _fmt_errors(errors: dict[float, tuple[float, float] | None]) -> str:
     for mark in MARKS:
         e = errors.get(mark)
         parts.append(f"{int(mark * 100)}%: " + ("null" if e is None else
-                                                f"{e[0]:.0%} of left / {e[1]:.0%} of total"))
+                                                f"{e[0]:+.0%} of left / {e[1]:+.0%} of total"))
     return ", ".join(parts)
 
 
@@ -224,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             _print_job_figures(runs, solo)
         worst: list[float] = []
         for result in [*runs["bulk alone"], *([queued] if queued else [])]:
-            worst.extend(float("inf") if e is None else e[0] for e in result["errors"].values())
+            worst.extend(float("inf") if e is None else abs(e[0])
+                         for e in result["errors"].values())
         if worst:
             print(f"eta: worst error against the time left {max(worst):.0%} over "
                   f"{len(worst)} readings (target <= 25%): "

@@ -50,6 +50,7 @@ class LineProgress:
     output_tokens: int  # generated so far
     max_tokens: int
     ignore_eos: bool
+    counts_line: bool = True  # False for the 2nd..nth sequence of an n > 1 line
 
 
 @dataclass(frozen=True)
@@ -166,7 +167,8 @@ def forecast(lines: Iterable[LineProgress], *, seats: int, cost: Cost,
     starts: list[float] = []
     ends: list[float] = []
     prefill: list[float] = []
-    for line in lines:
+    held = list(lines)
+    for line in held:
         start = heapq.heappop(free) if not line.running and len(free) >= seats else 0.0
         end = start + lengths.expected_left(line)
         heapq.heappush(free, end)
@@ -185,9 +187,9 @@ def forecast(lines: Iterable[LineProgress], *, seats: int, cost: Cost,
 
     last: dict[str, float] = {}
     counts: dict[str, int] = {}
-    for batch_id, end in zip(batch_ids, ends, strict=True):
+    for line, batch_id, end in zip(held, batch_ids, ends, strict=True):
         if batch_id is not None:
             last[batch_id] = max(last.get(batch_id, 0.0), end)
-            counts[batch_id] = counts.get(batch_id, 0) + 1
+            counts[batch_id] = counts.get(batch_id, 0) + int(line.counts_line)
     batches = {b: BatchForecast(counts[b], seconds_until(step)) for b, step in last.items()}
     return batches, seconds_until(float(end_a.max()))

@@ -47,13 +47,16 @@ class Forecaster:
             return
         in_engine = drainer.in_engine
         lines = []
+        seen: set[str] = set()
         for seq in progress():
             work = in_engine.get(seq.request_id)
+            first = seq.request_id not in seen
+            seen.add(seq.request_id)
             lines.append(LineProgress(
                 batch_id=work.batch_id if work is not None else None, running=seq.running,
                 prefill_tokens=max(seq.num_tokens - seq.num_computed_tokens - 1, 0),
                 output_tokens=seq.num_output_tokens, max_tokens=seq.max_tokens,
-                ignore_eos=seq.ignore_eos))
+                ignore_eos=seq.ignore_eos, counts_line=first))
         prompt = drainer.avg_prompt_tokens
         lines.extend(self._queued(work, prompt) for work in drainer.queue.ordered())
         self._lines = (time.time(), lines)  # one reference swap: the metrics thread reads it

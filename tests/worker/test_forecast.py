@@ -9,7 +9,14 @@ from dataclasses import dataclass
 import pytest
 
 from metrics.eta import throughput, work_left
-from metrics.forecast import Cost, LineProgress, OutputLengths, StepCost, forecast
+from metrics.forecast import (
+    BatchForecast,
+    Cost,
+    LineProgress,
+    OutputLengths,
+    StepCost,
+    forecast,
+)
 
 COST = Cost(fixed=0.05, per_decode=0.002, per_prefill=0.0002)
 
@@ -197,3 +204,12 @@ def test_the_forecast_of_a_running_batch_tracks_a_simulated_engine():
         assert forecast_left == pytest.approx(actual_left, rel=0.05)
         old_errors.append(abs(old_left - actual_left) / actual_left)
     assert len(readings) == 3 and max(old_errors) > 0.25
+
+
+def test_the_sequences_of_an_n_2_line_take_two_seats_but_count_one_line():
+    first = line(0, 10, ignore_eos=True)
+    second = LineProgress(batch_id="b", running=False, prefill_tokens=0, output_tokens=0,
+                          max_tokens=10, ignore_eos=True, counts_line=False)
+    batches, _ = forecast([first, second], seats=1, cost=Cost(1.0, 0.0, 0.0),
+                          lengths=OutputLengths())
+    assert batches["b"] == BatchForecast(num_lines=1, seconds_left=20.0)
