@@ -36,6 +36,7 @@ import numpy as np
 
 STEP_HISTORY = 2048
 RECENT_STEPS = 32
+PRIOR_STEPS = 1
 # Finished lengths remembered per worker (sorted, for the conditional mean).
 MAX_LENGTHS = 4096
 
@@ -83,12 +84,14 @@ class StepCost:
             return None
         decode, prefill, seconds = steps[:, 0], steps[:, 1], steps[:, 2]
         design = np.stack([np.ones_like(decode), decode, prefill], axis=1)
-        # Columns scaled to unit size so that a direction the steps do not vary in (all steps
-        # the same size) gets a least-norm share, not an arbitrary one.
-        scale = np.maximum(np.abs(design).max(axis=0), 1e-9)
-        coef = np.linalg.lstsq(design / scale, seconds, rcond=None)[0] / scale
-        if np.any(coef < 0):
-            coef = self._non_negative(design, seconds)
+        # The prior: a decode costs what a prompt token does (one row through the same
+        # matrices), worth PRIOR_STEPS steps of evidence at the largest decode count seen.
+        # Without it, steps that all hold the same number of decodes (a job's, then a batch's
+        # plateau) cannot tell the fixed part from the per-decode part, and the tail of a batch
+        # is extrapolated from a guess.
+        weight = np.sqrt(PRIOR_STEPS) * max(float(decode.max()), 1.0)
+        prior = np.array([[0.0, weight, -weight]])
+        coef = _non_negative_lstsq(np.vstack([design, prior]), np.append(seconds, 0.0))
         recent = slice(-self._recent, None)
         predicted = float((design[recent] @ coef).sum())
         if predicted > 0:
@@ -99,24 +102,22 @@ class StepCost:
         with self._lock:
             return len(self._steps)
 
-    @staticmethod
-    def _non_negative(design: np.ndarray, seconds: np.ndarray) -> np.ndarray:
-        """The best fit with each negative coefficient held at zero (a cost is never below
-        zero; a negative one comes from noise in a narrow spread of step sizes)."""
-        keep = np.ones(design.shape[1], dtype=bool)
-        coef = np.zeros(design.shape[1])
-        for _ in range(design.shape[1]):
-            sub = design[:, keep]
-            scale = np.maximum(np.abs(sub).max(axis=0), 1e-9)
-            part = np.linalg.lstsq(sub / scale, seconds, rcond=None)[0] / scale
-            if np.all(part >= 0):
-                coef[keep] = part
-                return coef
-            drop = np.flatnonzero(keep)[np.argmin(part)]
-            keep[drop] = False
-            if not keep.any():
-                break
-        return coef
+
+def _non_negative_lstsq(design: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares with each negative coefficient held at zero (a cost is never below zero;
+    a negative one comes from noise in a narrow spread of step sizes). Columns are scaled to
+    unit size so that a direction the steps do not vary in gets a least-norm share."""
+    keep = np.ones(design.shape[1], dtype=bool)
+    coef = np.zeros(design.shape[1])
+    while keep.any():
+        sub = design[:, keep]
+        scale = np.maximum(np.abs(sub).max(axis=0), 1e-12)
+        part = np.linalg.lstsq(sub / scale, seconds, rcond=None)[0] / scale
+        if np.all(part >= 0):
+            coef[keep] = part
+            break
+        keep[np.flatnonzero(keep)[np.argmin(part)]] = False
+    return coef
 
 
 class OutputLengths:
