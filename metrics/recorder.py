@@ -6,6 +6,7 @@ recorder turns the deltas of ``EngineStats`` (tokens, batch size and scheduled t
 prefill and decode model time, preemptions, prefix cache lookups) and each finished request's
 ``RequestMetrics`` (TTFT, TPOT, queue time, end-to-end, lengths) into one snapshot
 (``metrics.catalog``), and is itself a prometheus_client collector of that snapshot.
+It fits what a step costs (``step_cost``, for the worker's forecast: ``metrics.forecast``).
 It also notices repeated prompt prefixes on its own (a chained hash per full block, as the prefix
 cache keys them), so ``boxcar doctor`` can tell recomputed prefixes even with the cache off.
 """

@@ -64,7 +64,8 @@ class Drainer:
         # Below this many queued lines the drainer asks for more work (``on_hungry``).
         self.low_water = low_water if low_water is not None else 2 * max_num_seqs
         self._on_hungry = on_hungry
-        self.on_step = on_step  # after each step, on this thread (the forecast's gather)
+        # After each step and each idle turn, on this thread (the forecast's gather).
+        self.on_step = on_step
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
         self._tool_modes: dict[str, ToolCallMode] = {}  # lines whose output holds tool calls
@@ -139,6 +140,7 @@ class Drainer:
             time.sleep(self.job_collect_window)
         self._top_up()
         if not self.engine.has_unfinished_requests():
+            self.on_step()  # the forecast sees the engine empty, not its last busy state
             return False
         try:
             outputs = self.engine.step()
