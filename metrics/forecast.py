@@ -9,9 +9,10 @@ Three parts:
 
 * ``StepCost``: the seconds one engine step costs (its time plus the gap to the next),
   ``fixed + per_decode * decodes + per_prefill * prefill tokens``, fitted by least squares over
-  the last ``STEP_HISTORY`` steps, then scaled to the last ``RECENT_STEPS`` steps (other load on
-  the machine slows every part of a step alike). A per-token throughput alone cannot see that
-  a batch's tail runs at a few sequences a step, each step costing its fixed part.
+  the last ``STEP_HISTORY`` steps, then scaled to the steps of the last ``RECENT_S`` seconds
+  (other load on the machine slows every part of a step alike). A per-token throughput alone
+  cannot see that a batch's tail runs at a few sequences a step, each step costing its fixed
+  part.
 * ``OutputLengths``: how many tokens a line that may stop early (no ``ignore_eos``) will
   generate, learned from the lines this worker finished: the mean of the finished lengths
   longer than what the line has already generated, capped at its ``max_tokens``. A line that
@@ -28,6 +29,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -35,7 +37,11 @@ from dataclasses import dataclass
 import numpy as np
 
 STEP_HISTORY = 2048
-RECENT_STEPS = 32
+# The level is taken from the steps of the last RECENT_S seconds (at least MIN_RECENT_STEPS):
+# on a shared machine the load moves within a batch's life, and the forecast should follow it
+# within seconds, not a few dozen steps (which, at seconds a step, lag by minutes).
+RECENT_S = 10.0
+MIN_RECENT_STEPS = 4
 PRIOR_STEPS = 1
 # Finished lengths remembered per worker (sorted, for the conditional mean).
 MAX_LENGTHS = 4096
@@ -67,19 +73,23 @@ class StepCost:
     """The fitted ``Cost`` of this worker's steps; thread-safe (the engine thread observes,
     the metrics thread fits)."""
 
-    def __init__(self, history: int = STEP_HISTORY, recent: int = RECENT_STEPS) -> None:
+    def __init__(self, history: int = STEP_HISTORY, recent_s: float = RECENT_S) -> None:
         self._lock = threading.Lock()
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=history)
-        self._recent = recent
+        self._ends: deque[float] = deque(maxlen=history)  # time.monotonic() at each step's end
+        self._recent_s = recent_s
 
-    def observe(self, seconds: float, *, num_decode: float, num_prefill: float) -> None:
+    def observe(self, seconds: float, *, num_decode: float, num_prefill: float,
+                at: float | None = None) -> None:
         with self._lock:
             self._steps.append((num_decode, num_prefill, seconds))
+            self._ends.append(time.monotonic() if at is None else at)
 
     def fit(self) -> Cost | None:
         """None until a step has been seen."""
         with self._lock:
             steps = np.array(self._steps, dtype=np.float64).reshape(-1, 3)
+            ends = np.array(self._ends, dtype=np.float64)
         if not len(steps):
             return None
         decode, prefill, seconds = steps[:, 0], steps[:, 1], steps[:, 2]
@@ -92,7 +102,8 @@ class StepCost:
         weight = np.sqrt(PRIOR_STEPS) * max(float(decode.max()), 1.0)
         prior = np.array([[0.0, weight, -weight]])
         coef = _non_negative_lstsq(np.vstack([design, prior]), np.append(seconds, 0.0))
-        recent = slice(-self._recent, None)
+        num_recent = max(int((ends >= ends[-1] - self._recent_s).sum()), MIN_RECENT_STEPS)
+        recent = slice(-num_recent, None)
         predicted = float((design[recent] @ coef).sum())
         if predicted > 0:
             coef = coef * float(seconds[recent].sum()) / predicted

@@ -61,11 +61,13 @@ def test_steps_of_one_size_do_not_make_up_a_slope():
 
 
 def test_step_cost_follows_a_machine_that_slowed_down():
-    fit = StepCost(recent=16)
+    fit = StepCost(recent_s=10.0)
     for decodes in range(1, 129):
-        fit.observe(step_seconds(COST, decodes, 0), num_decode=decodes, num_prefill=0)
-    for decodes in range(1, 17):  # another process took half the CPU
-        fit.observe(2 * step_seconds(COST, decodes, 0), num_decode=decodes, num_prefill=0)
+        fit.observe(step_seconds(COST, decodes, 0), num_decode=decodes, num_prefill=0,
+                    at=float(decodes))
+    for decodes in range(1, 17):  # another process took half the CPU for the last 10 s
+        fit.observe(2 * step_seconds(COST, decodes, 0), num_decode=decodes, num_prefill=0,
+                    at=200.0 + decodes * 0.6)
     cost = fit.fit()
     predicted = sum(step_seconds(cost, d, 0) for d in range(1, 17))
     assert predicted == pytest.approx(2 * sum(step_seconds(COST, d, 0) for d in range(1, 17)))
