@@ -14,6 +14,8 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import delete
 
@@ -34,13 +36,15 @@ class MetricsPublisher(RoundLoop):
     round_name = "metrics heartbeat"
 
     def __init__(self, db: Database, recorder: EngineRecorder, *, worker_id: str,
-                 model: str | None, interval: float) -> None:
+                 model: str | None, interval: float,
+                 forecast: Callable[[], dict[str, Any] | None] | None = None) -> None:
         stale = max(WORKER_STALE_MIN_S, WORKER_STALE_INTERVALS * interval)
         super().__init__(interval, idle_interval=stale / 3)
         self.db = db
         self.recorder = recorder
         self.worker_id = worker_id
         self.model = model
+        self._forecast = forecast  # the held lines' forecast (worker.forecaster), or none
         self._started_at = utcnow()
         self._last_counters: dict | None = None
         self._unchanged = False
@@ -62,6 +66,11 @@ class MetricsPublisher(RoundLoop):
         snapshot = self.recorder.snapshot()
         self._unchanged = snapshot.get("counters") == self._last_counters
         self._last_counters = snapshot.get("counters")
+        if self._forecast is not None:
+            try:
+                snapshot["forecast"] = self._forecast()
+            except Exception:  # the heartbeat must go out whatever the forecast does
+                log.exception("could not forecast the held lines")
         with self.db.session() as session:
             row = session.get(WorkerStatus, self.worker_id)
             if row is None:
