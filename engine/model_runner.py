@@ -12,7 +12,6 @@ import os
 import time
 
 import torch
-from transformers.initialization import no_init_weights
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
@@ -21,6 +20,7 @@ from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
 from engine.layers.linear import mkl_packing_available, pack_linear_weights
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.models.llama import LlamaForCausalLM
+from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from engine.request import Request
