@@ -8,7 +8,8 @@ process whose ``PYTHONPATH`` is that checkout, alternating which goes first. Wal
 whatever else runs on the machine; the process's CPU time split into user and system time (page
 faults and madvise/mmap work show as system time), its minor page faults and the Python time
 spent outside the model forward (``--profile``: cProfile's top functions by own time) move far
-less, so they are what to compare on a shared machine. Prints per-round figures, medians, and
+less, so they are what to compare on a shared machine, with ``--threads 1``: with two threads
+OpenMP's spin-waiting turns contention into user time. Prints per-round figures, medians, and
 new/old ratios.
 """
 
