@@ -12,7 +12,6 @@ import os
 import time
 
 import torch
-from transformers.initialization import no_init_weights
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
@@ -25,6 +24,7 @@ from engine.layers.linear import (
 )
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.models.llama import LlamaForCausalLM
+from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from engine.request import Request
