@@ -2,6 +2,7 @@
 bulk batch, and the batch's estimated completion.
 
     python -m bench.queue_discipline [--bulk 150] [--rounds 1] [--urgent-prefill-tokens 64]
+    python -m bench.queue_discipline --eta-only   # step 3 alone: the estimate's errors
 
 One embedded service (REST, worker, SQLite, the real engine). Seeded chat workloads: ``--bulk``
 lines of 20-80 words, 16-64 greedy output tokens with EOS ignored (each batch its own seed, so
@@ -135,11 +136,12 @@ class Bench:
 
 def _errors(started: float, at: float, eta: float | None, finished: float
             ) -> tuple[float, float] | None:
-    """(error against the time left at the reading, against the time since the POST)."""
+    """(error against the time left at the reading, against the time since the POST); signed:
+    above zero the estimate was later than the batch's completion."""
     if eta is None:
         return None
-    return (abs(eta - finished) / max(finished - at, 1e-9),
-            abs(eta - finished) / max(finished - started, 1e-9))
+    return ((eta - finished) / max(finished - at, 1e-9),
+            (eta - finished) / max(finished - started, 1e-9))
 
 
 def _fmt_errors(errors: dict[float, tuple[float, float] | None]) -> str:
@@ -147,8 +149,21 @@ def _fmt_errors(errors: dict[float, tuple[float, float] | None]) -> str:
     for mark in MARKS:
         e = errors.get(mark)
         parts.append(f"{int(mark * 100)}%: " + ("null" if e is None else
-                                                f"{e[0]:.0%} of left / {e[1]:.0%} of total"))
+                                                f"{e[0]:+.0%} of left / {e[1]:+.0%} of total"))
     return ", ".join(parts)
+
+
+def _print_job_figures(runs: dict[str, list[dict[str, Any]]], solo: float) -> None:
+    alone = statistics.median(x["tokens_per_s"] for x in runs["bulk alone"])
+    with_job = statistics.median(x["tokens_per_s"] for x in runs["bulk + job"])
+    latency = statistics.median(x["job_latency"] for x in runs["bulk + job"])
+    bound = max(3 * solo, solo + 4.0)
+    print(f"\njob under load {latency:.2f}s = {latency / solo:.1f}x solo {solo:.2f}s; "
+          f"bound max(3 x solo, solo + 4 s) = {bound:.2f}s: "
+          f"{'met' if latency <= bound else 'NOT met'}")
+    drop = 1 - with_job / alone
+    print(f"bulk throughput alone {alone:.1f} tok/s, with the job {with_job:.1f} tok/s: "
+          f"drop {drop:.1%} (target <= 5%): {'met' if drop <= 0.05 else 'NOT met'}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -160,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--urgent-prefill-tokens", type=int, default=64)
     parser.add_argument("--skip-queued", action="store_true")
+    parser.add_argument("--eta-only", action="store_true",
+                        help="measure only the estimate (step 3): no job, no bulk + job runs")
     args = parser.parse_args(argv)
 
     workdir = tempfile.mkdtemp(prefix="boxcar-bench-queue-")
@@ -178,9 +195,13 @@ def main(argv: list[str] | None = None) -> int:
               f"tokens); urgent_prefill_tokens {args.urgent_prefill_tokens}; machine shared: "
               "compare ratios", flush=True)
         bench.solo_job()  # warm up
-        solo = statistics.median(bench.solo_job() for _ in range(3))
-        print(f"job solo: {solo:.2f}s", flush=True)
-        runs: dict[str, list[dict[str, Any]]] = {"bulk alone": [], "bulk + job": []}
+        solo = 0.0
+        if not args.eta_only:
+            solo = statistics.median(bench.solo_job() for _ in range(3))
+            print(f"job solo: {solo:.2f}s", flush=True)
+        runs: dict[str, list[dict[str, Any]]] = {"bulk alone": []}
+        if not args.eta_only:
+            runs["bulk + job"] = []
         for r in range(args.rounds):
             order = list(runs) if r % 2 == 0 else list(reversed(runs))
             for name in order:
@@ -200,19 +221,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"queued behind another: {queued['elapsed']:.1f}s; eta errors: "
                   f"{_fmt_errors(queued['errors'])}", flush=True)
 
-        alone = statistics.median(x["tokens_per_s"] for x in runs["bulk alone"])
-        with_job = statistics.median(x["tokens_per_s"] for x in runs["bulk + job"])
-        latency = statistics.median(x["job_latency"] for x in runs["bulk + job"])
-        bound = max(3 * solo, solo + 4.0)
-        print(f"\njob under load {latency:.2f}s = {latency / solo:.1f}x solo {solo:.2f}s; "
-              f"bound max(3 x solo, solo + 4 s) = {bound:.2f}s: "
-              f"{'met' if latency <= bound else 'NOT met'}")
-        drop = 1 - with_job / alone
-        print(f"bulk throughput alone {alone:.1f} tok/s, with the job {with_job:.1f} tok/s: "
-              f"drop {drop:.1%} (target <= 5%): {'met' if drop <= 0.05 else 'NOT met'}")
+        if not args.eta_only:
+            _print_job_figures(runs, solo)
         worst: list[float] = []
         for result in [*runs["bulk alone"], *([queued] if queued else [])]:
-            worst.extend(float("inf") if e is None else e[0] for e in result["errors"].values())
+            worst.extend(float("inf") if e is None else abs(e[0])
+                         for e in result["errors"].values())
         if worst:
             print(f"eta: worst error against the time left {max(worst):.0%} over "
                   f"{len(worst)} readings (target <= 25%): "

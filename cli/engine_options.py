@@ -39,7 +39,9 @@ _HELP: dict[str, dict[str, Any]] = {
     "model": {"help": "a model folder, a .gguf file or a cached model name "
                       f"(default: {DEFAULT_MODEL})"},
     "tokenizer": {"help": "a tokenizer folder (default: the model's)"},
-    "dtype": {"choices": ("auto", "float32", "bfloat16", "float16")},
+    "dtype": {"choices": ("auto", "float32", "bfloat16", "float16"),
+              "help": "auto: bfloat16 on a GPU, float32 on a CPU (bfloat16 there is opt-in); "
+                      "float32 is the exact mode"},
     "device": {"choices": ("auto", "cpu", "cuda")},
     "max_model_len": {"help": "context length (default: the model's)"},
     "block_size": {"help": "tokens per KV block"},

@@ -22,7 +22,7 @@ from service.models import (
     Shard,
     WebhookDelivery,
 )
-from service.objects import line_totals
+from service.objects import live_totals
 
 NUM_ACTIVE_BATCHES = 20  # unfinished batches listed with a progress bar
 BAR_WIDTH = 30
@@ -51,8 +51,9 @@ def collect(db: Database, *, interval: float) -> dict[str, Any]:
             "active_batches": [],
         }
         etas = estimate(session, worker_metrics_interval=interval)
+        live = live_totals(session, list(active))
         for batch in active:
-            totals = line_totals(session, batch.id)
+            totals = live[batch.id]
             eta = etas.get(batch.id)
             report["active_batches"].append({
                 "id": batch.id, "status": batch.status, "total": totals.total,

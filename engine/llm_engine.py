@@ -12,7 +12,13 @@ from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_checkpoint
-from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    RequestMetrics,
+    RequestOutput,
+    RequestProgress,
+)
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -317,6 +323,24 @@ class LLMEngine:
         )
 
     # ---- stats --------------------------------------------------------------------------------
+
+    def progress(self) -> list[RequestProgress]:
+        """Every unfinished sequence in the order the scheduler serves them: running, then
+        waiting. O(sequences); call it from the thread that steps the engine."""
+        sched = self.scheduler
+        return [
+            RequestProgress(
+                request_id=request.parent_id or request.request_id,
+                running=running,
+                num_tokens=request.num_tokens,
+                num_computed_tokens=request.num_computed_tokens,
+                num_output_tokens=request.num_output_tokens,
+                max_tokens=request.max_tokens,
+                ignore_eos=request.sampling_params.ignore_eos,
+            )
+            for running, queue in ((True, sched.running), (False, sched.waiting))
+            for request in queue
+        ]
 
     def get_stats(self) -> EngineStats:
         sched = self.scheduler

@@ -12,15 +12,19 @@ import os
 import time
 
 import torch
-from transformers.initialization import no_init_weights
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
-from engine.layers.linear import mkl_packing_available, pack_linear_weights
+from engine.layers.linear import (
+    bf16_packing_available,
+    mkl_packing_available,
+    pack_linear_weights,
+)
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.models.llama import LlamaForCausalLM
+from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from engine.request import Request
@@ -57,6 +61,12 @@ def _zeroed_kv_cache(
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on a GPU, fp32 on a CPU. bf16 on a CPU with bf16 units (AVX512-BF16, AMX)
+    passes the quality gate (``python -m bench.bf16_quality``: 98.5% top-1 on the default
+    model) but its speed there has not been measured yet, and a default is decided by
+    measurement: until ``bench.offline --dtype bfloat16`` beats fp32 on such a CPU, bf16 on the
+    CPU is opt-in (``--dtype bfloat16``). ``float32`` is the exact mode, token for token
+    transformers' fp32."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
@@ -107,20 +117,27 @@ class ModelRunner:
         self.graphs.capture()
 
     def _native_cpu_path(self) -> bool:
-        """CPU, fp32, and the native kernels on (the ``torch`` backend keeps stock torch)."""
+        """CPU, fp32 or bf16, and the native kernels on (the ``torch`` backend keeps stock
+        torch)."""
         return (
-            self.device.type == "cpu" and self.dtype == torch.float32
+            self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
             and self.config.attention_backend in (None, "cpu")
-            and not os.environ.get("BOXCAR_NO_CPU_KERNELS") and mkl_packing_available()
+            and not os.environ.get("BOXCAR_NO_CPU_KERNELS")
         )
 
     def _pack_weights(self) -> None:
-        """Prepack the linear weights for MKL (``engine/layers/linear.py``) and, where the CPU
-        has bf16 units, screen greedy rows' output projection (``greedy_screen.py``). The output
-        layer keeps its fp32 weight when the embedding or the screen reads it."""
+        """Prepack the linear weights (``engine/layers/linear.py``: MKL for fp32, oneDNN for
+        bf16 where the CPU has bf16 units) and screen greedy rows' output projection
+        (``greedy_screen.py``): in fp32 where the CPU has bf16 units; in bf16 always, since
+        the screen's token is the fp32 argmax and the plain bf16 projection's is not. The
+        output layer keeps its weight when the embedding or the screen reads it."""
         head = self.model.lm_head.weight
-        if bf16_is_native():
+        fp32 = self.dtype == torch.float32
+        if not fp32 or bf16_is_native():
             self.greedy_screen = GreedyScreen(head.detach()[: self.vocab_size])
+        can_pack = mkl_packing_available() if fp32 else bf16_packing_available()
+        if not can_pack:
+            return
         keep = self.model.tie_word_embeddings or self.greedy_screen is not None
         pack_linear_weights(self.model, shared={id(head)} if keep else set())
         self.packed_weights = True
@@ -280,3 +297,54 @@ class ModelRunner:
         return ModelRunnerOutput(
             {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}, logprobs
         )
+
+    @torch.inference_mode()
+    def score_tokens(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher forcing: ``[len(token_ids) - 1, vocab]`` fp32 log-probabilities of each next
+        token of one sequence, from one prefill pass.
+
+        The logits are the fp32 products of the final hidden rows and the output weight (the
+        values the greedy screen takes its argmax of). K/V go to a scratch cache, so the
+        engine's cache and its prefix cache are untouched and requests may be in flight.
+        """
+        num_tokens = len(token_ids)
+        if num_tokens < 2:
+            raise ValueError("token_ids needs at least 2 tokens to score")
+        if num_tokens > self.max_position:
+            raise ValueError(f"token_ids has {num_tokens} tokens; the model takes "
+                             f"{self.max_position}")
+        num_blocks = -(-num_tokens // self.block_size)
+        k_cache, v_cache = self.kv_caches[0]
+        scratch = torch.zeros((len(self.kv_caches), 2, num_blocks, *k_cache.shape[1:]),
+                              dtype=k_cache.dtype, device=self.device)
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=device),
+            num_decodes=0,
+            decode_block_tables=self._block_table([]).to(device),
+            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
+            num_prefills=1,
+            prefill_query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32,
+                                                 device=device),
+            prefill_block_tables=self._block_table([list(range(num_blocks))]).to(device),
+            prefill_context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
+            prefill_query_lens_list=[num_tokens],
+            prefill_context_lens_list=[num_tokens],
+        )
+        self.attn.prepare(metadata)
+        hidden = self.model(
+            torch.tensor(token_ids, dtype=torch.int64, device=device),
+            torch.arange(num_tokens, device=device),
+            [(scratch[i, 0], scratch[i, 1]) for i in range(len(self.kv_caches))],
+            self.attn, metadata,
+        )[:-1]
+        if self.greedy_screen is not None:  # the output layer's weight may be packed away
+            weight = self.greedy_screen.weight
+        else:
+            weight = self.model.lm_head.weight[: self.vocab_size]
+            if self.packed_weights:
+                return torch.log_softmax(
+                    self.model.compute_logits(hidden)[:, : self.vocab_size].float(), dim=-1
+                ).cpu()
+        logits = hidden.float() @ weight.float().T  # [num_tokens - 1, vocab]
+        return torch.log_softmax(logits, dim=-1).cpu()

@@ -1,7 +1,7 @@
 """The contracts between the engine's parts and its users.
 
 SchedulerOutput (scheduler -> model runner), ModelRunnerOutput (model runner -> scheduler),
-RequestOutput (engine -> caller), EngineStats (engine -> metrics).
+RequestOutput (engine -> caller), EngineStats and RequestProgress (engine -> metrics).
 """
 
 from __future__ import annotations
@@ -170,3 +170,19 @@ class EngineStats:
         if not self.prefix_cache_queries:
             return 0.0
         return self.prefix_cache_hits / self.prefix_cache_queries
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """How far one unfinished sequence has got: what a caller needs to forecast the time left.
+
+    ``num_computed_tokens`` falls back to the cached prefix when the sequence is preempted
+    (recompute), so ``num_tokens - num_computed_tokens`` is the work before its next token."""
+
+    request_id: str  # the caller's id (a sequence of an n > 1 request carries its parent's)
+    running: bool
+    num_tokens: int  # prompt + output so far
+    num_computed_tokens: int
+    num_output_tokens: int
+    max_tokens: int
+    ignore_eos: bool

@@ -82,6 +82,11 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
        "Time in the model runner, split by phase", labels={"phase": "prefill"}),
     _c("decode_model_s", "boxcar_engine_model_seconds",
        "Time in the model runner, split by phase", labels={"phase": "decode"}),
+    # The worker's claims (not the engine's), in the same snapshot so the API's /metrics sums
+    # them over workers: their ratio is how often workers collide (bench/scale.py reads both).
+    _c("shard_claim_attempts", "boxcar_shard_claim_attempts",
+       "Shards a worker asked for in its claim statements"),
+    _c("shard_claims", "boxcar_shard_claims", "Shards a worker's claim statements won"),
     _g("running", "boxcar_requests_running", "Requests running in the engine"),
     _g("waiting", "boxcar_requests_waiting", "Requests waiting in the engine"),
     _g("kv_usage", "boxcar_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",

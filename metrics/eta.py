@@ -1,19 +1,25 @@
 """When a live batch will be done: ``estimated_completion_at``, and whether that passes its
 deadline.
 
-The unit of work is a token the engine computes: a prompt token not served from the prefix cache,
-or an output token. A batch's work left is its unfinished lines times the tokens per line: prompt
-tokens times (1 - its prefix cache hit rate) plus output tokens. Per line, the batch's own
-finished lines teach the figures once ``MIN_LEARNED_LINES`` are done; before that prepare's
-estimates stand in (prompt characters / 4, ``max_tokens`` or ``DEFAULT_OUTPUT_TOKENS``;
-``service.lines.estimate_tokens``). Live throughput is what the workers serving the model
-computed over the last ``RATE_WINDOW_S`` seconds of their published timelines (prompt plus
-generated tokens per second, over the seconds they were stepping). Work ahead follows the queue
-order (``service.queue_order``): batches of a more urgent class run first, batches of the same
-class share the workers with this one (each counts up to this batch's own work left), and less
-urgent ones wait. So::
+Most of the answer comes from the workers. Each one forecasts, for the lines it holds (in its
+engine and in its line queue), when each batch's share will be done, from what only it knows:
+every sequence's computed and generated tokens, the order its lines will enter the engine, and
+what its own steps cost (``metrics.forecast``, published with its heartbeat). A batch whose
+lines are all held is done when the last worker holding some says so.
 
-    eta = now + (ahead + shared + own) / throughput
+Lines no worker holds yet (shards still pending) run after the workers' held work, at the pace
+the workers' step costs give for a full engine. Per line: its prompt tokens times (1 - its prefix
+cache hit rate) and its output tokens, from the batch's own finished lines once
+``MIN_LEARNED_LINES`` are done, before that prepare's estimates (prompt characters / 4,
+``max_tokens`` or ``DEFAULT_OUTPUT_TOKENS``; ``service.lines.estimate_tokens``). Work ahead
+follows the queue order (``service.queue_order``): pending lines of batches of a more urgent
+class run first, those of the same class share the workers with this one (each counts up to this
+batch's own), and less urgent ones wait.
+
+Workers that publish no forecast (an engine that cannot report its sequences) leave the older
+estimate: the tokens left (the same per-line figures times the open lines, plus the work ahead)
+over the tokens per second the workers computed in the last ``RATE_WINDOW_S`` seconds of their
+timelines.
 
 Null while unknown: a batch still validating (no lines yet) or no worker has stepped recently.
 One GROUP BY over the live batches' lines, cached ``CACHE_S`` seconds per process, serves
@@ -31,6 +37,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
 from metrics.api_collector import live_workers
+from metrics.forecast import Cost
 from service.models import FINALIZING, IN_PROGRESS, LINE_COMPLETED, LINE_OPEN, Batch, RequestLine
 from service.queue_order import bulk_rank
 
@@ -59,19 +66,31 @@ class _Live:
     status: str
     rank: tuple[int, int]
     deadline: float | None
-    work_left: float
+    remaining: int  # open lines
+    prompt: float  # tokens a line computes for its prompt (prefix hits excluded)
+    output: float  # tokens a line generates
+
+    @property
+    def work_left(self) -> float:
+        return self.remaining * (self.prompt + self.output)
+
+
+def per_line(*, completed: int, input_tokens: int, output_tokens: int, cached_tokens: int,
+             est_prompt: float, est_output: float) -> tuple[float, float]:
+    """(prompt tokens to compute, output tokens) of one unfinished line (module docstring)."""
+    if completed >= MIN_LEARNED_LINES:
+        hit = cached_tokens / input_tokens if input_tokens else 0.0
+        return input_tokens / completed * (1.0 - hit), output_tokens / completed
+    return est_prompt, est_output
 
 
 def work_left(*, remaining: int, completed: int, input_tokens: int, output_tokens: int,
               cached_tokens: int, est_prompt: float, est_output: float) -> float:
     """Tokens left to compute for ``remaining`` unfinished lines (see the module docstring)."""
-    if completed >= MIN_LEARNED_LINES:
-        prompt = input_tokens / completed
-        output = output_tokens / completed
-        hit = cached_tokens / input_tokens if input_tokens else 0.0
-    else:
-        prompt, output, hit = est_prompt, est_output, 0.0
-    return remaining * (prompt * (1.0 - hit) + output)
+    prompt, output = per_line(completed=completed, input_tokens=input_tokens,
+                              output_tokens=output_tokens, cached_tokens=cached_tokens,
+                              est_prompt=est_prompt, est_output=est_output)
+    return remaining * (prompt + output)
 
 
 def throughput(snapshots: list[dict[str, Any]], *, now: float) -> float | None:
@@ -86,6 +105,70 @@ def throughput(snapshots: list[dict[str, Any]], *, now: float) -> float | None:
         total += sum(p.get("generation_tokens_per_s", 0.0) + p.get("prompt_tokens_per_s", 0.0)
                      for p in points) / len(points)
     return total if seen and total > 0 else None
+
+
+@dataclass(frozen=True)
+class WorkerForecast:
+    """One worker's published forecast (``worker.forecaster.Forecaster.snapshot``)."""
+
+    at: float  # unix seconds the forecast counts from
+    seats: int
+    seconds_left: float  # until every line it holds is done
+    cost: Cost
+    batches: dict[str, tuple[int, float]]  # batch id -> (lines held, seconds until done)
+
+    @classmethod
+    def parse(cls, snapshot: dict[str, Any]) -> WorkerForecast | None:
+        """None when the snapshot has none (or one this version cannot read)."""
+        data = snapshot.get("forecast")
+        if not isinstance(data, dict):
+            return None
+        try:
+            cost = data["cost"]
+            return cls(float(data["at"]), max(int(data["seats"]), 1),
+                       float(data["seconds_left"]),
+                       Cost(float(cost["fixed"]), float(cost["per_decode"]),
+                            float(cost["per_prefill"])),
+                       {b: (int(v["lines"]), float(v["seconds_left"]))
+                        for b, v in data["batches"].items()})
+        except (KeyError, TypeError, ValueError, AttributeError):
+            return None
+
+    def line_seconds(self, prompt: float, output: float) -> float:
+        """A line's share of a full engine's time: its prompt and decodes, and its seat's
+        share of each step's fixed cost."""
+        cost = self.cost
+        return (cost.per_prefill * prompt
+                + (cost.per_decode + cost.fixed / self.seats) * output)
+
+
+def _pool_seconds(forecasts: list[WorkerForecast], lines: float, prompt: float,
+                  output: float) -> float:
+    """Seconds for the workers together to run ``lines`` lines of this size."""
+    rate = sum(1.0 / max(f.line_seconds(prompt, output), 1e-9) for f in forecasts)
+    return lines / rate
+
+
+def _from_forecasts(b: _Live, live: list[_Live], forecasts: list[WorkerForecast],
+                    now: float) -> float:
+    def held(batch: _Live) -> int:
+        return sum(f.batches[batch.id][0] for f in forecasts if batch.id in f.batches)
+
+    ends = [f.at + f.batches[b.id][1] for f in forecasts if b.id in f.batches]
+    held_end = max(ends) if ends else now
+    pending = b.remaining - held(b)
+    if pending <= 0:
+        return held_end
+    # Pending lines are claimed as the workers' held work drains: they start after it.
+    start = max(now, sum(f.at + f.seconds_left for f in forecasts) / len(forecasts))
+    own = _pool_seconds(forecasts, pending, b.prompt, b.output)
+    queued = 0.0
+    for o in live:
+        if o.id == b.id or o.model != b.model or o.status != IN_PROGRESS or o.rank > b.rank:
+            continue
+        seconds = _pool_seconds(forecasts, max(o.remaining - held(o), 0), o.prompt, o.output)
+        queued += seconds if o.rank < b.rank else min(seconds, own)
+    return max(held_end, start + queued + own)
 
 
 def _live_batches(session: Session) -> list[_Live]:
@@ -108,12 +191,12 @@ def _live_batches(session: Session) -> list[_Live]:
     for b in batches:
         _, remaining, completed, inp, out, cached = rows.get(b.id, (b.id, 0, 0, 0, 0, 0))
         deadline = b.expires_at.timestamp() if b.expires_at else None
+        prompt, output = per_line(completed=int(completed), input_tokens=int(inp),
+                                  output_tokens=int(out), cached_tokens=int(cached),
+                                  est_prompt=b.est_prompt_tokens_per_line,
+                                  est_output=b.est_output_tokens_per_line)
         live.append(_Live(b.id, b.model, b.status, bulk_rank(deadline, b.priority), deadline,
-                          work_left(remaining=int(remaining), completed=int(completed),
-                                    input_tokens=int(inp), output_tokens=int(out),
-                                    cached_tokens=int(cached),
-                                    est_prompt=b.est_prompt_tokens_per_line,
-                                    est_output=b.est_output_tokens_per_line)))
+                          int(remaining), prompt, output))
     return live
 
 
@@ -132,6 +215,11 @@ def estimate(session: Session, *, worker_metrics_interval: float,
             continue
         serving = [w.metrics or {} for w in workers if w.model == b.model] or [
             w.metrics or {} for w in workers]
+        forecasts = [f for snap in serving if (f := WorkerForecast.parse(snap)) is not None]
+        if forecasts:
+            result[b.id] = BatchEta(_from_forecasts(b, live, forecasts, now), b.deadline,
+                                    b.work_left)
+            continue
         rate = throughput(serving, now=now)
         if rate is None:
             result[b.id] = BatchEta(None, b.deadline, b.work_left)

@@ -4,7 +4,9 @@ Why the database: it is the one thing every process of every mode shares (SQLite
 PostgreSQL in production), so the API aggregates all workers' engines for /metrics and the
 dashboard without knowing where workers run, and ``boxcar status`` lists them. A row whose
 heartbeat is older than ``stale_after`` is a dead worker: readers skip it, the next worker to
-start deletes it.
+start deletes it. While nothing changes (an idle engine), the heartbeat backs off from
+``interval`` to a third of that staleness limit, so an idle worker stays listed at a fraction of
+the writes.
 """
 
 from __future__ import annotations
@@ -12,9 +14,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
 
 from sqlalchemy import delete
 
+from metrics.api_collector import WORKER_STALE_INTERVALS, WORKER_STALE_MIN_S
 from metrics.recorder import EngineRecorder
 from service.db import Database, utcnow
 from service.loop import RoundLoop
@@ -31,13 +36,18 @@ class MetricsPublisher(RoundLoop):
     round_name = "metrics heartbeat"
 
     def __init__(self, db: Database, recorder: EngineRecorder, *, worker_id: str,
-                 model: str | None, interval: float) -> None:
-        super().__init__(interval)
+                 model: str | None, interval: float,
+                 forecast: Callable[[], dict[str, Any] | None] | None = None) -> None:
+        stale = max(WORKER_STALE_MIN_S, WORKER_STALE_INTERVALS * interval)
+        super().__init__(interval, idle_interval=stale / 3)
         self.db = db
         self.recorder = recorder
         self.worker_id = worker_id
         self.model = model
+        self._forecast = forecast  # the held lines' forecast (worker.forecaster), or none
         self._started_at = utcnow()
+        self._last_counters: dict | None = None
+        self._unchanged = False
 
     def run(self, stop: threading.Event) -> None:
         self._prune()
@@ -47,9 +57,20 @@ class MetricsPublisher(RoundLoop):
         self.publish()
         return False
 
+    def is_idle(self) -> bool:
+        """The last snapshot's counters were those of the one before: nothing ran."""
+        return self._unchanged
+
     def publish(self) -> None:
         self.recorder.tick()
         snapshot = self.recorder.snapshot()
+        self._unchanged = snapshot.get("counters") == self._last_counters
+        self._last_counters = snapshot.get("counters")
+        if self._forecast is not None:
+            try:
+                snapshot["forecast"] = self._forecast()
+            except Exception:  # the heartbeat must go out whatever the forecast does
+                log.exception("could not forecast the held lines")
         with self.db.session() as session:
             row = session.get(WorkerStatus, self.worker_id)
             if row is None:

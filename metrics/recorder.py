@@ -6,6 +6,7 @@ recorder turns the deltas of ``EngineStats`` (tokens, batch size and scheduled t
 prefill and decode model time, preemptions, prefix cache lookups) and each finished request's
 ``RequestMetrics`` (TTFT, TPOT, queue time, end-to-end, lengths) into one snapshot
 (``metrics.catalog``), and is itself a prometheus_client collector of that snapshot.
+It fits what a step costs (``step_cost``, for the worker's forecast: ``metrics.forecast``).
 It also notices repeated prompt prefixes on its own (a chained hash per full block, as the prefix
 cache keys them), so ``boxcar doctor`` can tell recomputed prefixes even with the cache off.
 """
@@ -20,6 +21,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from metrics.catalog import ForwardCollector, empty_snapshot, families_from_snapshots
+from metrics.forecast import StepCost
 
 # Timeline points: one a second, five minutes of them (the dashboard's charts, doctor rule 7).
 TIMELINE_INTERVAL_S = 1.0
@@ -66,6 +68,7 @@ class EngineRecorder:
         self._tick_counters = (0.0, 0.0)
         self._tick_steps = 0
         self._tick_requests = 0.0
+        self.step_cost = StepCost()  # what a step costs, for the worker's forecast
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -108,6 +111,8 @@ class EngineRecorder:
             gauges["kv_usage"] = stats.kv_usage
             gauges["kv_usage_peak"] = max(gauges["kv_usage_peak"], stats.kv_usage)
             gauges["kv_blocks"] = stats.num_kv_blocks
+            if num_steps == 1:
+                self.step_cost.observe(cycle, num_decode=num_generated, num_prefill=num_prompt)
             if num_steps > 0:
                 phase = "prefill_step_s" if num_prompt > 0 else "decode_step_s"
                 _observe(hists[phase], duration)
@@ -157,6 +162,13 @@ class EngineRecorder:
     def observe_rejected(self) -> None:
         with self._lock:
             self._snap["counters"]["requests_rejected"] += 1
+
+    def observe_claims(self, attempts: int, won: int) -> None:
+        """A claim statement (the lease thread): shards asked for, shards won."""
+        with self._lock:
+            counters = self._snap["counters"]
+            counters["shard_claim_attempts"] += attempts
+            counters["shard_claims"] += won
 
     def _repeated(self, token_ids: list[int]) -> int:
         """Tokens in full blocks whose whole prefix an earlier prompt had (the part a prefix

@@ -46,3 +46,43 @@ def to_sampling_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[
         "logit_bias": body.logit_bias_ids(),
         "structured_output": structured,
     }
+
+
+def engine_fields(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    """What the engine needs from a validated body, as JSON, stored on the line's row when it
+    is validated (upload/prepare, a job's creation) so the drain loop neither parses nor
+    validates the body again (``pipeline.engine_adapter.prepare_fields``):
+
+    - ``messages`` and ``tools`` (chat: the chat template's input) or ``prompt`` (completions:
+      text or token ids);
+    - ``tool_mode`` ("auto", "required", "named" or absent) and ``tool_name`` (a named choice);
+    - ``format_field``: the body field a grammar comes from, to name it in an error;
+    - ``sampling``: ``to_sampling_kwargs``, its ``logit_bias`` as [token id, bias] pairs (JSON
+      object keys are strings).
+    """
+    sampling = to_sampling_kwargs(body)
+    bias = sampling["logit_bias"]
+    sampling["logit_bias"] = None if bias is None else [[int(t), b] for t, b in bias.items()]
+    fields: dict[str, Any] = {"sampling": sampling}
+    if body.response_format is not None and body.response_format.type == "json_schema":
+        fields["format_field"] = "body.response_format.json_schema.schema"
+    if isinstance(body, ChatCompletionRequest):
+        fields["messages"] = body.template_messages()
+        fields["tools"] = body.template_tools()
+        mode = body.tool_mode
+        if mode is not None:
+            fields["tool_mode"] = mode
+        if mode in ("required", "named"):
+            fields["tool_name"] = body.forced_tools[0].function.name
+            fields["format_field"] = "body.tools[].function.parameters"
+    else:
+        fields["prompt"] = body.single_prompt
+    return fields
+
+
+def sampling_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
+    """``to_sampling_kwargs``' dict back from stored ``engine_fields`` (a copy)."""
+    sampling = dict(fields["sampling"])
+    bias = sampling.get("logit_bias")
+    sampling["logit_bias"] = None if bias is None else {int(t): float(b) for t, b in bias}
+    return sampling

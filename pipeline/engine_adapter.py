@@ -3,7 +3,11 @@ and by ``boxcar run`` alike: ``prepare`` turns (endpoint, body) into an ``Engine
 ``PrepareError``, ``add_to_engine`` hands it to the engine, ``response_body`` turns the finished
 ``RequestOutput`` into an OpenAI response body.
 
-``prepare`` never raises on a line's content: a template that rejects the conversation (jinja's
+``prepare_fields`` does the same from a stored line's ``engine_fields``
+(``openai_format.sampling``, validated when the line was stored), so the worker parses no body;
+``prepare`` is ``parse_body`` then ``prepare_fields``, so both give the same input or error.
+
+Neither raises on a line's content: a template that rejects the conversation (jinja's
 ``raise_exception``), a prompt longer than the context, a token id outside the vocabulary, a
 schema the grammar compiler refuses, each becomes that line's error, with the same code and
 message on both paths.
@@ -33,7 +37,7 @@ from openai_format.responses import (
     chat_completion_body,
     text_completion_body,
 )
-from openai_format.sampling import to_sampling_kwargs
+from openai_format.sampling import engine_fields, sampling_kwargs
 from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
 from openai_format.types import (
     CHAT_URL,
@@ -94,30 +98,40 @@ def _prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineI
     request = parse_body(endpoint, body)
     if isinstance(request, PrepareError):
         return request
+    return _prepare_fields(engine, engine_fields(request))
+
+
+def prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | PrepareError:
+    """``prepare`` for a line whose body was validated when it was stored: its
+    ``engine_fields`` (``openai_format.sampling``) become the engine input, with no parsing."""
+    try:
+        return _prepare_fields(engine, fields)
+    except Exception as exc:  # noqa: BLE001 - one line's failure must not escape its line
+        log.exception("preparing a request failed")
+        return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
+
+
+def _prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | PrepareError:
     tool_mode: ToolCallMode | None = None
-    format_field = None
-    if request.response_format is not None and request.response_format.type == "json_schema":
-        format_field = "body.response_format.json_schema.schema"
-    if isinstance(request, ChatCompletionRequest):
-        mode = request.tool_mode
-        if mode == "auto":
-            syntax = template_supports_tools(getattr(engine.tokenizer, "chat_template", None))
-            if syntax is None:
-                return PrepareError(
-                    INVALID_VALUE,
-                    "body.tool_choice 'auto' (the default when tools are given) needs a model "
-                    "whose chat template writes tool calls, and this model's does not: set "
-                    "tool_choice to 'required', {type: 'function', function: {name}} or 'none'",
-                    "tool_choice")
-            tool_mode = ToolCallMode(syntax)
-        elif mode is not None:
-            tool_mode = ToolCallMode("forced_name" if mode == "named" else "forced_any",
-                                     request.forced_tools[0].function.name)
-            format_field = "body.tools[].function.parameters"
-    prompt = _prompt(engine, request)
+    format_field = fields.get("format_field")
+    mode = fields.get("tool_mode")
+    if mode == "auto":
+        syntax = template_supports_tools(getattr(engine.tokenizer, "chat_template", None))
+        if syntax is None:
+            return PrepareError(
+                INVALID_VALUE,
+                "body.tool_choice 'auto' (the default when tools are given) needs a model "
+                "whose chat template writes tool calls, and this model's does not: set "
+                "tool_choice to 'required', {type: 'function', function: {name}} or 'none'",
+                "tool_choice")
+        tool_mode = ToolCallMode(syntax)
+    elif mode is not None:
+        tool_mode = ToolCallMode("forced_name" if mode == "named" else "forced_any",
+                                 fields["tool_name"])
+    prompt = _prompt(engine, fields)
     if isinstance(prompt, PrepareError):
         return prompt
-    kwargs = to_sampling_kwargs(request)
+    kwargs = sampling_kwargs(fields)
     too_long = _context_overflow(engine, prompt, kwargs["max_tokens"])
     if too_long is not None:
         return PrepareError(CONTEXT_LENGTH_EXCEEDED, too_long)
@@ -159,20 +173,21 @@ def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
     return None
 
 
-def _prompt(engine: Any, request: Body) -> list[int] | PrepareError:
+def _prompt(engine: Any, fields: dict[str, Any]) -> list[int] | PrepareError:
+    chat = "messages" in fields
     try:
-        if isinstance(request, ChatCompletionRequest):
-            tools = request.template_tools()
+        if chat:
+            tools = fields.get("tools")
             if tools is None:
-                prompt_ids = engine.apply_chat_template(request.template_messages())
+                prompt_ids = engine.apply_chat_template(fields["messages"])
             else:
-                prompt_ids = engine.apply_chat_template(request.template_messages(), tools=tools)
+                prompt_ids = engine.apply_chat_template(fields["messages"], tools=tools)
         else:
-            prompt = request.single_prompt
+            prompt = fields["prompt"]
             prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError is no ValueError; a
         # conversation the template rejects is the line's fault, not the worker's.
-        field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+        field = "messages" if chat else "prompt"
         return PrepareError(INVALID_REQUEST,
                             f"body.{field} could not be turned into a prompt: "
                             f"{type(exc).__name__}: {exc}", field)

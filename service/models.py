@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, UniqueConstraint
+from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.db import Base, utcnow
@@ -26,7 +26,9 @@ CANCELLING = "cancelling"
 CANCELLED = "cancelled"
 BATCH_TERMINAL = (FAILED, COMPLETED, EXPIRED, CANCELLED)
 
-# Request line statuses; "pending" and "running" are open, the rest are final.
+# Request line statuses; "pending" and "running" are open, the rest are final. A claimed
+# shard's lines stay "pending" (the shard's lease says who runs them); "running" is only
+# found in rows from before 0005_scale, which its upgrade turns back into "pending".
 LINE_PENDING = "pending"
 LINE_RUNNING = "running"
 LINE_COMPLETED = "completed"
@@ -134,7 +136,8 @@ class Batch(Base):
     cancelling_at: Mapped[dt.datetime | None]
     cancelled_at: Mapped[dt.datetime | None]
 
-    # Set at finalize; live values are counted from the lines while the batch runs.
+    # num_total is set at prepare; the others at finalize. While the batch runs its live
+    # figures are the sums of its ``BatchCounter`` rows.
     num_total: Mapped[int] = mapped_column(Integer, default=0)
     num_completed: Mapped[int] = mapped_column(Integer, default=0)
     num_failed: Mapped[int] = mapped_column(Integer, default=0)
@@ -200,10 +203,17 @@ class RequestLine(Base):
 
     __tablename__ = "request_lines"
     __table_args__ = (
-        UniqueConstraint("batch_id", "custom_id", name="uq_request_lines_batch_custom_id"),
+        # Lines that run are unique on (batch_id, custom_id), so output files never repeat a
+        # custom_id; a line failed at prepare (a repeated custom_id among them) keeps its
+        # custom_id for its error-file line without taking part.
+        Index("uq_request_lines_batch_custom_id", "batch_id", "custom_id", unique=True,
+              postgresql_where=text("status <> 'failed'"),
+              sqlite_where=text("status <> 'failed'")),
         Index("ix_request_lines_batch_status", "batch_id", "status"),
         Index("ix_request_lines_shard_status", "shard_id", "status"),
         Index("ix_request_lines_job", "job_id"),
+        # Finalize streams a batch's lines in input order off this index (no sort).
+        Index("ix_request_lines_batch_line", "batch_id", "line_no"),
     )
 
     pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -213,10 +223,16 @@ class RequestLine(Base):
     shard_id: Mapped[str | None] = mapped_column(String(100))
     line_no: Mapped[int] = mapped_column(Integer)
     position: Mapped[int | None] = mapped_column(Integer)  # order within the batch's run
-    # None for lines that never had a usable one (their error line carries what there was).
+    # None only for lines that never had one (not JSON, none given): the batch's errors name
+    # them by line number.
     custom_id: Mapped[str | None] = mapped_column(String(512))
     endpoint: Mapped[str] = mapped_column(String(64))
     body: Mapped[dict[str, Any] | None] = _json()
+    # What the engine needs, validated once when the line was stored
+    # (``openai_format.sampling.engine_fields``): the drain loop builds the prompt and
+    # SamplingParams from it without parsing the body again. None in rows from before
+    # 0005_scale, which are parsed from ``body`` as before.
+    engine_fields: Mapped[dict[str, Any] | None] = _json()
     sort_key: Mapped[str] = mapped_column(String(200), default="")
     status: Mapped[str] = mapped_column(String(16), default=LINE_PENDING)
     response: Mapped[dict[str, Any] | None] = _json()  # the response body of a completed line
@@ -227,6 +243,31 @@ class RequestLine(Base):
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
     worker_id: Mapped[str | None] = mapped_column(String(100))
     finished_at: Mapped[dt.datetime | None]
+
+
+# A batch's live counters are spread over this many rows, one per slot: a worker writes its
+# results into one slot (``service.counters``), so the workers of one big batch do not queue
+# on a single row lock.
+COUNTER_SLOTS = 16
+
+
+class BatchCounter(Base):
+    """One slot of a batch's live counters: lines still open, finished lines and their usage.
+
+    Every change is made in the transaction that changes the lines it counts (prepare's insert,
+    a result write, a poison shard, finalize closing what is left), so the sums over a batch's
+    slots equal what its lines say; status reads them instead of the lines."""
+
+    __tablename__ = "batch_counters"
+
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id"), primary_key=True)
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True)
+    num_open: Mapped[int] = mapped_column(Integer, default=0)
+    num_completed: Mapped[int] = mapped_column(Integer, default=0)
+    num_failed: Mapped[int] = mapped_column(Integer, default=0)
+    input_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    output_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
 
 
 class WebhookEndpoint(Base):

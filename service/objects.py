@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import datetime as dt
-from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
+from service import counters
+from service.counters import LineTotals
 from service.models import (
     BATCH_TERMINAL,
     FINALIZING,
     IN_PROGRESS,
     LINE_COMPLETED,
-    LINE_OPEN,
     VALIDATING,
     Batch,
     File,
@@ -52,30 +51,10 @@ def file_object(row: File) -> dict[str, Any]:
     }
 
 
-@dataclass(frozen=True)
-class LineTotals:
-    total: int = 0
-    completed: int = 0
-    failed: int = 0
-    input_tokens: int = 0
-    output_tokens: int = 0
-    cached_tokens: int = 0
-
-
-def line_totals(session: Session, batch_id: str) -> LineTotals:
-    """Counts and usage summed over a batch's lines (live progress while it runs)."""
-    done = case((RequestLine.status == LINE_COMPLETED, 1), else_=0)
-    failed = case((RequestLine.status.in_(LINE_OPEN), 0), (RequestLine.status == LINE_COMPLETED, 0),
-                  else_=1)
-    row = session.execute(
-        select(
-            func.count(), func.coalesce(func.sum(done), 0), func.coalesce(func.sum(failed), 0),
-            func.coalesce(func.sum(RequestLine.prompt_tokens), 0),
-            func.coalesce(func.sum(RequestLine.completion_tokens), 0),
-            func.coalesce(func.sum(RequestLine.cached_tokens), 0),
-        ).where(RequestLine.batch_id == batch_id)
-    ).one()
-    return LineTotals(*(int(v) for v in row))
+def live_totals(session: Session, rows: list[Batch]) -> dict[str, LineTotals]:
+    """Counts and usage of running batches, from their counters (``service.counters``): a
+    status read costs the same for ten lines or fifty thousand."""
+    return counters.totals(session, ((row.id, row.num_total) for row in rows))
 
 
 def stored_totals(row: Batch) -> LineTotals:
@@ -86,7 +65,8 @@ def stored_totals(row: Batch) -> LineTotals:
 def batch_object(row: Batch, totals: LineTotals | None = None, *,
                  estimated_completion_at: float | None = None,
                  deadline_at_risk: bool = False) -> dict[str, Any]:
-    """``totals``: live line totals for a running batch; the stored ones once it is final.
+    """``totals``: live totals of a running batch (``live_totals``); the stored ones once it
+    is final.
     ``estimated_completion_at`` (unix seconds) and ``deadline_at_risk`` (the estimate passes
     ``expires_at``): ``metrics.eta``'s figures for a live batch."""
     if totals is None or row.status in BATCH_TERMINAL:

@@ -72,6 +72,9 @@ class Settings(BaseSettings):
     shard_size: int = 256
     lease_seconds: float = 15.0
     poll_interval: float = 0.5
+    # The longest an idle worker's loops sleep between polls (doubling from poll_interval):
+    # broker messages wake them at once, so polling is only the fallback.
+    idle_poll_interval: float = 20.0
     max_shard_attempts: int = 5
     worker_max_shards: int = 8
     worker_max_lines: int = 4096
@@ -97,7 +100,7 @@ class Settings(BaseSettings):
             raise ValueError(f"must be >= 1, got {value}")
         return value
 
-    @field_validator("lease_seconds", "poll_interval", "webhook_timeout",
+    @field_validator("lease_seconds", "poll_interval", "idle_poll_interval", "webhook_timeout",
                      "worker_metrics_interval", "model_ttl")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:

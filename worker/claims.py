@@ -1,14 +1,17 @@
 """Shard leases in the database: claim, heartbeat, release, reap.
 
 A shard is claimable when it is pending, or running under a lease that has expired (its worker
-died or stalled); a claim is one conditional UPDATE, so of two workers racing for a shard exactly
-<<<<<<< HEAD
-one wins. Claims follow ``service.queue_order``: single jobs, then bulk shards by (deadline
-bucket, batch priority), the tenants with the fewest running shards first among equals.
-=======
-one wins. Claims prefer single jobs, then the tenants with the fewest running shards. A worker
-claims only shards of the model it serves (and shards from before routing, which name none).
->>>>>>> main
+died or stalled). ``find_candidates`` reads, without locking, the shards worth trying in
+``service.queue_order``'s order: single jobs, then bulk shards by (deadline bucket, batch
+priority), the tenants with the fewest running shards first among equals. ``claim_shards`` then
+takes several of them in one short transaction: on PostgreSQL it locks the candidates that are
+still claimable with ``FOR UPDATE SKIP LOCKED``, so a worker never waits for another's claim and
+never takes a shard twice; it keeps the first it wants and writes their leases in one UPDATE. The
+claim is written per shard only: the lines stay "pending" (the lease says who runs them) and
+are read after the commit, with no lock held. SQLite (the embedded mode, one process) has no
+SKIP LOCKED and needs none: its write transactions run one at a time (``BEGIN IMMEDIATE``).
+A worker claims only shards of the model it serves (and shards from before routing, which name
+none).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ import datetime as dt
 from collections import Counter
 from dataclasses import dataclass
 
-from sqlalchemy import and_, func, or_, select, true, update
+from sqlalchemy import and_, case, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
+from service import counters, ids
+from service.counters import CounterDelta
 from service.db import utcnow
 from service.models import (
     IN_PROGRESS,
@@ -27,8 +32,6 @@ from service.models import (
     JOB_QUEUED,
     LINE_FAILED,
     LINE_OPEN,
-    LINE_PENDING,
-    LINE_RUNNING,
     SHARD_DONE,
     SHARD_PENDING,
     SHARD_RUNNING,
@@ -115,10 +118,111 @@ def unix_seconds(value: dt.datetime | None) -> float | None:
 
 
 @dataclass(frozen=True)
+class ClaimedShard:
+    """A shard this worker now holds the lease on."""
+
+    id: str
+    tenant_id: str
+    batch_id: str | None
+    job_id: str | None
+    priority: int
+    attempts: int  # claims of it so far, this one included
+
+
+@dataclass(frozen=True)
 class Claim:
     shard: HeldShard
     lines: list[LineWork]
     attempts: int
+
+
+def claim_shards(
+    session: Session,
+    shard_ids: list[str],
+    *,
+    worker_id: str,
+    lease_seconds: float,
+    max_bulk: int,
+    max_jobs: int,
+    now: dt.datetime | None = None,
+    model: str | None = None,
+) -> list[ClaimedShard]:
+    """Take the leases on up to ``max_bulk`` bulk shards and ``max_jobs`` job shards among
+    ``shard_ids`` (tried in that order) that are claimable, of ``model`` and whose batch is
+    running; those another transaction is claiming right now are skipped, not waited for."""
+    if not shard_ids or (max_bulk <= 0 and max_jobs <= 0):
+        return []
+    now = now or utcnow()
+    batch_running = or_(
+        Shard.job_id.is_not(None),
+        select(Batch.id).where(Batch.id == Shard.batch_id, Batch.status == IN_PROGRESS).exists(),
+    )
+    picked: list[ClaimedShard] = []
+    job_ids = [sid for sid in shard_ids if ids.is_job_shard(sid)]
+    bulk_ids = [sid for sid in shard_ids if not ids.is_job_shard(sid)]
+    for wanted, limit in ((job_ids, max_jobs), (bulk_ids, max_bulk)):
+        if not wanted or limit <= 0:
+            continue
+        # Lock only as many as wanted, the first free ones in the caller's order: the rest
+        # stay free for the workers claiming beside this one.
+        rank = case({sid: i for i, sid in enumerate(wanted)}, value=Shard.id)
+        rows = session.execute(
+            select(Shard.id, Shard.tenant_id, Shard.batch_id, Shard.job_id, Shard.priority,
+                   Shard.attempts)
+            .where(Shard.id.in_(wanted), _claimable(now), batch_running, _of_model(model))
+            .order_by(rank).limit(limit)
+            .with_for_update(skip_locked=True, of=Shard)
+        ).all()
+        picked += [ClaimedShard(r.id, r.tenant_id, r.batch_id, r.job_id, r.priority,
+                                r.attempts + 1) for r in rows]
+    if not picked:
+        return []
+    session.execute(
+        update(Shard)
+        .where(Shard.id.in_([c.id for c in picked]))
+        .values(status=SHARD_RUNNING, lease_owner=worker_id, attempts=Shard.attempts + 1,
+                lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
+        .execution_options(synchronize_session=False)
+    )
+    claimed_jobs = [c.job_id for c in picked if c.job_id is not None]
+    if claimed_jobs:
+        session.execute(
+            update(Job).where(Job.id.in_(claimed_jobs), Job.status == JOB_QUEUED)
+            .values(status=JOB_IN_PROGRESS).execution_options(synchronize_session=False)
+        )
+    return picked
+
+
+def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
+    """The open lines of claimed shards, in run order, as work for the drain loop."""
+    if not claimed:
+        return []
+    batch_ids = {c.batch_id for c in claimed if c.batch_id is not None}
+    deadlines = dict(session.execute(
+        select(Batch.id, Batch.expires_at).where(Batch.id.in_(batch_ids))
+    ).all()) if batch_ids else {}
+    rows = session.execute(
+        select(RequestLine.pk, RequestLine.shard_id, RequestLine.tenant_id,
+               RequestLine.batch_id, RequestLine.job_id, RequestLine.endpoint, RequestLine.body,
+               RequestLine.engine_fields)
+        .where(RequestLine.shard_id.in_([c.id for c in claimed]),
+               RequestLine.status.in_(LINE_OPEN))
+        .order_by(RequestLine.shard_id, RequestLine.position, RequestLine.pk)
+    ).all()
+    lines: dict[str, list[LineWork]] = {c.id: [] for c in claimed}
+    shards = {c.id: c for c in claimed}
+    for r in rows:
+        shard = shards[r.shard_id]
+        lines[r.shard_id].append(LineWork(
+            line_pk=r.pk, shard_id=r.shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
+            job_id=r.job_id, endpoint=r.endpoint, body=r.body or {},
+            engine_fields=r.engine_fields, priority=shard.priority,
+            deadline=unix_seconds(deadlines.get(shard.batch_id or ""))))
+    return [
+        Claim(HeldShard(c.id, c.tenant_id, c.batch_id, c.job_id, c.priority,
+                        {w.line_pk for w in lines[c.id]}), lines[c.id], c.attempts)
+        for c in claimed
+    ]
 
 
 def try_claim(
@@ -130,68 +234,34 @@ def try_claim(
     now: dt.datetime | None = None,
     model: str | None = None,
 ) -> Claim | None:
-    """Take the lease on ``shard_id`` if it is claimable, of ``model`` and its batch is
-    running; load its open lines and mark them running. None when someone else has it, it
-    is another model's, or nothing is left."""
-    now = now or utcnow()
-    batch_running = or_(
-        Shard.job_id.is_not(None),
-        select(Batch.id).where(Batch.id == Shard.batch_id, Batch.status == IN_PROGRESS).exists(),
-    )
-    won = session.execute(
-        update(Shard)
-        .where(Shard.id == shard_id, _claimable(now), batch_running, _of_model(model))
-        .values(status=SHARD_RUNNING, lease_owner=worker_id, attempts=Shard.attempts + 1,
-                lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
-        .execution_options(synchronize_session=False)
-    ).rowcount
-    if won != 1:
-        return None
-    shard = session.get(Shard, shard_id)
-    deadline = None
-    if shard.batch_id is not None:
-        deadline = unix_seconds(session.scalar(
-            select(Batch.expires_at).where(Batch.id == shard.batch_id)))
-    rows = session.scalars(
-        select(RequestLine)
-        .where(RequestLine.shard_id == shard_id, RequestLine.status.in_(LINE_OPEN))
-        .order_by(RequestLine.position, RequestLine.pk)
-    ).all()
-    session.execute(
-        update(RequestLine)
-        .where(RequestLine.shard_id == shard_id, RequestLine.status == LINE_PENDING)
-        .values(status=LINE_RUNNING)
-        .execution_options(synchronize_session=False)
-    )
-    if shard.job_id is not None:
-        session.execute(
-            update(Job).where(Job.id == shard.job_id, Job.status == JOB_QUEUED)
-            .values(status=JOB_IN_PROGRESS)
-        )
-    lines = [
-        LineWork(
-            line_pk=r.pk, shard_id=shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
-            job_id=r.job_id, endpoint=r.endpoint,
-            body=r.body or {}, priority=shard.priority, deadline=deadline,
-        )
-        for r in rows
-    ]
-    held = HeldShard(shard.id, shard.tenant_id, shard.batch_id, shard.job_id, shard.priority,
-                     {w.line_pk for w in lines})
-    return Claim(held, lines, shard.attempts)
+    """Claim one shard and load its lines in ``session``; None when it is not ours to take."""
+    claimed = claim_shards(session, [shard_id], worker_id=worker_id, lease_seconds=lease_seconds,
+                           max_bulk=1, max_jobs=1, now=now, model=model)
+    found = load_lines(session, claimed)
+    return found[0] if found else None
 
 
 def fail_lines(
     session: Session, line_pks: list[int], *, code: str, message: str, worker_id: str
 ) -> None:
-    """Give open lines a final error (a poison shard that keeps killing its workers)."""
-    session.execute(
+    """Give open lines a final error (a poison shard that keeps killing its workers), and
+    count them in their batches' counters."""
+    if not line_pks:
+        return
+    closed = session.execute(
         update(RequestLine)
         .where(RequestLine.pk.in_(line_pks), RequestLine.status.in_(LINE_OPEN))
         .values(status=LINE_FAILED, error={"code": code, "message": message},
                 finished_at=utcnow(), worker_id=worker_id)
+        .returning(RequestLine.batch_id)
         .execution_options(synchronize_session=False)
-    )
+    ).scalars().all()
+    deltas: dict[str, CounterDelta] = {}
+    for batch_id in closed:
+        if batch_id is not None:
+            deltas[batch_id] = deltas.get(batch_id, CounterDelta()) + CounterDelta.closed(
+                LINE_FAILED)
+    counters.add(session, deltas, slot=counters.slot_of(worker_id))
 
 
 def finish_shard(session: Session, shard_id: str, *, worker_id: str) -> bool:
@@ -213,19 +283,15 @@ def heartbeat(
     """Extend the leases this worker still holds; returns the shards it has lost."""
     if not shard_ids:
         return set()
-    now = utcnow()
-    session.execute(
+    kept = session.execute(
         update(Shard)
         .where(Shard.id.in_(shard_ids), Shard.lease_owner == worker_id,
                Shard.status == SHARD_RUNNING)
-        .values(lease_expires_at=now + dt.timedelta(seconds=lease_seconds))
+        .values(lease_expires_at=utcnow() + dt.timedelta(seconds=lease_seconds))
+        .returning(Shard.id)
         .execution_options(synchronize_session=False)
-    )
-    kept = set(session.scalars(
-        select(Shard.id).where(Shard.id.in_(shard_ids), Shard.lease_owner == worker_id,
-                               Shard.status == SHARD_RUNNING)
-    ).all())
-    return set(shard_ids) - kept
+    ).scalars().all()
+    return set(shard_ids) - set(kept)
 
 
 def release(session: Session, shard_ids: list[str], *, worker_id: str) -> None:
@@ -239,28 +305,18 @@ def release(session: Session, shard_ids: list[str], *, worker_id: str) -> None:
         .values(status=SHARD_PENDING, lease_owner=None, lease_expires_at=None)
         .execution_options(synchronize_session=False)
     )
-    session.execute(
-        update(RequestLine)
-        .where(RequestLine.shard_id.in_(shard_ids), RequestLine.status == LINE_RUNNING)
-        .values(status=LINE_PENDING)
-        .execution_options(synchronize_session=False)
-    )
 
 
 def reap_expired(session: Session, *, now: dt.datetime | None = None) -> list[str]:
     """Shards whose lease ran out, made pending again; returns their ids (to ring for them)."""
     now = now or utcnow()
-    ids = session.scalars(
-        select(Shard.id).where(Shard.status == SHARD_RUNNING, Shard.lease_expires_at < now)
-    ).all()
-    if ids:
-        session.execute(
-            update(Shard)
-            .where(Shard.id.in_(ids), Shard.status == SHARD_RUNNING, Shard.lease_expires_at < now)
-            .values(status=SHARD_PENDING, lease_owner=None, lease_expires_at=None)
-            .execution_options(synchronize_session=False)
-        )
-    return list(ids)
+    return list(session.execute(
+        update(Shard)
+        .where(Shard.status == SHARD_RUNNING, Shard.lease_expires_at < now)
+        .values(status=SHARD_PENDING, lease_owner=None, lease_expires_at=None)
+        .returning(Shard.id)
+        .execution_options(synchronize_session=False)
+    ).scalars().all())
 
 
 def batch_statuses(session: Session, batch_ids: set[str]) -> dict[str, str]:

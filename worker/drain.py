@@ -25,10 +25,17 @@ from collections.abc import Callable
 from typing import Any
 
 from metrics.counters import ENGINE_STEPS, LINES_FINISHED
+from metrics.forecast import OutputLengths
 from openai_format.ids import new_id
 from openai_format.parse import SERVER_ERROR
 from openai_format.tools import ToolCallMode
-from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, response_body
+from pipeline.engine_adapter import (
+    PrepareError,
+    add_to_engine,
+    prepare,
+    prepare_fields,
+    response_body,
+)
 from service.models import LINE_COMPLETED, LINE_FAILED
 from worker.items import LineResult, LineWork
 from worker.line_queue import LineQueue
@@ -52,6 +59,7 @@ class Drainer:
         job_collect_window: float = 0.005,
         low_water: int | None = None,
         on_hungry: Callable[[], None] = lambda: None,
+        on_step: Callable[[], None] = lambda: None,
     ) -> None:
         self.engine = engine
         self._submit = submit
@@ -62,6 +70,8 @@ class Drainer:
         # Below this many queued lines the drainer asks for more work (``on_hungry``).
         self.low_water = low_water if low_water is not None else 2 * max_num_seqs
         self._on_hungry = on_hungry
+        # After each step and each idle turn, on this thread (the forecast's gather).
+        self.on_step = on_step
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
         self._tool_modes: dict[str, ToolCallMode] = {}  # lines whose output holds tool calls
@@ -72,6 +82,8 @@ class Drainer:
         self._avg_prompt_tokens = 256.0
         self.num_steps = 0
         self.num_finished = 0
+        # Lengths of finished lines that could stop early: the forecast's output estimate.
+        self.output_lengths = OutputLengths()
 
     # -- called from other threads ------------------------------------------------------------
 
@@ -103,6 +115,15 @@ class Drainer:
     def num_queued(self) -> int:
         return len(self.queue)
 
+    @property
+    def in_engine(self) -> dict[str, LineWork]:
+        """Lines in the engine by engine request id; read it on the engine thread only."""
+        return self._in_engine
+
+    @property
+    def avg_prompt_tokens(self) -> float:
+        return self._avg_prompt_tokens
+
     # -- the engine thread --------------------------------------------------------------------
 
     def run(self) -> None:
@@ -125,6 +146,7 @@ class Drainer:
             time.sleep(self.job_collect_window)
         self._top_up()
         if not self.engine.has_unfinished_requests():
+            self.on_step()  # the forecast sees the engine empty, not its last busy state
             return False
         try:
             outputs = self.engine.step()
@@ -135,6 +157,7 @@ class Drainer:
         ENGINE_STEPS.inc()
         for output in outputs:
             self._finish(output)
+        self.on_step()
         return True
 
     def _target_unfinished(self) -> int:
@@ -154,8 +177,12 @@ class Drainer:
             self._on_hungry()  # claim more before the engine runs dry, not at the next poll
 
     def _add_to_engine(self, work: LineWork) -> None:
-        # The same pipeline as ``boxcar run``: a line's error is the same on both paths.
-        engine_input = prepare(self.engine, work.endpoint, work.body)
+        # The same pipeline as ``boxcar run``: a line's error is the same on both paths. A line
+        # stored with its engine fields is not parsed again (older rows are).
+        if work.engine_fields is not None:
+            engine_input = prepare_fields(self.engine, work.engine_fields)
+        else:
+            engine_input = prepare(self.engine, work.endpoint, work.body)
         if not isinstance(engine_input, PrepareError):
             engine_input = add_to_engine(self.engine, work.engine_request_id, engine_input,
                                          priority=work.engine_priority) or (
@@ -188,6 +215,8 @@ class Drainer:
             self._fail(work, SERVER_ERROR, f"could not build the response: {exc}")
             return
         self.num_finished += 1
+        if work.body.get("ignore_eos") is not True and len(output.outputs) == 1:
+            self.output_lengths.observe(usage.completion_tokens)
         LINES_FINISHED.labels(LINE_COMPLETED).inc()
         self._submit(LineResult(
             work, LINE_COMPLETED, response=body, request_id=f"req_{hex_id}",

@@ -1,11 +1,16 @@
 """Finalize: a batch's output and error files, built from its line rows, and its final status.
 
-Under a lease on the batch row: decide the outcome (completed when no line is open; cancelled
-after a cancel; expired past the completion window), close every open line with
-``batch_cancelled`` / ``batch_expired`` (one conditional UPDATE, so a worker's late result either
-lands before it or not at all), stream the rows in input order into the two JSONL files, then
-set counts, usage, file ids and the status, and queue the webhook event, in one transaction.
-Files are written before that transaction, under fixed keys: a retry overwrites them.
+First a read with no lock: a running batch whose counters (``service.counters``) still show open
+lines, within its window, is not ready, and nothing is written. So a batch is finalized once,
+when the writer that closed its last line (or a cancel, the deadline, the periodic scan) says so,
+not tried at every finished shard. Then, under a lease on the batch row: decide the outcome
+(completed when no line is open, which the lines themselves confirm; cancelled after a cancel;
+expired past the completion window), close every open line with ``batch_cancelled`` /
+``batch_expired`` (one conditional UPDATE, so a worker's late result either lands before it or
+not at all, counted in the counters), stream the rows in input order into the two JSONL files,
+then set counts, usage, file ids and the status, and queue the webhook event, in one
+transaction. Files are written before that transaction, under fixed keys: a retry overwrites
+them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,8 @@ from metrics.counters import BATCHES_FINALIZED
 from openai_format.ids import new_id
 from openai_format.parse import SERVER_ERROR, status_code
 from openai_format.responses import error_line, failed_line, output_line
-from service import ids
+from service import counters, ids
+from service.counters import CounterDelta
 from service.db import Database, utcnow
 from service.models import (
     CANCELLED,
@@ -38,6 +44,7 @@ from service.models import (
     SHARD_DONE,
     VALIDATING,
     Batch,
+    BatchCounter,
     File,
     RequestLine,
     Shard,
@@ -71,14 +78,27 @@ def finalizable_batches(session: Session, *, now: dt.datetime | None = None,
     finalized by a worker whose lease ran out."""
     now = now or utcnow()
     lease_free = Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now)
-    open_lines = exists().where(RequestLine.batch_id == Batch.id,
-                                RequestLine.status.in_(LINE_OPEN))
+    num_open = (select(func.coalesce(func.sum(BatchCounter.num_open), 0))
+                .where(BatchCounter.batch_id == Batch.id).scalar_subquery())
     query = select(Batch.id).where(lease_free, (
         (Batch.status.in_((CANCELLING, FINALIZING)))
         | (Batch.status.in_((VALIDATING, IN_PROGRESS)) & (Batch.expires_at < now))
-        | ((Batch.status == IN_PROGRESS) & ~open_lines)
+        | ((Batch.status == IN_PROGRESS) & (num_open <= 0))
     )).order_by(Batch.pk).limit(limit)
     return list(session.scalars(query).all())
+
+
+def _may_be_ready(session: Session, batch_id: str, now: dt.datetime) -> bool:
+    """Whether finalize has anything to decide, read without a lock: a running batch with
+    open lines left (its counters say) and time left is not ready."""
+    row = session.execute(select(Batch.status, Batch.outcome, Batch.expires_at)
+                          .where(Batch.id == batch_id)).one_or_none()
+    if row is None or row.status not in (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING):
+        return False
+    expired = row.expires_at is not None and row.expires_at <= now
+    if row.status != IN_PROGRESS or row.outcome is not None or expired:
+        return row.status != VALIDATING or expired
+    return counters.num_open(session, batch_id) <= 0
 
 
 def _decide(session: Session, batch: Batch, now: dt.datetime) -> str | None:
@@ -90,8 +110,13 @@ def _decide(session: Session, batch: Batch, now: dt.datetime) -> str | None:
         return EXPIRED if batch.expires_at is not None and batch.expires_at <= now else None
     if batch.status != IN_PROGRESS:
         return None
-    if not has_open_lines(session, batch.id):
-        return COMPLETED
+    if counters.num_open(session, batch.id) <= 0:
+        if not has_open_lines(session, batch.id):
+            return COMPLETED
+        # The counters and the lines disagree (they never should): the lines are the truth.
+        log.error("batch %s: its counters show no open line but its lines do; recounting",
+                  batch.id)
+        counters.recount(session, batch.id)
     if batch.expires_at is not None and batch.expires_at <= now:
         return EXPIRED
     return None
@@ -102,6 +127,9 @@ def finalize_batch(
 ) -> str | None:
     """Finalize ``batch_id`` if it is ready; returns its final status, or None."""
     now = utcnow()
+    with db.read_session() as session:
+        if not _may_be_ready(session, batch_id, now):
+            return None
     with db.session() as session:
         if not claim_batch_lease(session, batch_id,
                                  statuses=(VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING),
@@ -118,13 +146,17 @@ def finalize_batch(
             batch.finalizing_at = now
         if outcome in _CLOSE:
             status, code, message = _CLOSE[outcome]
-            session.execute(
+            num_closed = len(session.execute(
                 update(RequestLine)
                 .where(RequestLine.batch_id == batch_id, RequestLine.status.in_(LINE_OPEN))
                 .values(status=status, error={"code": code, "message": message},
                         finished_at=now)
+                .returning(RequestLine.pk)
                 .execution_options(synchronize_session=False)
-            )
+            ).all())
+            counters.add(session, {batch_id: CounterDelta(num_open=-num_closed,
+                                                          num_failed=num_closed)},
+                         slot=counters.slot_of(worker_id))
         session.execute(
             update(Shard).where(Shard.batch_id == batch_id, Shard.status != SHARD_DONE)
             .values(status=SHARD_DONE, finished_at=now, lease_expires_at=None)
@@ -210,8 +242,9 @@ def _write_and_close(
                 batch.output_file_id = file.id
             else:
                 batch.error_file_id = file.id
-        total = session.scalar(select(func.count()).where(RequestLine.batch_id == batch_id))
-        batch.num_total, batch.num_completed, batch.num_failed = total, completed, failed
+        # Every line is final by now, and the files were written from all of them.
+        batch.num_total, batch.num_completed, batch.num_failed = (
+            completed + failed, completed, failed)
         batch.input_tokens, batch.output_tokens, batch.cached_tokens = (
             input_tokens, output_tokens, cached)
         batch.status = outcome

@@ -46,7 +46,7 @@ class Housekeeper(RoundLoop):
         on_prepared: Callable[[list[str]], None],
         on_finalized: Callable[[], None],
     ) -> None:
-        super().__init__(settings.poll_interval)
+        super().__init__(settings.poll_interval, idle_interval=settings.idle_poll_interval)
         self.db = db
         self.storage = storage
         self.settings = settings
@@ -59,6 +59,7 @@ class Housekeeper(RoundLoop):
         self._busy: set[str] = set()  # batches a thread of this worker is working on now
         # (stage, batch) -> (failures in a row, monotonic time of the next try)
         self._backoff: dict[tuple[str, str], tuple[int, float]] = {}
+        self._idle = False
 
     def batches_touched(self, batch_ids: set[str]) -> None:
         """These batches may be ready to finalize (a shard finished, a batch stopped)."""
@@ -103,6 +104,8 @@ class Housekeeper(RoundLoop):
             shard_size=self.settings.shard_size, mixed_endpoints=self.settings.mixed_endpoints))
         if shard_ids:
             self._on_prepared(shard_ids)
+        elif shard_ids is not None:  # failed at prepare: final, its event is queued
+            self._on_finalized()
         return shard_ids
 
     def finalize(self, batch_id: str) -> str | None:
@@ -128,12 +131,17 @@ class Housekeeper(RoundLoop):
                 self.prepare(batch_id)
         with self._lock:
             candidates, self._candidates = self._candidates | found, set()
+        self._idle = not waiting and not candidates
         for batch_id in sorted(candidates):
             if self._backing_off("finalize", batch_id):
                 with self._lock:
                     self._candidates.add(batch_id)  # not yet: keep it for a later round
                 continue
             self.finalize(batch_id)
+
+    def is_idle(self) -> bool:
+        with self._lock:
+            return self._idle and not self._candidates and not self._backoff
 
     def run_round(self) -> bool:
         scan = time.monotonic() - self._last_scan >= self.settings.finalize_scan_interval

@@ -34,6 +34,9 @@ class LineWork:
     body: dict[str, Any]
     priority: int = 0  # the shard's: a job's is JOB_PRIORITY_BASE + its own
     deadline: float | None = None  # unix seconds: the batch's expires_at (service.queue_order)
+    # The validated fields stored at prepare (``openai_format.sampling.engine_fields``); None
+    # for rows from before them, whose ``body`` is parsed instead.
+    engine_fields: dict[str, Any] | None = None
 
     @property
     def is_job(self) -> bool:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 
 from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
-from service import served_models
+from service import ids, served_models
 from service.db import Database, utcnow
 from service.loop import RoundLoop
 from service.models import IN_PROGRESS
@@ -21,6 +21,10 @@ from worker.items import HeldShards
 from worker.result_writer import settle_job
 
 log = logging.getLogger(__name__)
+
+# Bulk shards one claim statement takes at most, and how many candidates it may pick them from.
+BULK_PER_CLAIM = 2
+CANDIDATES_PER_WANT = 4
 
 
 class LeaseKeeper(RoundLoop):
@@ -40,8 +44,11 @@ class LeaseKeeper(RoundLoop):
         aliases: list[str] | None = None,
         engine_alive: Callable[[], bool] = lambda: True,
         on_engine_dead: Callable[[], None] = lambda: None,
+        on_claims: Callable[[int, int], None] = lambda attempts, won: None,
     ) -> None:
-        super().__init__(min(settings.poll_interval, settings.lease_seconds / 3))
+        super().__init__(min(settings.poll_interval, settings.lease_seconds / 3),
+                         # Idle means nothing held: no lease to renew, only the reaper's turn.
+                         idle_interval=settings.idle_poll_interval)
         self.db = db
         self.settings = settings
         self.worker_id = worker_id
@@ -52,12 +59,15 @@ class LeaseKeeper(RoundLoop):
         self.model = model  # claim only this model's shards (None: any, a test's fake engine)
         self.aliases = aliases or []
         self._last_check = 0.0
+        self._last_reap = 0.0
         self._last_announce = 0.0  # never: the first round announces (unless start() did)
         self._check_now = threading.Event()  # a batch changed: look at the held batches now
         # Leases are renewed only for an engine that runs: a worker whose engine thread died
         # must not keep its shards alive (nobody else could take them).
         self._engine_alive = engine_alive
         self._on_engine_dead = on_engine_dead
+        self._on_claims = on_claims  # (shards asked for, shards won): the worker's metrics
+        self._found_work = False
 
     def wake(self, *, check: bool = False) -> None:
         if check:
@@ -72,55 +82,74 @@ class LeaseKeeper(RoundLoop):
                 and lines < self.settings.worker_max_lines
                 and self.drainer.num_queued < self.drainer.low_water)
 
-    def claim(self, shard_id: str) -> bool:
-        """Claim one shard and hand its lines to the engine; True when it was ours to take."""
-        settings = self.settings
+    def claim(self, shard_ids: list[str], *, max_bulk: int, max_jobs: int) -> int:
+        """Claim up to ``max_bulk`` bulk and ``max_jobs`` job shards among ``shard_ids`` (in
+        that order of preference) in one short transaction, then load their lines with no lock
+        held and hand them to the engine; returns the number of shards won."""
+        num_jobs = sum(1 for sid in shard_ids if ids.is_job_shard(sid))
+        attempts = min(num_jobs, max_jobs) + min(len(shard_ids) - num_jobs, max_bulk)
+        if attempts <= 0:
+            return 0
         with self.db.session() as session:
-            claim = claims.try_claim(session, shard_id, worker_id=self.worker_id,
-                                     lease_seconds=settings.lease_seconds, model=self.model)
-            if claim is None:
-                return False
-            poisoned = claim.attempts > settings.max_shard_attempts
-            if poisoned:
-                claims.fail_lines(
-                    session, [w.line_pk for w in claim.lines], code="server_error",
-                    message=f"gave up after {claim.attempts - 1} workers failed to run this shard",
-                    worker_id=self.worker_id)
-                if claim.shard.job_id is not None:
-                    settle_job(session, claim.shard.job_id)
-            if poisoned or not claim.lines:
-                claims.finish_shard(session, shard_id, worker_id=self.worker_id)
+            claimed = claims.claim_shards(
+                session, shard_ids, worker_id=self.worker_id,
+                lease_seconds=self.settings.lease_seconds, max_bulk=max_bulk, max_jobs=max_jobs,
+                model=self.model)
+        self._on_claims(attempts, len(claimed))
+        if not claimed:
+            return 0
+        try:
+            with self.db.read_session() as session:
+                found = claims.load_lines(session, claimed)
+        except Exception:
+            # Hand them back now rather than when the leases run out.
+            with self.db.session() as session:
+                claims.release(session, [c.id for c in claimed], worker_id=self.worker_id)
+            raise
+        for claim in found:
+            self._take(claim)
+        return len(found)
+
+    def _take(self, claim: claims.Claim) -> None:
+        """Hand a claimed shard's lines to the engine; fail a poison shard's lines, close an
+        empty one."""
+        settings = self.settings
+        poisoned = claim.attempts > settings.max_shard_attempts
         if poisoned or not claim.lines:
+            with self.db.session() as session:
+                if poisoned:
+                    claims.fail_lines(
+                        session, [w.line_pk for w in claim.lines], code="server_error",
+                        message=f"gave up after {claim.attempts - 1} workers failed to run this "
+                        "shard", worker_id=self.worker_id)
+                    if claim.shard.job_id is not None:
+                        settle_job(session, claim.shard.job_id)
+                claims.finish_shard(session, claim.shard.id, worker_id=self.worker_id)
             if claim.shard.batch_id is not None:
                 self._on_batches_touched({claim.shard.batch_id})
-            return True
+            return
         SHARDS_CLAIMED.inc()
         self.held.add(claim.shard)
         self.drainer.add(claim.lines, is_job=claim.shard.is_job)
-        log.debug("claimed %s (%d lines)", shard_id, len(claim.lines))
-        return True
+        log.debug("claimed %s (%d lines)", claim.shard.id, len(claim.lines))
 
     def claim_some(self) -> int:
-        """Claim what there is room for: jobs, then up to two bulk shards (called in a loop)."""
+        """Claim what there is room for: jobs, then up to ``BULK_PER_CLAIM`` bulk shards, in
+        one statement (called in a loop). The candidates are a few times what is wanted, so a
+        worker that loses some to others still gets its share in the same statement."""
         bulk, jobs, _ = self.held.counts()
         max_jobs = self.settings.worker_max_jobs - jobs
         max_bulk = self.settings.worker_max_shards - bulk if self.has_room(is_job=False) else 0
+        max_bulk = min(max_bulk, BULK_PER_CLAIM)
         if max_jobs <= 0 and max_bulk <= 0:
             return 0
         with self.db.read_session() as session:
-            candidates = claims.find_candidates(session, now=utcnow(), model=self.model,
-                                                max_bulk=min(max_bulk, 2), max_jobs=max_jobs)
-        num_claimed = 0
-        for candidate in candidates:
-            if candidate.id in self.held:
-                continue
-            if not candidate.is_job and not self.has_room(is_job=False):
-                continue
-            try:
-                num_claimed += self.claim(candidate.id)
-            except Exception:
-                log.exception("claiming %s failed", candidate.id)
-        return num_claimed
+            candidates = claims.find_candidates(
+                session, now=utcnow(), model=self.model, max_bulk=max_bulk * CANDIDATES_PER_WANT,
+                max_jobs=max_jobs)
+        shard_ids = [c.id for c in candidates if c.id not in self.held]
+        self._found_work = bool(shard_ids)
+        return self.claim(shard_ids, max_bulk=max_bulk, max_jobs=max_jobs)
 
     def announce(self) -> None:
         """Say (again) that this worker serves its model, so it stays served while it runs
@@ -131,12 +160,25 @@ class LeaseKeeper(RoundLoop):
             self._last_announce = time.monotonic()
 
     def check(self) -> None:
-        """Heartbeat; drop lost shards and stopped batches; reap expired leases."""
+        """Heartbeat what is held (one statement); drop lost shards and stopped batches; reap
+        expired leases once a lease period (claims take expired shards anyway: reaping only
+        rings for them). A worker holding nothing touches the database only to reap."""
+        held = self.held.ids()
+        reap = time.monotonic() - self._last_reap >= self.settings.lease_seconds
+        if not held and not reap:
+            return
+        lost: set[str] = set()
+        statuses: dict[str, str] = {}
+        reaped: list[str] = []
         with self.db.session() as session:
-            lost = claims.heartbeat(session, self.held.ids(), worker_id=self.worker_id,
-                                    lease_seconds=self.settings.lease_seconds)
-            statuses = claims.batch_statuses(session, self.held.batch_ids())
-            reaped = claims.reap_expired(session)
+            if held:
+                lost = claims.heartbeat(session, held, worker_id=self.worker_id,
+                                        lease_seconds=self.settings.lease_seconds)
+                statuses = claims.batch_statuses(session, self.held.batch_ids())
+            if reap:
+                reaped = claims.reap_expired(session)
+        if reap:
+            self._last_reap = time.monotonic()
         if lost:
             log.warning("lost the lease of %d shards: %s", len(lost), sorted(lost))
             self.held.remove(lost)
@@ -151,6 +193,10 @@ class LeaseKeeper(RoundLoop):
         if reaped:
             log.info("made %d shards with expired leases claimable again", len(reaped))
             self._announce_shards(reaped)
+
+    def is_idle(self) -> bool:
+        """Nothing held, nothing queued, and the last claim found no candidate."""
+        return not len(self.held) and not self.drainer.num_backlog and not self._found_work
 
     def run_round(self) -> bool:
         if not self._engine_alive():  # no heartbeats, claims or model announcements

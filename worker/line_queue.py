@@ -87,6 +87,22 @@ class LineQueue:
                     del self._classes[rank]
         return removed
 
+    def ordered(self) -> list[LineWork]:
+        """Every queued line in the order ``pop`` would hand them out (the forecast reads it)."""
+        with self._lock:
+            lines = [entry[2] for entry in sorted(self._jobs)]
+            for rank in sorted(self._classes):
+                queues = [iter(q) for q in self._classes[rank].values()]
+                while queues:  # the round-robin across tenants, as pop does it
+                    alive = []
+                    for queue in queues:
+                        work = next(queue, None)
+                        if work is not None:
+                            lines.append(work)
+                            alive.append(queue)
+                    queues = alive
+        return lines
+
     @property
     def num_jobs(self) -> int:
         with self._lock:

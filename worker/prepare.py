@@ -1,9 +1,12 @@
 """Validating -> in_progress: a batch's input file becomes request lines and shards.
 
-One worker does it under a lease on the batch row, in one transaction: the lines (bad ones
-become failed lines at once, with their error), then the shard assignment in prompt-prefix
-order, then the status. A worker that dies half way leaves nothing behind; the lease runs out
-and another worker starts over.
+One worker does it under a lease on the batch row, in one transaction: the lines, each written
+once, in input order and already in its shard (bad ones become failed lines at once, with their
+error and their custom_id), the shards, the batch's counters and the status. Shards follow
+prompt-prefix order: the valid lines are sorted by (sort key, line number) in memory before the
+insert (a file holds at most ``max_file_lines``), so no UPDATE and no database sort follow. A
+worker that dies half way leaves nothing behind; the lease runs out and another worker starts
+over.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ import datetime as dt
 import logging
 from collections.abc import Iterator
 
-from sqlalchemy import insert, select, text, update
+from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from openai_format.parse import CustomIdTracker, LineError, parse_line
+from openai_format.sampling import engine_fields
+from service import counters
+from service.counters import CounterDelta
 from service.db import Database, utcnow
 from service.lines import ModelTracker, estimate_tokens, sort_key, stored_body
 from service.models import (
@@ -85,50 +91,35 @@ def _line_rows(
             if len(errors) < MAX_BATCH_ERRORS:
                 errors.append({"code": parsed.code, "message": parsed.message, "param": None,
                                "line": line_no})
-            # A repeated custom_id cannot be stored again: the error keeps it.
-            row.update(status=LINE_FAILED, custom_id=None, finished_at=utcnow(), error={
-                "code": parsed.code, "message": parsed.message, "custom_id": parsed.custom_id})
+            # A failed line keeps its custom_id (a repeated one too: the unique index leaves
+            # failed lines out), for its error-file line.
+            row.update(status=LINE_FAILED, custom_id=parsed.custom_id, finished_at=utcnow(),
+                       error={"code": parsed.code, "message": parsed.message})
             yield row
             continue
         row.update(custom_id=parsed.custom_id, body=stored_body(parsed), sort_key=sort_key(parsed),
-                   endpoint=parsed.url)
+                   endpoint=parsed.url, engine_fields=engine_fields(parsed.body))
         prompt_tokens, output_tokens = estimate_tokens(parsed)
         estimates[0] += prompt_tokens
         estimates[1] += output_tokens
         yield row
 
 
-_ASSIGN_SHARDS = text("""
-UPDATE request_lines
-SET position = ranked.rn - 1,
-    shard_id = CAST(:batch_id AS VARCHAR(64)) || ':' || CAST((ranked.rn - 1) / :size AS VARCHAR(20))
-FROM (
-    SELECT pk, row_number() OVER (ORDER BY sort_key, line_no) AS rn
-    FROM request_lines WHERE batch_id = :batch_id AND status = 'pending'
-) AS ranked
-WHERE request_lines.pk = ranked.pk
-""")
+def _assign_shards(rows: list[dict], *, batch_id: str, shard_size: int) -> int:
+    """Give the valid rows their run position and shard, in prompt-prefix order (lines sharing
+    a prefix land in one shard and run together); returns the number of shards."""
+    valid = sorted((r for r in rows if r["status"] == LINE_PENDING),
+                   key=lambda r: (r["sort_key"], r["line_no"]))
+    for position, row in enumerate(valid):
+        row["position"] = position
+        row["shard_id"] = f"{batch_id}:{position // shard_size}"
+    return -(-len(valid) // shard_size)
 
 
-def _insert_lines(session: Session, rows: Iterator[dict]) -> tuple[int, int]:
-    """Insert in chunks; returns (valid lines, failed lines)."""
-    num_valid = num_failed = 0
-    chunk: list[dict] = []
-    keys = ("custom_id", "body", "error", "finished_at")
-    for row in rows:
-        for key in keys:
-            row.setdefault(key, None)
-        chunk.append(row)
-        if row["status"] == LINE_PENDING:
-            num_valid += 1
-        else:
-            num_failed += 1
-        if len(chunk) >= INSERT_CHUNK:
-            session.execute(insert(RequestLine), chunk)
-            chunk = []
-    if chunk:
-        session.execute(insert(RequestLine), chunk)
-    return num_valid, num_failed
+def _insert_lines(session: Session, rows: list[dict]) -> None:
+    """Insert in chunks, in input order (so a batch's pks follow its line numbers)."""
+    for start in range(0, len(rows), INSERT_CHUNK):
+        session.execute(insert(RequestLine), rows[start:start + INSERT_CHUNK])
 
 
 def prepare_batch(
@@ -170,16 +161,24 @@ def _prepare(
             return []
         errors: list[dict] = []
         estimates = [0, 0]
-        rows = _line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints,
-                          estimates=estimates)
-        num_valid, num_failed = _insert_lines(session, rows)
+        rows = []
+        for row in _line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints,
+                              estimates=estimates):
+            for key in ("custom_id", "body", "engine_fields", "error", "finished_at", "position",
+                        "shard_id"):
+                row.setdefault(key, None)
+            rows.append(row)
+        num_shards = _assign_shards(rows, batch_id=batch.id, shard_size=shard_size)
+        num_failed = sum(1 for r in rows if r["status"] == LINE_FAILED)
+        num_valid = len(rows) - num_failed
+        _insert_lines(session, rows)
+        counters.add(session, {batch.id: CounterDelta(num_open=num_valid, num_failed=num_failed)},
+                     slot=0)
         if num_valid == 0:
             _fail(session, batch, errors or [{"code": "empty_file", "message": "no request lines",
                                               "param": None, "line": None}],
                   num_failed=num_failed)
             return []
-        session.execute(_ASSIGN_SHARDS, {"batch_id": batch.id, "size": shard_size})
-        num_shards = -(-num_valid // shard_size)
         shard_ids = [f"{batch.id}:{k}" for k in range(num_shards)]
         session.execute(insert(Shard), [
             {"id": sid, "tenant_id": batch.tenant_id, "batch_id": batch.id, "job_id": None,

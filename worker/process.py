@@ -43,6 +43,7 @@ from service.settings import Settings
 from service.storage import ObjectStorage, make_storage
 from worker import claims
 from worker.drain import Drainer
+from worker.forecaster import Forecaster
 from worker.housekeeper import Housekeeper
 from worker.items import HeldShards
 from worker.lease_keeper import LeaseKeeper
@@ -78,6 +79,12 @@ def _engine_limit(engine: Any, name: str, default: int) -> int:
     config = getattr(engine, "config", None)
     value = getattr(config, name, None) if config is not None else None
     return int(value) if isinstance(value, int) else default
+
+
+def _max_model_len(engine: Any) -> int:
+    """The engine's context (what a line with no max_tokens may fill), else its config's."""
+    value = getattr(engine, "max_model_len", None)
+    return value if isinstance(value, int) else _engine_limit(engine, "max_model_len", 2048)
 
 
 class _EngineThread(threading.Thread):
@@ -183,12 +190,14 @@ class WorkerService:
             self.db, allow_private=settings.webhook_allow_private,
             retry_delays=settings.webhook_retry_delays, timeout=settings.webhook_timeout,
             interval=min(settings.poll_interval, 1.0),
+            idle_interval=settings.idle_poll_interval,
         )
         self.housekeeper = Housekeeper(self.db, self.storage, settings, worker_id=self.worker_id,
                                        on_prepared=self._announce_shards,
                                        on_finalized=self.webhooks.wake)
         self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
-                                   on_shards_done=self.housekeeper.batches_touched)
+                                   on_batches_drained=self.housekeeper.batches_touched,
+                                   on_jobs_settled=self.webhooks.wake)
         # Answers carry the model's id, the name /v1/models lists and requests are routed by.
         model_name = self.model_id
         aliases = setting_aliases(settings.model, settings.served_model_name)
@@ -196,9 +205,6 @@ class WorkerService:
         if isinstance(engine_name, str) and engine_name != model_name:
             aliases.append(engine_name)
         self.recorder = EngineRecorder(engine_config(self.engine))
-        self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
-                                          model=model_name,
-                                          interval=settings.worker_metrics_interval)
         self.drainer = Drainer(
             MeteredEngine(self.engine, self.recorder), submit=self.writer.submit,
             model_name=model_name,
@@ -208,12 +214,22 @@ class WorkerService:
             low_water=max(2 * _engine_limit(self.engine, "max_num_seqs", 128), settings.shard_size),
             on_hungry=lambda: self.leases.wake(),
         )
+        forecaster = Forecaster(self.drainer, self.recorder.step_cost,
+                                seats=self.drainer.max_num_seqs,
+                                max_model_len=_max_model_len(self.engine),
+                                interval=min(settings.worker_metrics_interval / 2, 0.5))
+        self.drainer.on_step = forecaster.gather
+        self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
+                                          model=model_name,
+                                          interval=settings.worker_metrics_interval,
+                                          forecast=forecaster.snapshot)
         self.leases = LeaseKeeper(self.db, settings, worker_id=self.worker_id, held=self.held,
                                   drainer=self.drainer, announce_shards=self._announce_shards,
                                   on_batches_touched=self.housekeeper.batches_touched,
                                   model=model_name, aliases=aliases,
                                   engine_alive=self._engine_thread.is_alive,
-                                  on_engine_dead=self._engine_thread_died)
+                                  on_engine_dead=self._engine_thread_died,
+                                  on_claims=self.recorder.observe_claims)
         # Served from now on (before the first claim), and kept so by the lease thread (which
         # retries at once if the database is not there yet).
         try:
@@ -337,7 +353,7 @@ class WorkerService:
                 or not self.leases.has_room(is_job=ids.is_job_shard(shard_id))):
             self.leases.wake()
             return False
-        return self.leases.claim(shard_id)
+        return self.leases.claim([shard_id], max_bulk=1, max_jobs=1) == 1
 
     def handle_batch(self, batch_id: str) -> str | None:
         """Prepare or finalize ``batch_id`` as its state asks; notice a cancel at once."""

@@ -1,9 +1,13 @@
 """Results to the database as lines finish, off the engine's thread.
 
 Every write is conditional on the line still being open, so when two workers ran the same line
-(a lease that expired under a slow worker) the first result stays and the second is a no-op. A
-shard whose last line is written is marked done in the same transaction; single jobs get their
-status and their webhook events there too.
+(a lease that expired under a slow worker) the first result stays and the second is a no-op: the
+open lines among a write's are locked first (in pk order), and only those are written and
+counted in their batches' counters (``service.counters``, this worker's slot, at the end of the
+transaction, so the counter row is held only until the commit). A shard whose last line is
+written is marked done in the same transaction; single jobs get their status and their webhook
+events there too. After the commit, a batch whose open-line count reached zero is handed to
+finalize once (``on_batches_drained``), instead of a finalize attempt per finished shard.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from collections.abc import Callable
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session
 
+from service import counters
+from service.counters import CounterDelta
 from service.db import Database, utcnow
 from service.models import (
     JOB_COMPLETED,
@@ -51,10 +57,23 @@ _WRITE_LINE = (
 )
 
 
-def write_results(session: Session, results: list[LineResult], *, worker_id: str) -> None:
-    """Write final line results (first writer wins) and settle the single jobs among them."""
+def write_results(session: Session, results: list[LineResult], *, worker_id: str) -> set[str]:
+    """Write final line results (first writer wins), count them in their batches' counters and
+    settle the single jobs among them; returns the batches whose lines were closed."""
     if not results:
-        return
+        return set()
+    first: dict[int, LineResult] = {}
+    for result in results:
+        first.setdefault(result.work.line_pk, result)
+    still_open = set(session.scalars(
+        select(RequestLine.pk)
+        .where(RequestLine.pk.in_(sorted(first)), RequestLine.status.in_(LINE_OPEN))
+        .order_by(RequestLine.pk)
+        .with_for_update()
+    ).all())
+    todo = [r for pk, r in first.items() if pk in still_open]
+    if not todo:
+        return set()
     now = utcnow()
     session.execute(_WRITE_LINE, [
         {
@@ -63,11 +82,19 @@ def write_results(session: Session, results: list[LineResult], *, worker_id: str
             "b_completion_tokens": r.completion_tokens, "b_cached_tokens": r.cached_tokens,
             "b_worker_id": worker_id, "b_finished_at": now,
         }
-        for r in results
+        for r in todo
     ])
-    for result in results:
+    deltas: dict[str, CounterDelta] = {}
+    for result in todo:
         if result.work.job_id is not None:
             settle_job(session, result.work.job_id)
+        batch_id = result.work.batch_id
+        if batch_id is not None:
+            deltas[batch_id] = deltas.get(batch_id, CounterDelta()) + CounterDelta.closed(
+                result.status, prompt_tokens=result.prompt_tokens,
+                completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens)
+    counters.add(session, deltas, slot=counters.slot_of(worker_id))
+    return set(deltas)
 
 
 def settle_job(session: Session, job_id: str) -> None:
@@ -95,7 +122,8 @@ def settle_job(session: Session, job_id: str) -> None:
 
 class ResultWriter:
     """A thread that writes results in small transactions (up to ``max_batch`` lines or
-    ``max_delay`` seconds of results each) and marks finished shards done."""
+    ``max_delay`` seconds of results each), marks finished shards done and hands drained
+    batches (no line left open) to finalize."""
 
     def __init__(
         self,
@@ -103,14 +131,16 @@ class ResultWriter:
         held: HeldShards,
         *,
         worker_id: str,
-        on_shards_done: Callable[[set[str]], None] = lambda batch_ids: None,
+        on_batches_drained: Callable[[set[str]], None] = lambda batch_ids: None,
+        on_jobs_settled: Callable[[], None] = lambda: None,
         max_batch: int = 256,
         max_delay: float = 0.02,
     ) -> None:
         self._db = db
         self._held = held
         self._worker_id = worker_id
-        self._on_shards_done = on_shards_done
+        self._on_batches_drained = on_batches_drained
+        self._on_jobs_settled = on_jobs_settled  # their webhook events are queued
         self._max_batch = max_batch
         self._max_delay = max_delay
         self._queue: queue.Queue[LineResult | None] = queue.Queue()
@@ -156,13 +186,16 @@ class ResultWriter:
 
     def _write(self, results: list[LineResult]) -> None:
         done_shards: list[str] = []
+        unheld = False  # a line of a shard this worker no longer holds (its lease was lost)
         for result in results:
+            unheld = unheld or result.work.shard_id not in self._held
             if self._held.line_done(result.work.shard_id, result.work.line_pk):
                 done_shards.append(result.work.shard_id)
+        closed: set[str] = set()
         for attempt in range(5):
             try:
                 with self._db.session() as session:
-                    write_results(session, results, worker_id=self._worker_id)
+                    closed = write_results(session, results, worker_id=self._worker_id)
                     for shard_id in done_shards:
                         finish_shard(session, shard_id, worker_id=self._worker_id)
                 break
@@ -174,6 +207,23 @@ class ResultWriter:
         with self._idle:
             self._pending -= len(results)
             self._idle.notify_all()
-        batch_ids = {s.batch_id for s in finished if s.batch_id is not None}
-        if batch_ids:
-            self._on_shards_done(batch_ids)
+        # The last line of a batch finishes a shard of it (or lands after a lost lease): only
+        # then can its open count have reached zero. Read after the commit, so of two writers
+        # closing a batch's last lines at once, the later one sees zero.
+        if any(r.work.job_id is not None for r in results):
+            self._on_jobs_settled()
+        maybe_drained = closed & ({s.batch_id for s in finished} if not unheld else closed)
+        if maybe_drained:
+            self._hand_drained(maybe_drained)
+
+    def _hand_drained(self, batch_ids: set[str]) -> None:
+        try:
+            with self._db.read_session() as session:
+                left = counters.sums(session, batch_ids)
+        except Exception:
+            log.exception("reading the counters of %s failed; the finalize scan will find them",
+                          sorted(batch_ids))
+            return
+        drained = {b for b in batch_ids if b not in left or left[b].num_open <= 0}
+        if drained:
+            self._on_batches_drained(drained)

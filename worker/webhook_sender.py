@@ -14,7 +14,7 @@ import threading
 import time
 
 import httpx
-from sqlalchemy import select, update
+from sqlalchemy import exists, select, update
 
 from metrics.counters import WEBHOOK_ATTEMPTS
 from service.db import Database, utcnow
@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 CLAIM_SECONDS = 120.0
 
 
-def _claim_due(db: Database, *, limit: int) -> list[int]:
+def _claim_due(db: Database, *, limit: int) -> tuple[list[int], bool]:
+    """Deliveries due now, claimed for this sender; and whether any delivery is pending."""
     now = utcnow()
     claimed = []
     with db.session() as session:
@@ -36,6 +37,10 @@ def _claim_due(db: Database, *, limit: int) -> list[int]:
                                              WebhookDelivery.next_attempt_at <= now)
             .order_by(WebhookDelivery.next_attempt_at).limit(limit)
         ).all()
+        if not pks:
+            pending = session.scalar(select(exists().where(
+                WebhookDelivery.status == DELIVERY_PENDING))) or False
+            return [], bool(pending)
         for pk in pks:
             won = session.execute(
                 update(WebhookDelivery)
@@ -46,7 +51,7 @@ def _claim_due(db: Database, *, limit: int) -> list[int]:
             ).rowcount
             if won:
                 claimed.append(pk)
-    return claimed
+    return claimed, True
 
 
 def send_one(
@@ -110,8 +115,10 @@ class WebhookSender(RoundLoop):
         retry_delays: list[float],
         timeout: float = 10.0,
         interval: float = 0.5,
+        idle_interval: float | None = None,
     ) -> None:
-        super().__init__(interval)
+        super().__init__(interval, idle_interval=idle_interval)
+        self._pending = True
         self._db = db
         self._allow_private = allow_private
         self._retry_delays = retry_delays
@@ -132,8 +139,12 @@ class WebhookSender(RoundLoop):
     def run_round(self) -> bool:
         return self.run_once() > 0
 
+    def is_idle(self) -> bool:
+        """No delivery pending, not even a retry due later: the sender may back off."""
+        return not self._pending
+
     def run_once(self) -> int:
-        pks = _claim_due(self._db, limit=20)
+        pks, self._pending = _claim_due(self._db, limit=20)
         for pk in pks:
             send_one(self._db, pk, client=self._client, allow_private=self._allow_private,
                      retry_delays=self._retry_delays)

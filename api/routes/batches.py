@@ -19,8 +19,16 @@ from metrics.counters import BATCHES_CREATED
 from openai_format.types import ENDPOINTS
 from service import ids
 from service.db import utcnow
-from service.models import CANCELLED, CANCELLING, IN_PROGRESS, VALIDATING, Batch, File
-from service.objects import batch_object, line_totals
+from service.models import (
+    CANCELLED,
+    CANCELLING,
+    FINALIZING,
+    IN_PROGRESS,
+    VALIDATING,
+    Batch,
+    File,
+)
+from service.objects import batch_object, live_totals
 from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
 from service.served_models import ModelNotServed, resolve_request_model
 from service.settings import parse_completion_window
@@ -80,12 +88,15 @@ def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
     return row
 
 
+LIVE = (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING)
+
+
 def render(session: Session, row: Batch, ctx: AppContext) -> dict:
-    live = row.status in (VALIDATING, IN_PROGRESS, CANCELLING, "finalizing")
-    if not live:
+    """The batch object; a live batch's counts come from its counters, never from its lines."""
+    if row.status not in LIVE:
         return batch_object(row)
     eta = ctx.etas.get(session).get(row.id)
-    return batch_object(row, line_totals(session, row.id),
+    return batch_object(row, live_totals(session, [row])[row.id],
                         estimated_completion_at=eta.estimated_completion_at if eta else None,
                         deadline_at_risk=eta.late if eta else False)
 

@@ -16,6 +16,7 @@ from api.pagination import paginate
 from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
+from openai_format.sampling import engine_fields
 from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
 from service import ids
 from service.lines import sort_key, stored_body
@@ -85,7 +86,7 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
         session.add(RequestLine(
             tenant_id=tenant.id, job_id=job_id, shard_id=shard_id, line_no=1, position=0,
             custom_id=job_id, endpoint=endpoint, body=stored_body(parsed),
-            sort_key=sort_key(parsed),
+            engine_fields=engine_fields(parsed.body), sort_key=sort_key(parsed),
         ))
         session.flush()
         body = job_object(job, None)

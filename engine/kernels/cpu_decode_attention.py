@@ -3,8 +3,14 @@
 The kernel reads K/V straight from the paged cache, so a decode step costs one pass over each
 sequence's context instead of a gather copy plus an attention pass over a padded batch.
 
+The cache may be float32 or bfloat16 (read as bf16, accumulated in fp32). Variants: ``native``
+(-march=native: AVX-512 where the CPU has it, and AVX512-BF16 dot products for a bf16 cache where
+it has those) and ``portable`` (the same flags without AVX-512: the plain loops any CPU runs, the
+fallback, built to test it on a machine that would otherwise take the AVX-512 path). The
+engine uses ``native``; ``$BOXCAR_CPU_KERNEL_VARIANT`` overrides it.
+
 Build cache: the shared library lives in ``kernel_cache_dir()/<key>/`` where ``key`` hashes the
-source, the flags, the compiler's ``--version``, torch, Python and the CPU flags (-march=native).
+variant, the source, the flags, the compiler's ``--version``, torch, Python and the CPU flags.
 A warm start imports that file directly and never runs ninja, so which ninja is on PATH (the venv's
 or the system's, which disagree about torch's own build cache) costs nothing. A cold start builds
 in a fresh temporary folder with torch's cpp_extension (tens of seconds, announced on stderr) and
@@ -43,8 +49,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
 # torch's own libgomp (same soname, already loaded): one thread pool.
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
 _LDFLAGS = ("-fopenmp",)
-_module: ModuleType | None = None
-_tried = False
+VARIANTS = {"native": (), "portable": ("-mno-avx512f",)}  # extra flags per variant
+_modules: dict[str, ModuleType | None] = {}
 load_seconds = 0.0  # time spent in load() (building or importing), for start-up breakdowns
 
 
@@ -54,29 +60,55 @@ def kernel_cache_dir() -> Path:
     return Path(configured).expanduser() if configured else Path.home() / ".cache/boxcar/kernels"
 
 
-def build_key() -> str:
-    """What the compiled library depends on, hashed: source, flags, compiler, torch, Python, CPU."""
+def default_variant() -> str:
+    """``$BOXCAR_CPU_KERNEL_VARIANT`` if set, else ``native``."""
+    variant = os.environ.get("BOXCAR_CPU_KERNEL_VARIANT", "native")
+    if variant not in VARIANTS:
+        raise ValueError(f"BOXCAR_CPU_KERNEL_VARIANT must be one of {sorted(VARIANTS)}, "
+                         f"got {variant!r}")
+    return variant
+
+
+def _check_variant(variant: str) -> None:
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+
+
+def _cflags(variant: str) -> list[str]:
+    return [*_CFLAGS, *VARIANTS[variant]]
+
+
+def _module_name(variant: str) -> str:
+    # One Python module name per variant: both can be imported into one process (the tests).
+    return _NAME if variant == "native" else f"{_NAME}_{variant}"
+
+
+def build_key(variant: str = "native") -> str:
+    """What the compiled library depends on, hashed: variant, source, flags, compiler, torch,
+    Python, CPU."""
+    _check_variant(variant)
     digest = hashlib.sha256()
     digest.update(_SOURCE.read_bytes())
-    digest.update(repr((_CFLAGS, _LDFLAGS, torch.__version__, sys.version, platform.machine()))
-                  .encode())
+    digest.update(repr((variant, _cflags(variant), _LDFLAGS, torch.__version__, sys.version,
+                        platform.machine())).encode())
     digest.update(_compiler_version().encode())
     digest.update(_cpu_flags().encode())
     return digest.hexdigest()[:16]
 
 
-def library_path() -> Path:
-    """Where the library for this machine's ``build_key()`` lives (whether built or not)."""
+def library_path(variant: str = "native") -> Path:
+    """Where the library for this machine's ``build_key(variant)`` lives (built or not)."""
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    return kernel_cache_dir() / build_key() / f"{_NAME}{suffix}"
+    return kernel_cache_dir() / build_key(variant) / f"{_module_name(variant)}{suffix}"
 
 
-def build(*, quiet: bool = False) -> Path:
+def build(*, quiet: bool = False, variant: str = "native") -> Path:
     """Compile the kernel into the cache unless it is there; return the library's path.
 
     Raises RuntimeError when it cannot be built (no compiler, no headers).
     """
-    target = library_path()
+    target = library_path(variant)
+    name = _module_name(variant)
     if target.is_file():
         return target
     if not quiet:
@@ -90,13 +122,13 @@ def build(*, quiet: bool = False) -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as build_dir:
         try:
             load_extension(
-                name=_NAME, sources=[str(_SOURCE)], extra_cflags=list(_CFLAGS),
+                name=name, sources=[str(_SOURCE)], extra_cflags=_cflags(variant),
                 extra_ldflags=list(_LDFLAGS), build_directory=build_dir, verbose=False,
                 is_python_module=True,
             )
         except Exception as exc:
             raise RuntimeError(f"cannot build the CPU decode-attention kernel: {exc}") from exc
-        built = Path(build_dir) / f"{_NAME}.so"
+        built = Path(build_dir) / f"{name}.so"
         if not built.is_file():
             raise RuntimeError(f"the kernel build left no {built.name} in {build_dir}")
         staged = Path(build_dir) / "staged.so"
@@ -108,37 +140,42 @@ def build(*, quiet: bool = False) -> Path:
     return target
 
 
-def load() -> ModuleType | None:
-    """The kernel module, built on first use (see ``build``); None if it cannot be built here."""
-    global _module, _tried, load_seconds
-    if _tried:
-        return _module
-    _tried = True
+def load(variant: str | None = None) -> ModuleType | None:
+    """The kernel module of ``variant`` (default: ``default_variant()``), built on first use
+    (see ``build``); None if it cannot be built here."""
+    global load_seconds
+    variant = default_variant() if variant is None else variant
+    _check_variant(variant)
+    if variant in _modules:
+        return _modules[variant]
     if os.environ.get("BOXCAR_NO_CPU_KERNELS"):
+        _modules[variant] = None
         return None
     start = time.perf_counter()
+    name = _module_name(variant)
+    module: ModuleType | None
     try:
-        path = build()
-        if _NAME in sys.modules:  # built and imported by build()'s cpp_extension call
-            module = sys.modules[_NAME]
+        path = build(variant=variant)
+        if name in sys.modules:  # built and imported by build()'s cpp_extension call
+            module = sys.modules[name]
         else:
-            module = _import_library(path)
-        _module = module
+            module = _import_library(name, path)
     except Exception as exc:  # no compiler, no headers: fall back, loudly
         log.warning("CPU paged-attention kernel unavailable (%s); using the torch path", exc)
-        _module = None
+        module = None
+    _modules[variant] = module
     load_seconds += time.perf_counter() - start
-    return _module
+    return module
 
 
-def _import_library(path: Path) -> ModuleType:
-    loader = importlib.machinery.ExtensionFileLoader(_NAME, str(path))
-    spec = importlib.util.spec_from_file_location(_NAME, path, loader=loader)
+def _import_library(name: str, path: Path) -> ModuleType:
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     if spec is None:
         raise RuntimeError(f"cannot import {path}")
     module = importlib.util.module_from_spec(spec)
     loader.exec_module(module)
-    sys.modules[_NAME] = module
+    sys.modules[name] = module
     return module
 
 
@@ -170,29 +207,43 @@ def paged_decode_attention(
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor,  # [num_seqs] int32
     scale: float,
-    out: torch.Tensor | None = None,
+    *,
+    variant: str | None = None,
 ) -> torch.Tensor:
-    module = load()
+    """Attention of each sequence's one query over its cached context, in ``q``'s dtype.
+
+    ``q`` and the cache are float32 or bfloat16 (the cache both K and V alike); a bf16 ``q`` is
+    widened to fp32 (exact) for the kernel and the fp32 result rounded back once.
+    """
+    module = load(variant)
     if module is None:
         raise RuntimeError("the CPU paged-attention kernel is not available")
     check_query_and_cache(q, k_cache, v_cache, "num_seqs")
     if block_tables.shape[0] != q.shape[0] or context_lens.shape[0] != q.shape[0]:
         raise ValueError("block_tables and context_lens need one row per sequence")
-    for name, t, dtype in (
-        ("q", q, torch.float32), ("k_cache", k_cache, torch.float32),
-        ("v_cache", v_cache, torch.float32), ("block_tables", block_tables, torch.int32),
-        ("context_lens", context_lens, torch.int32),
+    floats = (torch.float32, torch.bfloat16)
+    for name, t, dtypes in (
+        ("q", q, floats), ("k_cache", k_cache, floats), ("v_cache", v_cache, (k_cache.dtype,)),
+        ("block_tables", block_tables, (torch.int32,)),
+        ("context_lens", context_lens, (torch.int32,)),
     ):
-        if t.dtype != dtype or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.dtype} on {t.device}")
-    q = q.contiguous()
+        if t.dtype not in dtypes or t.device.type != "cpu":
+            wanted = " or ".join(str(d) for d in dtypes)
+            raise ValueError(f"{name} must be a CPU {wanted} tensor, got {t.dtype} on {t.device}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    out = torch.empty_like(q) if out is None else out
+    q32 = q.float().contiguous()
+    out = torch.empty_like(q32)
     module.paged_decode_attention(
-        q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out
+        q32, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out
     )
-    return out
+    return out.to(q.dtype)
+
+
+def kernel_isa(variant: str | None = None) -> str | None:
+    """The instruction set the loaded kernel runs (``avx512_bf16``, ``avx512``, ``generic``)."""
+    module = load(variant)
+    return None if module is None else str(module.isa())
 
 
 def paged_decode_attention_ref(

@@ -1,4 +1,4 @@
-"""Exact greedy tokens without the full fp32 output projection (CPU, fp32 models).
+"""Exact greedy tokens without the full fp32 output projection (CPU, fp32 and bf16 models).
 
 The output layer is the largest GEMM of a decode step (49152 x 576 for the default model: 16 ms
 of a ~200 ms step at 64 rows). A greedy request only needs the argmax of its fp32 logits, so:
@@ -16,6 +16,11 @@ of a ~200 ms step at 64 rows). A greedy request only needs the argmax of its fp3
 
 Rows that need the full distribution (sampling, penalties, logprobs, masked tokens) keep the
 full fp32 projection: ``Sampler.needs_full_logits`` says which.
+
+A bf16 model's output layer works the same way: its weight and hidden rows are bf16 values, so
+the screen rounds nothing, and the token is the argmax of the fp32 products of those values —
+what the fp32 logits the sampler reads would pick, not the argmax of logits rounded to bf16 (at
+a logit of 20, bf16's step is 0.125: ties and swaps that fp32 does not make).
 """
 
 from __future__ import annotations
@@ -38,14 +43,14 @@ class GreedyScreen:
     """``argmax(hidden @ weight.T)`` per row, exactly, from a bf16 screen (module docstring)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError("the greedy screen is for CPU float32 output layers")
+        if weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+            raise ValueError("the greedy screen is for CPU float32 or bfloat16 output layers")
         self.weight = weight  # [vocab, hidden], shared with the model
         hidden = weight.shape[1]
         gamma = hidden * 2.0**-24 / (1 - hidden * 2.0**-24)
         self.relative = _SAFETY * (2 * _U + _U * _U + 2 * gamma * (1 + _U) ** 2)
         self.output_rounding = _SAFETY * _U / (1 - _U)
-        self.row_norms = weight.norm(dim=1)  # [vocab]
+        self.row_norms = weight.float().norm(dim=1)  # [vocab]
         weight_bf16 = weight.to(torch.bfloat16)
         self._packed = None
         try:  # oneDNN's prepacked layout: measured 3.3 ms against 5.7 ms unpacked at 64 rows
@@ -62,7 +67,8 @@ class GreedyScreen:
         return out.float()
 
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[rows, hidden] float32 -> [rows] int64 token ids."""
+        """[rows, hidden] float32 (or bfloat16) -> [rows] int64 token ids."""
+        hidden = hidden.float()
         rows = hidden.shape[0]
         if rows == 0:
             return torch.empty(0, dtype=torch.int64)
@@ -71,7 +77,7 @@ class GreedyScreen:
         bound += approx.abs() * self.output_rounding
         best_lower = (approx - bound).amax(dim=1, keepdim=True)
         row_ids, token_ids = torch.nonzero(approx + bound >= best_lower, as_tuple=True)
-        exact = (hidden[row_ids] * self.weight[token_ids]).sum(dim=1)
+        exact = (hidden[row_ids] * self.weight[token_ids].float()).sum(dim=1)
         best = torch.full((rows,), float("-inf")).scatter_reduce(
             0, row_ids, exact, reduce="amax")
         winners = torch.where(exact == best[row_ids], token_ids, self.weight.shape[0])

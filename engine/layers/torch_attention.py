@@ -1,7 +1,7 @@
 """TorchAttentionBackend: paged attention in plain PyTorch, for the CPU (and as a GPU fallback).
 
-Decodes are batched. On the CPU in fp32 they go to a C++ kernel that reads the paged cache in
-place (``engine/kernels/cpu_decode_attention.py``); otherwise every decode's blocks are gathered
+Decodes are batched. On the CPU in fp32 or bf16 they go to a C++ kernel that reads the paged cache
+in place (``engine/kernels/cpu_decode_attention.py``); otherwise every decode's blocks are gathered
 in one ``index_select`` into a padded ``[num_decodes, max_len]`` view and attended with one
 masked SDPA call. Prefill chunks, a few per step, each attend over their own gathered prefix with
 a causal mask offset by the prefix length.
@@ -34,8 +34,10 @@ class TorchAttentionBackend:
         if self.cpu_kernel:
             self.name = "cpu"
 
-    def _kernel_fits(self, q: torch.Tensor) -> bool:
-        return self.cpu_kernel and q.device.type == "cpu" and q.dtype == torch.float32
+    def _kernel_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        return (self.cpu_kernel and q.device.type == "cpu"
+                and q.dtype in (torch.float32, torch.bfloat16)
+                and k_cache.dtype in (torch.float32, torch.bfloat16))
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Nothing up front: the gather path builds its state at the first layer that needs it
@@ -74,7 +76,7 @@ class TorchAttentionBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         metadata: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        if self._kernel_fits(q):
+        if self._kernel_fits(q, k_cache):
             return cpu_decode_attention.paged_decode_attention(
                 q, k_cache, v_cache, metadata.decode_block_tables,
                 metadata.decode_context_lens, scale,

@@ -1,5 +1,6 @@
-"""estimated_completion_at (metrics.eta): work left in tokens over the workers' live throughput,
-with the work queued ahead; deadline_at_risk, its gauge and the status report."""
+"""estimated_completion_at (metrics.eta): the workers' forecasts of the lines they hold, the
+lines no worker holds after them; without forecasts, work left in tokens over the workers' live
+throughput, with the work queued ahead; deadline_at_risk, its gauge and the status report."""
 
 from __future__ import annotations
 
@@ -62,11 +63,18 @@ def _start(ctx, batch_id: str, *, open_lines: int, done_lines: int = 0) -> None:
                 prompt_tokens=40 if done else 0, completion_tokens=10 if done else 0))
 
 
-def _worker(ctx, model: str, rate: float) -> None:
+def _worker(ctx, model: str, rate: float, forecast: dict | None = None) -> None:
+    metrics = {"timeline": [{"t": time.time() - 1, "steps": 3, "generation_tokens_per_s": rate,
+                             "prompt_tokens_per_s": 0.0}]}
+    if forecast is not None:
+        metrics["forecast"] = forecast
     with ctx.db.session() as session:
-        session.add(WorkerStatus(id="w1", model=model, heartbeat_at=utcnow(), metrics={
-            "timeline": [{"t": time.time() - 1, "steps": 3, "generation_tokens_per_s": rate,
-                          "prompt_tokens_per_s": 0.0}]}))
+        row = session.get(WorkerStatus, "w1")
+        if row is None:
+            session.add(WorkerStatus(id="w1", model=model, heartbeat_at=utcnow(),
+                                     metrics=metrics))
+        else:
+            row.metrics = metrics
 
 
 def test_estimates_follow_the_queue_order_and_flag_a_late_batch(client, ctx):
@@ -130,3 +138,47 @@ def test_equal_classes_share_and_finished_lines_teach_the_estimate(client, ctx):
     # b shares the workers with a: a's work counts up to b's own.
     assert etas[b].estimated_completion_at == pytest.approx(now + (100 + 100) / 100)
     assert etas[a].estimated_completion_at == pytest.approx(now + (100 + 1500) / 100)
+
+
+def _forecast(at: float, seconds_left: float, batches: dict[str, tuple[int, float]]) -> dict:
+    return {"at": at, "seats": 4, "seconds_left": seconds_left,
+            "cost": {"fixed": 0.1, "per_decode": 0.01, "per_prefill": 0.001},
+            "batches": {b: {"lines": n, "seconds_left": s} for b, (n, s) in batches.items()}}
+
+
+def test_held_lines_end_when_the_workers_forecast_says(client, ctx):
+    """The worker holds every open line, most of them nearly done: its forecast is the
+    estimate. The token rate alone (10 lines x 150 tokens at 100 tokens/s) said 15 s."""
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    _start(ctx, a, open_lines=10)
+    at = time.time() - 1  # published a second ago: the estimate counts from then
+    _worker(ctx, model, rate=100.0, forecast=_forecast(at, 3.0, {a: (10, 3.0)}))
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0)
+    assert etas[a].estimated_completion_at == pytest.approx(at + 3.0)
+    # A forecast this version cannot read counts as none: the token rate again.
+    _worker(ctx, model, rate=100.0, forecast={"at": "soon"})
+    now = time.time()
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0, now=now)
+    assert etas[a].estimated_completion_at == pytest.approx(now + 15.0)
+
+
+def test_lines_no_worker_holds_run_after_the_held_work_in_queue_order(client, ctx):
+    created = make_batch(client).json()
+    day, model = created["id"], created["model"]
+    hour = make_batch(client, completion_window="1h").json()["id"]
+    _start(ctx, day, open_lines=10)
+    _start(ctx, hour, open_lines=2)
+    now = time.time()
+    # The worker holds 6 of day's lines (all its held work: 3 s); 4 of day's and both of
+    # hour's are pending. A pending line on a full engine of 4 seats: 100 prompt tokens at
+    # 0.001 s, 50 decodes at 0.01 s plus a quarter of each step's 0.1 s: 1.85 s.
+    _worker(ctx, model, rate=100.0, forecast=_forecast(now, 3.0, {day: (6, 3.0)}))
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0, now=now)
+    line = 0.001 * 100 + (0.01 + 0.1 / 4) * 50
+    assert etas[hour].estimated_completion_at == pytest.approx(now + 3.0 + 2 * line)
+    # day's pending lines wait for hour's (a more urgent class).
+    assert etas[day].estimated_completion_at == pytest.approx(now + 3.0 + 6 * line)

@@ -186,6 +186,38 @@ def test_run_end_to_end(tmp_path: Path, request: pytest.FixtureRequest,
                      "1", "--no-progress"]) == 0
 
 
+def test_run_as_a_process_exits_without_teardown_and_loses_no_output(
+        tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """``boxcar run`` as its own process skips the interpreter's teardown (atexit handlers do not
+    run), yet its block-buffered stdout (a file) and its output file are complete, and its exit
+    status is the run's; called in-process, ``main`` returns instead (the tests above)."""
+    model_dir = request.getfixturevalue("tiny_model_dir")
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 3}}
+    bad = {"custom_id": "b", "method": "POST", "url": "/v1/embeddings", "body": {}}
+    source, out, log = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "log"
+    source.write_text(json.dumps(line) + "\n" + json.dumps(bad) + "\n")
+    code = ("import atexit, sys\n"
+            "atexit.register(lambda: print('TEARDOWN', flush=True))\n"
+            "from cli.main import main\n"
+            "sys.exit(main())\n")
+    with open(log, "w") as stdout:
+        result = subprocess.run(
+            [sys.executable, "-c", code, "run", str(source), "-o", str(out), "--model",
+             str(model_dir), "--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "8MiB",
+             "--threads", "1", "--no-progress"],
+            cwd=REPO, stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=300,
+            check=False,
+        )
+    assert result.returncode == cli.EXIT_LINES_FAILED, result.stderr
+    printed = log.read_text()
+    assert "1 ok, 1 failed" in printed and f"results in {out}" in printed
+    assert "TEARDOWN" not in printed
+    records = {json.loads(x)["custom_id"]: json.loads(x) for x in out.read_text().splitlines()}
+    assert records["a"]["response"]["status_code"] == 200
+    assert error_of(records["b"])["code"] == "invalid_url"
+
+
 def test_every_engine_config_field_is_an_option() -> None:
     """The options are generated from EngineConfig: each field is set by its flag, and a field
     given on the command line reaches EngineConfig unchanged."""

@@ -82,7 +82,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 @pytest.mark.parametrize("mode", list(MODES))
 def test_greedy_matches_transformers(reference, mode):
     path, prompts, expected = reference
-    llm = LLM(str(path), **MODES[mode])
+    llm = LLM(str(path), dtype="float32", **MODES[mode])
     outs = llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])
     for out, ref in zip(outs, expected, strict=True):
         assert out.token_ids == ref
@@ -102,7 +102,7 @@ def test_prefix_cache_hits_and_requests_added_while_others_decode(tiny_model_dir
     max_tokens = [12, 18, 9, 12]
     expected = hf_greedy(tiny_model_dir, prompts, max_tokens)
 
-    llm = LLM(str(tiny_model_dir), block_size=8, max_num_batched_tokens=24)
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=8, max_num_batched_tokens=24)
     engine = llm.engine
     engine.add_request("r0", prompts[0], greedy(max_tokens[0]))
     results = {}
@@ -126,7 +126,7 @@ def test_prefix_cache_hits_and_requests_added_while_others_decode(tiny_model_dir
 
 
 def test_bf16_runs_and_mostly_agrees(tiny_model_dir):
-    llm32 = LLM(str(tiny_model_dir))
+    llm32 = LLM(str(tiny_model_dir), dtype="float32")
     llm16 = LLM(str(tiny_model_dir), dtype="bfloat16")
     prompts = make_prompts(llm32.engine.model_runner.vocab_size)[:4]
     a = llm32.generate(prompts, greedy(8))
@@ -161,7 +161,8 @@ def test_same_step_shared_prefix_is_computed_once_and_exact(
     tiny_model_dir, shared_prefix_reference, mode
 ):
     prompts, max_tokens, expected = shared_prefix_reference
-    llm = LLM(str(tiny_model_dir), block_size=8, **SHARED_PREFIX_MODES[mode])
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=8,
+              **SHARED_PREFIX_MODES[mode])
     outs = llm.generate(prompts, [greedy(n) for n in max_tokens])  # all added before step 1
     for out, ref in zip(outs, expected, strict=True):
         assert out.token_ids == ref
@@ -181,7 +182,8 @@ def test_urgent_request_preempts_bulk_and_all_stay_exact(tiny_model_dir, shared_
                                                          urgent_prefill_tokens):
     # A cap of 5 cuts the bulk prompts into chunks that straddle the 8-token blocks.
     prompts, max_tokens, expected = shared_prefix_reference
-    llm = LLM(str(tiny_model_dir), block_size=8, max_num_seqs=3, max_num_batched_tokens=24,
+    llm = LLM(str(tiny_model_dir), dtype="float32", block_size=8, max_num_seqs=3,
+              max_num_batched_tokens=24,
               urgent_prefill_tokens=urgent_prefill_tokens)
     engine = llm.engine
     for bad in ("high", 1.5, True):

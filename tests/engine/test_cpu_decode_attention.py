@@ -65,3 +65,62 @@ def test_bad_inputs_are_rejected():
         kernel.paged_decode_attention(q[:, :3], k, v, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="int32"):
         kernel.paged_decode_attention(q, k, v, tables.long(), ctx, 1.0)
+
+
+# The same cases with a bf16 cache: the kernel widens bf16 to fp32 exactly and accumulates in fp32,
+# so it matches the fp32 reference run on the same (bf16-valued) cache to fp32 rounding. The
+# portable variant is the fallback of CPUs without AVX-512 (on such a CPU both variants run it).
+@pytest.mark.parametrize("variant", ["native", "portable"])
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,lens",
+    [
+        (9, 3, 64, 16, [5, 16, 17, 300]),
+        (6, 1, 12, 4, [3, 13]),
+        (8, 2, 128, 16, [1, 50, 200]),
+        (16, 1, 64, 8, [40, 9]),
+        (9, 3, 64, 8, [1, 15, 16, 31, 32, 33, 47, 600] * 3),
+    ],
+)
+def test_bf16_cache_matches_reference(variant, num_heads, num_kv_heads, head_dim, block_size,
+                                      lens):
+    if kernel.load(variant) is None:
+        pytest.skip(f"the {variant} variant cannot be built here")
+    q, k, v, tables, ctx = make_case(len(lens), num_heads, num_kv_heads, head_dim, block_size, lens)
+    # a bf16 model's queries are bf16 values (the AVX512-BF16 path rounds q to bf16)
+    q = q.bfloat16().float()
+    k, v = k.bfloat16(), v.bfloat16()
+    scale = head_dim**-0.5
+    got = kernel.paged_decode_attention(q, k, v, tables, ctx, scale, variant=variant)
+    want = kernel.paged_decode_attention_ref(q, k.float(), v.float(), tables, ctx, scale)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    # a bf16 query comes back in bf16, one rounding of the fp32 result
+    got_bf16 = kernel.paged_decode_attention(q.bfloat16(), k, v, tables, ctx, scale,
+                                             variant=variant)
+    assert got_bf16.dtype == torch.bfloat16
+    assert torch.equal(got_bf16, got.bfloat16())
+
+
+def test_portable_variant_is_generic_and_matches_native():
+    """The fallback really is the fallback: built without AVX-512, same results as native."""
+    if kernel.load("portable") is None:
+        pytest.skip("the portable variant cannot be built here")
+    assert kernel.kernel_isa("portable") == "generic"
+    assert kernel.kernel_isa("native") in ("generic", "avx512", "avx512_bf16")
+    q, k, v, tables, ctx = make_case(4, 9, 3, 64, 16, [5, 16, 17, 300])
+    for cache in (k, k.bfloat16()):
+        values = v if cache.dtype == torch.float32 else v.bfloat16()
+        torch.testing.assert_close(
+            kernel.paged_decode_attention(q, cache, values, tables, ctx, 0.125, variant="native"),
+            kernel.paged_decode_attention(q, cache, values, tables, ctx, 0.125,
+                                          variant="portable"),
+            rtol=1e-5, atol=1e-5,
+        )
+
+
+def test_mixed_cache_dtypes_are_rejected():
+    q, k, v, tables, ctx = make_case(2, 4, 2, 8, 4, [3, 5])
+    with pytest.raises(ValueError, match="v_cache"):
+        kernel.paged_decode_attention(q, k.bfloat16(), v, tables, ctx, 1.0)
+    with pytest.raises(ValueError, match="k_cache"):
+        kernel.paged_decode_attention(q, k.half(), v.half(), tables, ctx, 1.0)

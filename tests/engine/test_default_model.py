@@ -23,7 +23,8 @@ def gguf_path():
 
 
 def test_greedy_chat_matches_transformers_gguf(gguf_path):
-    llm = LLM(str(gguf_path), max_num_batched_tokens=64)  # forces chunked prefill too
+    # float32: the exact mode (auto may pick bf16); a 64-token budget forces chunked prefill too
+    llm = LLM(str(gguf_path), dtype="float32", max_num_batched_tokens=64)
     prompts = [llm.engine.apply_chat_template(c) for c in PROMPTS]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
 

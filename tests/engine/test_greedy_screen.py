@@ -92,3 +92,12 @@ def test_engine_uses_the_screen_for_greedy_rows_only(tiny_model_dir):
     calls.update(screen=0, full=0)
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=3, logprobs=2))
     assert calls == {"screen": 0, "full": 3}
+
+
+def test_bf16_weights_give_the_fp32_argmax_of_their_values():
+    """A bf16 model's screen: the argmax of the fp32 products of its bf16 values."""
+    g = torch.Generator().manual_seed(5)
+    weight = (torch.randn(3000, 96, generator=g) * 0.3).bfloat16()
+    hidden = (torch.randn(40, 96, generator=g) * 4).bfloat16()
+    got = GreedyScreen(weight).argmax(hidden)
+    assert torch.equal(got, dot_argmax(hidden.float(), weight.float()))

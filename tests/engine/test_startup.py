@@ -19,8 +19,7 @@ from engine.sampling_params import SamplingParams
 
 @pytest.fixture
 def fresh_kernel_state(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(kernel, "_module", None)
-    monkeypatch.setattr(kernel, "_tried", False)
+    monkeypatch.setattr(kernel, "_modules", {})
     monkeypatch.delitem(sys.modules, kernel._NAME, raising=False)
 
 
@@ -31,6 +30,11 @@ def test_kernel_cache_key_and_location(tmp_path: Path, monkeypatch: pytest.Monke
     assert kernel.build_key() == key  # deterministic
     monkeypatch.setattr(kernel, "_compiler_version", lambda: "c++ (another) 99.0")
     assert kernel.build_key() != key  # a new compiler means a new build
+    # each variant has its own build (and Python module name)
+    assert kernel.build_key("portable") != kernel.build_key("native")
+    assert kernel.library_path("portable").name != kernel.library_path("native").name
+    with pytest.raises(ValueError, match="variant"):
+        kernel.build_key("fastest")
 
 
 @pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")

@@ -30,21 +30,44 @@ def mounts(service: dict) -> dict[str, str]:
     return found
 
 
-@pytest.fixture(scope="module")
-def config() -> dict:
+def compose_config(*profiles: str, env: dict[str, str] | None = None) -> dict:
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose is not installed (apt-get install docker-compose)")
-    result = subprocess.run([binary, "-f", COMPOSE, "--profile", "multi-gpu", "config"],
-                            capture_output=True, text=True, timeout=60)
+    args = [binary, "-f", COMPOSE]
+    for profile in profiles:
+        args += ["--profile", profile]
+    result = subprocess.run([*args, "config"], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, **(env or {})})
     assert result.returncode == 0, result.stderr
     return yaml.safe_load(result.stdout)
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    return compose_config("multi-gpu", "pgbouncer")
+
+
+def test_pgbouncer_is_an_option_for_the_workers():
+    """Without the profile the workers talk to PostgreSQL; with it and
+    BOXCAR_WORKER_DATABASE_URL they go through PgBouncer in transaction mode, while the API
+    and the migrations keep a direct connection."""
+    plain = compose_config()
+    assert "postgres:5432" in plain["services"]["worker-gpu0"]["environment"][
+        "BOXCAR_DATABASE_URL"]
+    pooled = compose_config("pgbouncer", env={
+        "BOXCAR_WORKER_DATABASE_URL": "postgresql+psycopg://boxcar:boxcar@pgbouncer:6432/boxcar"})
+    services = pooled["services"]
+    assert services["pgbouncer"]["environment"]["POOL_MODE"] == "transaction"
+    assert "pgbouncer:6432" in services["worker-gpu0"]["environment"]["BOXCAR_DATABASE_URL"]
+    for direct in ("api", "migrate"):
+        assert "postgres:5432" in services[direct]["environment"]["BOXCAR_DATABASE_URL"]
 
 
 def test_compose_file_is_valid(config):
     services = config["services"]
     assert set(services) == {"api", "worker-gpu0", "worker-gpu1", "redis", "postgres", "s3",
-                             "migrate", "model-pull"}
+                             "migrate", "model-pull", "pgbouncer"}
 
 
 def test_every_service_is_checked_and_restarted(config):

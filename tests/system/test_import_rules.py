@@ -59,3 +59,12 @@ def test_boxcar_run_loads_the_openai_format_without_the_service_core() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_worker_loads_torch_only_with_its_engine() -> None:
+    # A worker process with a fake engine (bench/scale.py starts 32 of them) stays small.
+    code = ("import sys, cli.main, worker.celery_app, worker.process, pipeline.engine_adapter; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "False"

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestProgress
 from engine.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -146,6 +146,18 @@ class FakeEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    def progress(self) -> list[RequestProgress]:
+        """Running then waiting, as LLMEngine.progress (a running request's prompt is done)."""
+        result = []
+        for running, queue in ((True, self._running), (False, self._waiting)):
+            for rid in queue:
+                prompt, params, generated, _ = self._requests[rid]
+                num_tokens = len(prompt) + len(generated)
+                result.append(RequestProgress(
+                    rid, running, num_tokens, num_tokens - 1 if running else 0, len(generated),
+                    params.max_tokens or 16, params.ignore_eos))
+        return result
 
     @property
     def num_unfinished_requests(self) -> int:

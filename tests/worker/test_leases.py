@@ -84,3 +84,30 @@ def test_a_shard_that_keeps_killing_workers_fails_its_lines(make_stack, sqlite_u
     errors = stack.lines_of(done["error_file_id"])
     assert sorted(ids_of(errors)) == ["p0", "p1", "p2"]
     assert {error_of(e)["code"] for e in errors} == {"server_error"}
+
+
+def test_claim_attempts_and_wins_reach_the_api_metrics(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url, worker_metrics_interval=0.1)
+    worker = stack.add_worker(FakeEngine())
+    batch = stack.create_batch([chat_line(f"m{i}", f"line {i}") for i in range(10)])
+    stack.wait_status(batch["id"], "completed")
+    with stack.ctx.db.read_session() as session:
+        shard_ids = session.scalars(select(Shard.id)).all()
+    counters = worker.recorder.snapshot()["counters"]
+    assert counters["shard_claims"] == len(shard_ids) == 3  # 10 lines in shards of 4
+    attempts = counters["shard_claim_attempts"]
+    assert attempts >= 3
+    # A shard already claimed (done) is an attempt lost, not a claim.
+    assert worker.leases.claim([shard_ids[0]], max_bulk=1, max_jobs=1) == 0
+    counters = worker.recorder.snapshot()["counters"]
+    assert (counters["shard_claim_attempts"], counters["shard_claims"]) == (attempts + 1, 3)
+
+    label = f'{{worker="{worker.worker_id}"}}'
+
+    def exposed() -> str | None:
+        text = stack.client.get("/metrics").text
+        return text if f"boxcar_shard_claim_attempts_total{label} {attempts + 1:.1f}" in text \
+            else None
+
+    text = wait_for(exposed, 10, 0.05, "the worker's snapshot with the lost attempt")
+    assert f"boxcar_shard_claims_total{label} 3.0" in text

@@ -30,3 +30,14 @@ def test_remove_takes_out_matching_lines():
     removed = queue.remove(lambda w: w.batch_id == "x")
     assert sorted(w.line_pk for w in removed) == [1, 3, 4]
     assert len(queue) == 1 and queue.pop().line_pk == 2
+
+
+def test_ordered_is_the_order_pop_hands_lines_out():
+    queue = LineQueue()
+    queue.push([work(1, "a"), work(2, "a"), work(3, "a")], is_job=False)
+    queue.push([work(4, "b"), work(5, "b")], is_job=False)
+    queue.push([work(6, "a", batch="urgent", priority=3)], is_job=False)
+    queue.push([work(9, "c", priority=1), work(8, "c", priority=5)], is_job=True)
+    ordered = [w.line_pk for w in queue.ordered()]
+    assert len(queue) == 8  # looking takes nothing out
+    assert ordered == [queue.pop().line_pk for _ in range(8)] == [8, 9, 6, 1, 4, 2, 5, 3]

@@ -65,6 +65,8 @@ def test_recorder_turns_stats_deltas_into_step_metrics() -> None:
     assert h["itl_s"]["count"] == 4 and h["itl_s"]["sum"] == pytest.approx(0.05)
     assert g["waiting"] == 1 and g["kv_usage_peak"] == 0.95 and g["kv_blocks"] == 100
     json.dumps(snap)  # a snapshot is plain JSON
+    # Each step's cycle, decodes and prefill tokens feed the forecast's step cost.
+    assert len(recorder.step_cost) == 2
 
 
 def test_recorder_requests_and_repeated_prefixes() -> None:
@@ -222,6 +224,29 @@ def test_worker_publishes_for_api_metrics_dashboard_and_status(make_stack, sqlit
     worker.stop()
     stack.workers.remove(worker)
     assert collect(stack.ctx.db, interval=0.1)["workers"] == []  # a clean stop leaves the list
+
+
+def test_the_heartbeat_carries_the_forecast_and_survives_a_broken_one(make_stack,
+                                                                      sqlite_url) -> None:
+    from metrics.publisher import MetricsPublisher
+    from service.models import WorkerStatus
+
+    db = make_stack(sqlite_url).ctx.db
+    forecast = {"at": 1.0, "batches": {}}
+    publisher = MetricsPublisher(db, EngineRecorder(CONFIG), worker_id="w", model="m",
+                                 interval=1.0, forecast=lambda: forecast)
+    publisher.publish()
+    with db.read_session() as session:
+        assert session.get(WorkerStatus, "w").metrics["forecast"] == forecast
+
+    def broken() -> dict:
+        raise RuntimeError("no forecast")
+
+    MetricsPublisher(db, EngineRecorder(CONFIG), worker_id="w2", model="m", interval=1.0,
+                     forecast=broken).publish()
+    with db.read_session() as session:
+        row = session.get(WorkerStatus, "w2")
+        assert row is not None and "forecast" not in row.metrics
 
 
 def test_families_from_snapshots_labels_each_worker() -> None:

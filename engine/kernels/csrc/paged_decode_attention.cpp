@@ -2,11 +2,17 @@
 // the paged cache (no gather copy), GQA heads of one KV head processed together.
 //
 // q:            [num_seqs, num_heads, head_dim]                      float32, contiguous
-// k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]     float32, contiguous
+// k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]     float32 or bfloat16, contiguous
 // v_cache:      same as k_cache
 // block_tables: [num_seqs, max_blocks]                               int32, contiguous
 // context_lens: [num_seqs]                                           int32
 // out:          [num_seqs, num_heads, head_dim]                      float32, contiguous
+//
+// A bf16 cache is read as bf16 (half the bytes of a decode step, which is bound by memory
+// bandwidth) and widened to fp32 in registers: scores, softmax and the weighted sum of values are
+// accumulated in fp32 either way. Where the compiler targets AVX512-BF16, q . k runs on the bf16
+// dot-product unit (_mm512_dpbf16_ps: bf16 products, exact in fp32, summed in fp32); q is rounded
+// to bf16 for it, which is exact for a bf16 model's queries.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -15,16 +21,28 @@
 #include <immintrin.h>
 #endif
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
+// bf16 is the top half of an fp32: widening is a 16-bit shift, exact.
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
 // One (sequence, kv head) pair: scores for the group's query heads over the whole context, a
 // softmax, then the weighted sum of values. HEAD_DIM > 0 fixes the head size at compile time so
 // the inner loops unroll and vectorize; 0 is the generic fallback.
-template <int HEAD_DIM>
-void attend_one(const float* q_group, const float* k_ptr, const float* v_ptr,
+template <int HEAD_DIM, typename KV>
+void attend_one(const float* q_group, const KV* k_ptr, const KV* v_ptr,
                 const int32_t* table, int64_t len, int64_t group, int64_t head_dim_rt,
                 int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
                 float* out_group, std::vector<float>& scores, std::vector<float>& acc) {
@@ -34,16 +52,16 @@ void attend_one(const float* q_group, const float* k_ptr, const float* v_ptr,
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   // Pass 1: q . k for every context token, block by block (no per-token division).
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const float* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const KV* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t first = j * block_size;
     const int64_t n = std::min(block_size, len - first);
     for (int64_t i = 0; i < n; ++i) {
-      const float* k = k_block + i * token_stride;
+      const KV* k = k_block + i * token_stride;
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q_group + g * head_dim;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * k[d];
+        for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * to_float(k[d]);
         scores[g * len + first + i] = s * scale;
       }
     }
@@ -63,16 +81,16 @@ void attend_one(const float* q_group, const float* k_ptr, const float* v_ptr,
   }
   // Pass 2: sum of p * v.
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const float* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const KV* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t first = j * block_size;
     const int64_t n = std::min(block_size, len - first);
     for (int64_t i = 0; i < n; ++i) {
-      const float* v = v_block + i * token_stride;
+      const KV* v = v_block + i * token_stride;
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * len + first + i];
         float* a = acc.data() + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * v[d];
+        for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
       }
     }
   }
@@ -104,13 +122,22 @@ static inline __m512 exp_ps(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// 16 consecutive cache elements as fp32 lanes.
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const uint16_t* p) {
+  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
+}
+
 // Asks for one head's rows of a block ahead of use: blocks sit at random places in the pool,
 // so the hardware prefetcher, which stops at page boundaries, would start cold on each one.
-template <int CHUNKS>
-static inline void prefetch_block(const float* block, int64_t block_size, int64_t token_stride) {
+// One prefetch per 64-byte line of a row (4 lines of fp32 at head_dim 64, 2 of bf16).
+template <int CHUNKS, typename KV>
+static inline void prefetch_block(const KV* block, int64_t block_size, int64_t token_stride) {
+  constexpr int per_line = 64 / sizeof(KV);
   for (int64_t t = 0; t < block_size; ++t)
-    for (int c = 0; c < CHUNKS; ++c)
-      _mm_prefetch(reinterpret_cast<const char*>(block + t * token_stride + 16 * c), _MM_HINT_T0);
+    for (int c = 0; c < 16 * CHUNKS; c += per_line)
+      _mm_prefetch(reinterpret_cast<const char*>(block + t * token_stride + c), _MM_HINT_T0);
 }
 
 // Sums of 16 vectors, one lane each: out[i] = sum of the lanes of a[i] (a transpose-and-add
@@ -136,8 +163,8 @@ static inline __m512 reduce16(const __m512* a) {
 // vectors and output accumulators stay in registers; each K/V row is loaded once per group.
 // Scores are made 16 tokens at a time: per token and head a 16-lane partial product, then one
 // reduce16 turns 16 of them into 16 scores.
-template <int GROUP, int CHUNKS>
-void attend_one_avx512(const float* q_group, const float* k_ptr, const float* v_ptr,
+template <int GROUP, int CHUNKS, typename KV>
+void attend_one_avx512(const float* q_group, const KV* k_ptr, const KV* v_ptr,
                        const int32_t* table, int64_t len, int64_t block_size,
                        int64_t token_stride, int64_t block_stride, float scale, float* out_group,
                        std::vector<float>& scores) {
@@ -147,6 +174,15 @@ void attend_one_avx512(const float* q_group, const float* k_ptr, const float* v_
   __m512 q[GROUP][CHUNKS];
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < CHUNKS; ++c) q[g][c] = _mm512_loadu_ps(q_group + g * head_dim + 16 * c);
+#if defined(__AVX512BF16__)
+  // q as bf16 pairs for the dot-product unit: element order matches the cache row's.
+  constexpr bool dot_bf16 = std::is_same_v<KV, uint16_t> && CHUNKS % 2 == 0;
+  __m512bh q_bf16[GROUP][CHUNKS / 2 > 0 ? CHUNKS / 2 : 1];
+  if constexpr (dot_bf16)
+    for (int g = 0; g < GROUP; ++g)
+      for (int c = 0; c < CHUNKS / 2; ++c)
+        q_bf16[g][c] = _mm512_cvtne2ps_pbh(q[g][2 * c + 1], q[g][2 * c]);
+#endif
   alignas(64) __m512 partial[GROUP][16];
   __m512 maxes[GROUP];
   for (int g = 0; g < GROUP; ++g)
@@ -164,21 +200,32 @@ void attend_one_avx512(const float* q_group, const float* k_ptr, const float* v_
   };
   const int64_t num_blocks = (len + block_size - 1) / block_size;
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const float* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const KV* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t n = std::min(block_size, len - j * block_size);
     if (j + 1 < num_blocks)
       prefetch_block<CHUNKS>(k_ptr + static_cast<int64_t>(table[j + 1]) * block_stride,
                              block_size, token_stride);
     for (int64_t i = 0; i < n; ++i) {
-      const float* k = k_block + i * token_stride;
+      const KV* k = k_block + i * token_stride;
       __m512 acc[GROUP];
+#if defined(__AVX512BF16__)
+      if constexpr (dot_bf16) {
+        for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_setzero_ps();
+        for (int c = 0; c < CHUNKS / 2; ++c) {
+          const __m512bh kv = (__m512bh)_mm512_loadu_si512(k + 32 * c);
+          for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_dpbf16_ps(acc[g], q_bf16[g][c], kv);
+        }
+      } else
+#endif
       {
-        const __m512 kv = _mm512_loadu_ps(k);
-        for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_mul_ps(q[g][0], kv);
-      }
-      for (int c = 1; c < CHUNKS; ++c) {
-        const __m512 kv = _mm512_loadu_ps(k + 16 * c);
-        for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_fmadd_ps(q[g][c], kv, acc[g]);
+        {
+          const __m512 kv = load16(k);
+          for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_mul_ps(q[g][0], kv);
+        }
+        for (int c = 1; c < CHUNKS; ++c) {
+          const __m512 kv = load16(k + 16 * c);
+          for (int g = 0; g < GROUP; ++g) acc[g] = _mm512_fmadd_ps(q[g][c], kv, acc[g]);
+        }
       }
       for (int g = 0; g < GROUP; ++g) partial[g][slot] = acc[g];
       if (++slot == 16) {
@@ -207,18 +254,18 @@ void attend_one_avx512(const float* q_group, const float* k_ptr, const float* v_
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < CHUNKS; ++c) out[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < num_blocks; ++j) {
-    const float* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
+    const KV* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t first_j = j * block_size;
     if (j + 1 < num_blocks)
       prefetch_block<CHUNKS>(v_ptr + static_cast<int64_t>(table[j + 1]) * block_stride,
                              block_size, token_stride);
     const int64_t n = std::min(block_size, len - first_j);
     for (int64_t i = 0; i < n; ++i) {
-      const float* v = v_block + i * token_stride;
+      const KV* v = v_block + i * token_stride;
       __m512 p[GROUP];
       for (int g = 0; g < GROUP; ++g) p[g] = _mm512_set1_ps(scores[g * padded + first_j + i]);
       for (int c = 0; c < CHUNKS; ++c) {
-        const __m512 vv = _mm512_loadu_ps(v + 16 * c);
+        const __m512 vv = load16(v + 16 * c);
         for (int g = 0; g < GROUP; ++g) out[g][c] = _mm512_fmadd_ps(p[g], vv, out[g][c]);
       }
     }
@@ -231,13 +278,13 @@ void attend_one_avx512(const float* q_group, const float* k_ptr, const float* v_
 }
 
 // Calls the specialisation for (group, head_dim) if there is one; false otherwise.
-template <int CHUNKS>
-bool dispatch_group(int64_t group, const float* q_group, const float* k, const float* v,
+template <int CHUNKS, typename KV>
+bool dispatch_group(int64_t group, const float* q_group, const KV* k, const KV* v,
                     const int32_t* table, int64_t len, int64_t block_size, int64_t token_stride,
                     int64_t block_stride, float scale, float* out, std::vector<float>& scores) {
 #define BOXCAR_GROUP_CASE(G)                                                                  \
   case G:                                                                                     \
-    attend_one_avx512<G, CHUNKS>(q_group, k, v, table, len, block_size, token_stride,         \
+    attend_one_avx512<G, CHUNKS, KV>(q_group, k, v, table, len, block_size, token_stride,         \
                                  block_stride, scale, out, scores);                           \
     return true;
   switch (group) {
@@ -256,29 +303,15 @@ bool dispatch_group(int64_t group, const float* q_group, const float* k, const f
 }
 #endif
 
-}  // namespace
-
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
-  const int64_t num_seqs = q.size(0);
-  const int64_t num_heads = q.size(1);
-  const int64_t head_dim = q.size(2);
-  const int64_t block_size = k_cache.size(1);
-  const int64_t num_kv_heads = k_cache.size(2);
+// Every (sequence, kv head) pair of the batch; KV is the cache's element type.
+template <typename KV>
+void attend_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int32_t* tables,
+                const int32_t* lens, float* out_ptr, int64_t num_seqs, int64_t num_heads,
+                int64_t head_dim, int64_t block_size, int64_t num_kv_heads, int64_t max_blocks,
+                float fscale) {
   const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
-
-  const float* q_ptr = q.data_ptr<float>();
-  const float* k_ptr = k_cache.data_ptr<float>();
-  const float* v_ptr = v_cache.data_ptr<float>();
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  float* out_ptr = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-
   // One work item per sequence, its KV heads in turn: the first head's pass pulls the sequence's
   // blocks into L2 and the others read them from there (the heads of a token share cache lines).
   // at::parallel_for is an inline OpenMP loop: it runs on torch's threads only because the
@@ -296,8 +329,8 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
           std::fill(out_group, out_group + group * head_dim, 0.0f);
           continue;
         }
-        const float* k_head = k_ptr + kv_head * head_dim;
-        const float* v_head = v_ptr + kv_head * head_dim;
+        const KV* k_head = k_ptr + kv_head * head_dim;
+        const KV* v_head = v_ptr + kv_head * head_dim;
         auto run = [&](auto kernel) {
           kernel(q_group, k_head, v_head, table, len, group, head_dim, block_size, token_stride,
                  block_stride, fscale, out_group, scores, acc);
@@ -315,15 +348,52 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
         }
 #endif
         if (head_dim == 64) {
-          run(attend_one<64>);
+          run(attend_one<64, KV>);
         } else if (head_dim == 128) {
-          run(attend_one<128>);
+          run(attend_one<128, KV>);
         } else {
-          run(attend_one<0>);
+          run(attend_one<0, KV>);
         }
       }
     }
   });
+}
+
+}  // namespace
+
+void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                            const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                            const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+  const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
+  const int64_t max_blocks = block_tables.size(1);
+  const float* q_ptr = q.data_ptr<float>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  float* out_ptr = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  if (k_cache.scalar_type() == at::kBFloat16) {
+    // c10::BFloat16 is one uint16_t of bits; the kernels read the bits.
+    const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+    const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+    attend_all(q_ptr, k_ptr, v_ptr, tables, lens, out_ptr, num_seqs, num_heads, head_dim,
+               block_size, num_kv_heads, max_blocks, fscale);
+  } else {
+    attend_all(q_ptr, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, lens,
+               out_ptr, num_seqs, num_heads, head_dim, block_size, num_kv_heads, max_blocks,
+               fscale);
+  }
+}
+
+// Which code path this build runs, for tests and reports.
+static const char* isa() {
+#if defined(__AVX512BF16__)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#else
+  return "generic";
+#endif
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -331,4 +401,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // (an API beside the engine, a result writer) go on meanwhile.
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("isa", &isa, "the instruction set this build was compiled for");
 }

@@ -1,0 +1,300 @@
+"""Scale-out benchmark: the real control plane (``boxcar api``, ``boxcar worker`` processes on
+Celery/Redis, PostgreSQL, leases, result writer, finalize, output files) with the engine replaced
+by a fake one (``bench.fake_engine``), for N workers at a time.
+
+    python -m bench.scale --workers 8,16,32 --lines 20000 --engine paced --lines-per-s 100
+
+Each worker count is one run on a fresh database (created on the server of ``--database-url``,
+dropped after) with its own API, workers, Redis queue namespace and storage folder. A run
+measures, in order: PostgreSQL commits/s per worker while every worker is idle (``--idle-s``);
+then one batch of ``--lines`` lines from ``POST /v1/batches`` to ``completed``: lines/s, the
+share of PostgreSQL backend active time spent waiting on locks (pg_stat_activity every 50 ms),
+the database's backend CPU per line (/proc), the machine's CPU busy share, the latency of the
+status polls made while it ran, shard claim attempts per successful claim (the workers' counters
+summed on the API's /metrics), and that every custom_id is in the output file exactly once.
+Then one ``--big-lines`` batch with the instant engine (the status-poll and throughput targets).
+``bench/scale_report.py`` prints the figures and checks them against issue 17's targets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+
+import httpx
+
+from bench import scale_report
+from bench.scale_probes import (
+    PgSampler,
+    claim_counters,
+    commits,
+    cpu_busy_share,
+    free_connections,
+    machine_cpu_ticks,
+)
+from bench.scale_stack import ScaleStack
+
+LIVE = ("validating", "in_progress", "finalizing")
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+POLL_INTERVAL_S = 0.25
+# A worker's metrics snapshot reaches the database every BOXCAR_WORKER_METRICS_INTERVAL (2 s).
+SNAPSHOT_WAIT_S = 3.0
+
+
+@dataclass
+class RunConfig:
+    num_workers: int
+    num_lines: int
+    engine: str  # instant | paced
+    lines_per_s: float | None  # per worker, paced only
+    idle_s: float
+    timeout_s: float
+    database_url: str
+    broker_url: str
+
+
+@dataclass
+class RunResult:
+    num_workers: int
+    num_lines: int
+    engine: str
+    lines_per_s_per_worker: float | None
+    lines_per_s: float
+    ideal_lines_per_s: float | None
+    efficiency: float | None
+    claim_attempts: float | None
+    claims: float | None
+    attempts_per_claim: float | None
+    lock_wait_share: float | None
+    active_backend_samples: int
+    idle_commits_per_s_per_worker: float
+    pg_cpu_ms_per_line: float
+    status_poll_ms_median: float | None
+    num_status_polls: int
+    machine_cpu_busy: float
+    peak_connections: int
+    exactly_once: bool
+    missing: int
+    duplicated: int
+
+
+def ok(response: httpx.Response) -> httpx.Response:
+    """The response, or an error with the API's own message (e.g. a file over
+    BOXCAR_MAX_FILE_LINES)."""
+    if response.status_code != 200:
+        raise RuntimeError(f"{response.request.method} {response.request.url.path} answered "
+                           f"{response.status_code}: {response.text[:500]}")
+    return response
+
+
+def request_lines(num_lines: int) -> bytes:
+    lines = (json.dumps({"custom_id": f"L{i:07d}", "method": "POST",
+                         "url": "/v1/chat/completions",
+                         "body": {"messages": [{"role": "user",
+                                                "content": f"Item {i}: one line of the bench"}],
+                                  "max_tokens": 8}})
+             for i in range(num_lines))
+    return ("\n".join(lines) + "\n").encode()
+
+
+# Connections one worker process may hold at once (measured on main before issue 17: 4-5 at peak,
+# the API 1-3), for the warning below.
+CONNECTIONS_PER_WORKER = 5
+
+
+def run_once(config: RunConfig) -> RunResult:
+    free = free_connections(config.database_url)
+    if free < CONNECTIONS_PER_WORKER * config.num_workers + 5:
+        print(f"warning: the PostgreSQL server has {free} connections free; {config.num_workers} "
+              f"workers may hold up to ~{CONNECTIONS_PER_WORKER} each. If they run out, the run "
+              "fails or measures a starved service.", file=sys.stderr, flush=True)
+    engine_env = {"BOXCAR_BENCH_ENGINE": config.engine}
+    if config.engine == "paced":
+        engine_env["BOXCAR_BENCH_LINES_PER_S"] = str(config.lines_per_s)
+    stack = ScaleStack(server_url=config.database_url, broker_url=config.broker_url,
+                       engine_env=engine_env)
+    try:
+        stack.create_database()
+        stack.launch_workers(config.num_workers)  # they start while the API does
+        stack.start_api()
+        stack.wait_workers()
+        with stack.client() as client:
+            response = client.post("/v1/files", data={"purpose": "batch"}, files={
+                "file": ("bench.jsonl", request_lines(config.num_lines))})
+            ok(response)
+            file_id = response.json()["id"]
+            idle = idle_commits_per_s(stack, config)
+            return measure_batch(stack, client, file_id, config, idle)
+    finally:
+        stack.close()
+
+
+def idle_commits_per_s(stack: ScaleStack, config: RunConfig) -> float:
+    """Commits/s per worker with every worker up and nothing to do (after a second to settle
+    from start-up and the upload)."""
+    time.sleep(1.0)
+    before, start = commits(config.database_url, stack.name), time.monotonic()
+    time.sleep(config.idle_s)
+    after, end = commits(config.database_url, stack.name), time.monotonic()
+    return (after - before) / (end - start) / config.num_workers
+
+
+def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config: RunConfig,
+                  idle_commits: float) -> RunResult:
+    sampler = PgSampler(config.database_url, stack.name).start()
+    cpu_before = machine_cpu_ticks()
+    polls: list[float] = []
+    start = time.perf_counter()
+    try:
+        response = client.post("/v1/batches", json={
+            "input_file_id": file_id, "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"})
+        ok(response)
+        batch = response.json()
+        deadline = time.monotonic() + config.timeout_s
+        while True:
+            poll_start = time.perf_counter()
+            response = client.get(f"/v1/batches/{batch['id']}")
+            took = time.perf_counter() - poll_start
+            ok(response)
+            batch = response.json()
+            if batch["status"] in LIVE:
+                polls.append(took)
+            if batch["status"] in TERMINAL:
+                break
+            stack.check_workers()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the batch is still {batch['status']} after "
+                                   f"{config.timeout_s:.0f} s: {batch['request_counts']}")
+            time.sleep(POLL_INTERVAL_S)
+        elapsed = time.perf_counter() - start
+    finally:
+        activity = sampler.stop()
+    cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
+    if batch["status"] != "completed":
+        raise RuntimeError(f"the batch ended {batch['status']}: {batch.get('errors')}")
+    missing, duplicated = check_output(client, batch, config.num_lines)
+    time.sleep(SNAPSHOT_WAIT_S)
+    response = client.get("/metrics", follow_redirects=True)  # a mounted app: /metrics/
+    ok(response)
+    counters = claim_counters(response.text)
+    attempts, claims = counters if counters is not None else (None, None)
+    lines_per_s = config.num_lines / elapsed
+    ideal = (config.num_workers * config.lines_per_s
+             if config.engine == "paced" and config.lines_per_s else None)
+    return RunResult(
+        num_workers=config.num_workers, num_lines=config.num_lines, engine=config.engine,
+        lines_per_s_per_worker=config.lines_per_s if config.engine == "paced" else None,
+        lines_per_s=lines_per_s, ideal_lines_per_s=ideal,
+        efficiency=lines_per_s / ideal if ideal else None,
+        claim_attempts=attempts, claims=claims,
+        attempts_per_claim=attempts / claims if attempts is not None and claims else None,
+        lock_wait_share=activity.lock_wait_share, active_backend_samples=activity.active,
+        idle_commits_per_s_per_worker=idle_commits,
+        pg_cpu_ms_per_line=1000 * activity.backend_cpu_s / config.num_lines,
+        status_poll_ms_median=1000 * statistics.median(polls) if polls else None,
+        num_status_polls=len(polls), machine_cpu_busy=cpu_busy,
+        peak_connections=activity.peak_connections,
+        exactly_once=missing == 0 and duplicated == 0, missing=missing, duplicated=duplicated,
+    )
+
+
+def check_output(client: httpx.Client, batch: dict, num_lines: int) -> tuple[int, int]:
+    """(custom_ids missing from the output file, custom_ids in it more than once)."""
+    seen: Counter[str] = Counter()
+    if batch.get("output_file_id"):
+        response = client.get(f"/v1/files/{batch['output_file_id']}/content")
+        ok(response)
+        seen.update(json.loads(line)["custom_id"] for line in response.text.splitlines()
+                    if line.strip())
+    expected = {f"L{i:07d}" for i in range(num_lines)}
+    missing = len(expected - set(seen))
+    duplicated = sum(1 for n in seen.values() if n > 1) + len(set(seen) - expected)
+    return missing, duplicated
+
+
+def worker_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--workers takes worker counts separated by commas (e.g. 8,16,32), got {text!r}"
+        ) from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"--workers counts must be >= 1, got {text!r}")
+    return counts
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=worker_counts, default=[8, 16, 32],
+                        help="worker counts, one run each (default 8,16,32)")
+    parser.add_argument("--lines", type=int, default=20000,
+                        help="lines in each run's batch (default 20000)")
+    parser.add_argument("--engine", choices=("instant", "paced"), default="paced")
+    parser.add_argument("--lines-per-s", type=float, default=None,
+                        help="the paced engine's pace per worker (default 100)")
+    parser.add_argument("--big-lines", type=int, default=50000,
+                        help="lines of the instant-engine batch measured last for the "
+                             "status-poll and throughput targets (default 50000; 0: skip)")
+    parser.add_argument("--big-workers", type=int, default=4,
+                        help="workers for that batch (default 4)")
+    parser.add_argument("--idle-s", type=float, default=10.0,
+                        help="seconds of idle workers to count commits over (default 10)")
+    parser.add_argument("--timeout", type=float, default=900.0,
+                        help="seconds one batch may take before the run fails (default 900)")
+    parser.add_argument("--database-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
+                        help="a database on the PostgreSQL server to use; each run creates and "
+                             "drops its own database there")
+    parser.add_argument("--broker-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--json", action="store_true", help="print one JSON document")
+    args = parser.parse_args(argv)
+    if args.engine == "instant" and args.lines_per_s is not None:
+        parser.error("--lines-per-s is the paced engine's pace: give it with --engine paced")
+    if args.lines_per_s is None and args.engine == "paced":
+        args.lines_per_s = 100.0
+    if args.lines_per_s is not None and args.lines_per_s <= 0:
+        parser.error(f"--lines-per-s must be > 0, got {args.lines_per_s}")
+    if args.lines < 1:
+        parser.error(f"--lines must be >= 1, got {args.lines}")
+    if args.big_lines < 0 or args.big_workers < 1:
+        parser.error("--big-lines must be >= 0 and --big-workers >= 1, got "
+                     f"{args.big_lines} and {args.big_workers}")
+    if args.idle_s <= 0 or args.timeout <= 0:
+        parser.error(f"--idle-s and --timeout must be > 0, got {args.idle_s} and {args.timeout}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    common = dict(idle_s=args.idle_s, timeout_s=args.timeout, database_url=args.database_url,
+                  broker_url=args.broker_url)
+    configs = [RunConfig(n, args.lines, args.engine, args.lines_per_s, **common)
+               for n in args.workers]
+    if args.big_lines:
+        configs.append(RunConfig(args.big_workers, args.big_lines, "instant", None, **common))
+    results = []
+    for config in configs:
+        if not args.json:
+            print(f"running {config.num_workers} workers, {config.engine} engine, "
+                  f"{config.num_lines:,} lines ...", file=sys.stderr, flush=True)
+        results.append(run_once(config))
+    sweep = results[:len(args.workers)]
+    big = results[len(args.workers)] if args.big_lines else None
+    targets = scale_report.targets(sweep, big)
+    if args.json:
+        print(json.dumps({"runs": [asdict(r) for r in results],
+                          "targets": [asdict(t) for t in targets]}, indent=2))
+    else:
+        print(scale_report.format_report(sweep, big, targets))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The scale benchmark's figures as a table, and issue 17's targets, each met or not."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+SCALING_SHARE = 0.60  # each step up in workers adds >= 60% of its ideal throughput
+MAX_ATTEMPTS_PER_CLAIM = 1.1
+MAX_LOCK_WAIT_SHARE = 0.10
+MAX_STATUS_POLL_MS = 5.0
+MIN_BIG_LINES_PER_S = 3000.0
+MAX_IDLE_COMMITS_PER_S = 1.0
+CPU_LIMIT = 0.90  # a machine this busy is the limit, not the service
+
+
+@dataclass
+class Target:
+    name: str
+    value: float | None
+    status: str  # met | not met | CPU-limited (not met, the machine's CPU was) | not measured
+    detail: str = ""
+
+
+def _check(ok: bool) -> str:
+    return "met" if ok else "not met"
+
+
+def targets(sweep: Sequence[Any], big: Any | None) -> list[Target]:
+    found: list[Target] = []
+    paced = sorted((r for r in sweep if r.engine == "paced"), key=lambda r: r.num_workers)
+    for low, high in zip(paced, paced[1:], strict=False):
+        ideal_added = (high.num_workers - low.num_workers) * high.lines_per_s_per_worker
+        share = (high.lines_per_s - low.lines_per_s) / ideal_added
+        status = _check(share >= SCALING_SHARE)
+        if status != "met" and high.machine_cpu_busy >= CPU_LIMIT:
+            status = "CPU-limited"
+        found.append(Target(
+            f"paced {low.num_workers}->{high.num_workers} workers adds >= 60% of ideal", share,
+            status, f"+{high.lines_per_s - low.lines_per_s:,.0f} of +{ideal_added:,.0f} lines/s; "
+                    f"machine CPU {100 * high.machine_cpu_busy:.0f}% busy"))
+    if sweep:
+        top = max(sweep, key=lambda r: r.num_workers)
+        value = top.attempts_per_claim
+        found.append(Target(
+            f"attempts per claim <= {MAX_ATTEMPTS_PER_CLAIM} at {top.num_workers} workers", value,
+            "not measured" if value is None else _check(value <= MAX_ATTEMPTS_PER_CLAIM),
+            "" if value is not None else "the workers export no claim counters"))
+    runs = [*sweep, *([big] if big is not None else [])]
+    shares = [r.lock_wait_share for r in runs if r.lock_wait_share is not None]
+    worst = max(shares) if shares else None
+    found.append(Target("lock waits < 10% of backend active time (worst run)", worst,
+                        "not measured" if worst is None else _check(worst < MAX_LOCK_WAIT_SHARE)))
+    idle = max((r.idle_commits_per_s_per_worker for r in runs), default=None)
+    found.append(Target("idle commits/s per worker <= 1 (worst run)", idle,
+                        "not measured" if idle is None else _check(idle <= MAX_IDLE_COMMITS_PER_S)))
+    if big is None:
+        found.append(Target("status poll of a 50,000-line batch < 5 ms", None, "not measured",
+                            "--big-lines 0"))
+        found.append(Target("50,000-line batch >= 3,000 lines/s (instant)", None, "not measured",
+                            "--big-lines 0"))
+    else:
+        poll = big.status_poll_ms_median
+        found.append(Target(
+            f"status poll of a {big.num_lines:,}-line batch < 5 ms", poll,
+            "not measured" if poll is None else _check(poll < MAX_STATUS_POLL_MS),
+            f"median of {big.num_status_polls} polls while it ran"))
+        found.append(Target(
+            f"{big.num_lines:,}-line batch >= 3,000 lines/s (instant, {big.num_workers} workers)",
+            big.lines_per_s, _check(big.lines_per_s >= MIN_BIG_LINES_PER_S),
+            f"machine CPU {100 * big.machine_cpu_busy:.0f}% busy"))
+    broken = [r.num_workers for r in runs if not r.exactly_once]
+    found.append(Target("every custom_id exactly once in every run (runs broken)", len(broken),
+                        _check(not broken), f"broken at {broken} workers" if broken else ""))
+    return found
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None else format(value, fmt)
+
+
+COLUMNS = ("workers", "engine", "lines", "lines/s", "ideal", "eff", "att/claim", "lock wait",
+           "idle commits/s/w", "PG CPU ms/line", "poll ms (n)", "CPU busy", "conns", "once")
+
+
+def run_row(r: Any) -> list[str]:
+    return [
+        str(r.num_workers), r.engine, f"{r.num_lines:,}", f"{r.lines_per_s:,.0f}",
+        _num(r.ideal_lines_per_s, ",.0f"),
+        "n/a" if r.efficiency is None else f"{100 * r.efficiency:.0f}%",
+        _num(r.attempts_per_claim, ".2f"),
+        "n/a" if r.lock_wait_share is None else f"{100 * r.lock_wait_share:.1f}%",
+        f"{r.idle_commits_per_s_per_worker:.1f}", f"{r.pg_cpu_ms_per_line:.2f}",
+        f"{_num(r.status_poll_ms_median, '.1f')} ({r.num_status_polls})",
+        f"{100 * r.machine_cpu_busy:.0f}%", str(r.peak_connections),
+        "yes" if r.exactly_once else f"NO ({r.missing} missing, {r.duplicated} repeated)",
+    ]
+
+
+def format_report(sweep: Sequence[Any], big: Any | None, found: list[Target]) -> str:
+    rows = [list(COLUMNS)] + [run_row(r) for r in [*sweep, *([big] if big else [])]]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True))
+             for row in rows]
+    lines += ["", "eff: lines/s over ideal (workers x the paced engine's lines/s); att/claim: "
+              "shard claim attempts per claim won; lock wait: share of active PostgreSQL backend "
+              "samples waiting on a lock; idle commits/s/w: commits/s per idle worker; poll: "
+              "median status GET while the batch ran; conns: peak database connections.", "",
+              "targets (issue 17):"]
+    for t in found:
+        value = "n/a" if t.value is None else f"{t.value:.3g}"
+        detail = f"  ({t.detail})" if t.detail else ""
+        lines.append(f"  [{t.status}] {t.name}: {value}{detail}")
+    return "\n".join(lines)

@@ -1,0 +1,60 @@
+"""The bf16 quality gate: how often a lower-precision engine picks a reference engine's tokens.
+
+Teacher forcing: the reference (fp32) engine's greedy outputs are fed, token by token, through
+both engines (``ModelRunner.score_tokens``, one prefill pass per sequence); at each output
+position the candidate's top-1 token is compared with the token the reference chose, and the
+two engines' log-probabilities of that token are compared. Free-running generation would
+diverge after the first differing token and count every later position against the candidate;
+teacher forcing counts each position once, on the same context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class AgreementReport:
+    num_positions: int
+    num_agreeing: int
+    # mean over positions of |log p_candidate(token) - log p_reference(token)|
+    mean_abs_delta_logprob: float
+    max_abs_delta_logprob: float
+
+    @property
+    def agreement(self) -> float:
+        return self.num_agreeing / self.num_positions if self.num_positions else 1.0
+
+
+def teacher_forced_agreement(
+    reference: LLMEngine,
+    candidate: LLMEngine,
+    sequences: Sequence[tuple[list[int], list[int]]],
+) -> AgreementReport:
+    """``sequences``: (prompt token ids, the reference's greedy output token ids) pairs."""
+    positions = agreeing = 0
+    total_delta = max_delta = 0.0
+    for prompt_ids, output_ids in sequences:
+        if not prompt_ids or not output_ids:
+            raise ValueError("each sequence needs a prompt and at least one output token")
+        token_ids = [*prompt_ids, *output_ids]
+        # row i predicts token i + 1: the outputs are predicted by rows len(prompt) - 1 onwards
+        first = len(prompt_ids) - 1
+        ref = reference.model_runner.score_tokens(token_ids)[first:]
+        cand = candidate.model_runner.score_tokens(token_ids)[first:]
+        if ref.shape != cand.shape:
+            raise ValueError("the engines' vocabularies differ: "
+                             f"{ref.shape[-1]} against {cand.shape[-1]}")
+        rows = torch.arange(len(output_ids))
+        chosen = torch.tensor(output_ids, dtype=torch.int64)
+        delta = (cand[rows, chosen] - ref[rows, chosen]).abs()
+        agreeing += int((cand.argmax(dim=-1) == chosen).sum())
+        positions += len(output_ids)
+        total_delta += float(delta.sum())
+        max_delta = max(max_delta, float(delta.max()))
+    return AgreementReport(positions, agreeing, total_delta / max(positions, 1), max_delta)

@@ -1,0 +1,207 @@
+"""A worker's forecast of when the lines it holds finish, per batch (``metrics.eta`` reads it).
+
+The worker knows what the API cannot: which lines are in its engine, how many tokens each has
+computed and generated, which wait in its line queue and in what order, and how long its own
+steps take. So it forecasts, and publishes the result with its metrics snapshot (the heartbeat
+path, no per-line database writes); the API adds only the lines no worker holds yet.
+
+Three parts:
+
+* ``StepCost``: the seconds one engine step costs (its time plus the gap to the next),
+  ``fixed + per_decode * decodes + per_prefill * prefill tokens``, fitted by least squares over
+  the last ``STEP_HISTORY`` steps, then scaled to the steps of the last ``RECENT_S`` seconds
+  (other load on the machine slows every part of a step alike). A per-token throughput alone
+  cannot see that a batch's tail runs at a few sequences a step, each step costing its fixed
+  part.
+* ``OutputLengths``: how many tokens a line that may stop early (no ``ignore_eos``) will
+  generate, learned from the lines this worker finished: the mean of the finished lengths
+  longer than what the line has already generated, capped at its ``max_tokens``. A line that
+  ignores EOS generates exactly ``max_tokens``.
+* ``forecast``: the engine's seats (``max_num_seqs``) handed out in engine order (running
+  sequences keep theirs, then the engine's waiting queue, then the worker's line queue); a line
+  holds its seat for the tokens it has left, one a step. A batch is done at the step its last
+  line ends; its time is the cost of the steps up to then, each step's decodes counted by the
+  seats busy in it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+STEP_HISTORY = 2048
+# The level is taken from the steps of the last RECENT_S seconds (at least MIN_RECENT_STEPS):
+# on a shared machine the load moves within a batch's life, and the forecast should follow it
+# within seconds, not a few dozen steps (which, at seconds a step, lag by minutes).
+RECENT_S = 10.0
+MIN_RECENT_STEPS = 4
+PRIOR_STEPS = 1
+# Finished lengths remembered per worker (sorted, for the conditional mean).
+MAX_LENGTHS = 4096
+
+
+@dataclass(frozen=True)
+class LineProgress:
+    """One line a worker holds, as the forecast sees it."""
+
+    batch_id: str | None  # None: a single job (it takes a seat, no batch waits on it)
+    running: bool  # holds an engine seat now
+    prefill_tokens: float  # tokens to compute before its next output token
+    output_tokens: int  # generated so far
+    max_tokens: int
+    ignore_eos: bool
+    counts_line: bool = True  # False for the 2nd..nth sequence of an n > 1 line
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Seconds of one step: ``fixed + per_decode * decodes + per_prefill * prefill tokens``."""
+
+    fixed: float
+    per_decode: float
+    per_prefill: float
+
+
+class StepCost:
+    """The fitted ``Cost`` of this worker's steps; thread-safe (the engine thread observes,
+    the metrics thread fits)."""
+
+    def __init__(self, history: int = STEP_HISTORY, recent_s: float = RECENT_S) -> None:
+        self._lock = threading.Lock()
+        self._steps: deque[tuple[float, float, float]] = deque(maxlen=history)
+        self._ends: deque[float] = deque(maxlen=history)  # time.monotonic() at each step's end
+        self._recent_s = recent_s
+
+    def observe(self, seconds: float, *, num_decode: float, num_prefill: float,
+                at: float | None = None) -> None:
+        with self._lock:
+            self._steps.append((num_decode, num_prefill, seconds))
+            self._ends.append(time.monotonic() if at is None else at)
+
+    def fit(self) -> Cost | None:
+        """None until a step has been seen."""
+        with self._lock:
+            steps = np.array(self._steps, dtype=np.float64).reshape(-1, 3)
+            ends = np.array(self._ends, dtype=np.float64)
+        if not len(steps):
+            return None
+        decode, prefill, seconds = steps[:, 0], steps[:, 1], steps[:, 2]
+        design = np.stack([np.ones_like(decode), decode, prefill], axis=1)
+        # The prior: a decode costs what a prompt token does (one row through the same
+        # matrices), worth PRIOR_STEPS steps of evidence at the largest decode count seen.
+        # Without it, steps that all hold the same number of decodes (a job's, then a batch's
+        # plateau) cannot tell the fixed part from the per-decode part, and the tail of a batch
+        # is extrapolated from a guess.
+        weight = np.sqrt(PRIOR_STEPS) * max(float(decode.max()), 1.0)
+        prior = np.array([[0.0, weight, -weight]])
+        coef = _non_negative_lstsq(np.vstack([design, prior]), np.append(seconds, 0.0))
+        num_recent = max(int((ends >= ends[-1] - self._recent_s).sum()), MIN_RECENT_STEPS)
+        recent = slice(-num_recent, None)
+        predicted = float((design[recent] @ coef).sum())
+        if predicted > 0:
+            coef = coef * float(seconds[recent].sum()) / predicted
+        return Cost(*(float(c) for c in coef))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._steps)
+
+
+def _non_negative_lstsq(design: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Least squares with each negative coefficient held at zero (a cost is never below zero;
+    a negative one comes from noise in a narrow spread of step sizes). Columns are scaled to
+    unit size so that a direction the steps do not vary in gets a least-norm share."""
+    keep = np.ones(design.shape[1], dtype=bool)
+    coef = np.zeros(design.shape[1])
+    while keep.any():
+        sub = design[:, keep]
+        scale = np.maximum(np.abs(sub).max(axis=0), 1e-12)
+        part = np.linalg.lstsq(sub / scale, seconds, rcond=None)[0] / scale
+        if np.all(part >= 0):
+            coef[keep] = part
+            break
+        keep[np.flatnonzero(keep)[np.argmin(part)]] = False
+    return coef
+
+
+class OutputLengths:
+    """Output lengths of finished lines that could stop early; thread-safe."""
+
+    def __init__(self, capacity: int = MAX_LENGTHS) -> None:
+        self._lock = threading.Lock()
+        self._order: deque[int] = deque()
+        self._sorted: list[int] = []
+        self._capacity = capacity
+
+    def observe(self, num_tokens: int) -> None:
+        with self._lock:
+            self._order.append(num_tokens)
+            bisect.insort(self._sorted, num_tokens)
+            if len(self._order) > self._capacity:
+                del self._sorted[bisect.bisect_left(self._sorted, self._order.popleft())]
+
+    def expected_left(self, line: LineProgress) -> float:
+        """Tokens ``line`` has left to generate (at least one: it has not finished)."""
+        if line.ignore_eos:
+            return max(line.max_tokens - line.output_tokens, 1)
+        with self._lock:
+            lengths = self._sorted
+            longer = lengths[bisect.bisect_right(lengths, line.output_tokens):]
+        if not longer:  # nothing seen yet, or it already outlived every finished line
+            return max(line.max_tokens - line.output_tokens, 1)
+        total = sum(min(n, line.max_tokens) for n in longer)
+        return max(total / len(longer) - line.output_tokens, 1.0)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sorted)
+
+
+@dataclass(frozen=True)
+class BatchForecast:
+    num_lines: int
+    seconds_left: float
+
+
+def forecast(lines: Iterable[LineProgress], *, seats: int, cost: Cost,
+             lengths: OutputLengths) -> tuple[dict[str, BatchForecast], float]:
+    """Seconds until each batch's held lines are done, and until all held lines are (see the
+    module docstring). ``lines`` in the order the engine will serve them."""
+    free: list[float] = []  # the step at which each handed-out seat frees up
+    batch_ids: list[str | None] = []
+    starts: list[float] = []
+    ends: list[float] = []
+    prefill: list[float] = []
+    held = list(lines)
+    for line in held:
+        start = heapq.heappop(free) if not line.running and len(free) >= seats else 0.0
+        end = start + lengths.expected_left(line)
+        heapq.heappush(free, end)
+        batch_ids.append(line.batch_id)
+        starts.append(start)
+        ends.append(end)
+        prefill.append(line.prefill_tokens)
+    if not ends:
+        return {}, 0.0
+    start_a, end_a, prefill_a = np.array(starts), np.array(ends), np.array(prefill)
+
+    def seconds_until(step: float) -> float:
+        decodes = np.clip(np.minimum(end_a, step) - start_a, 0.0, None).sum()
+        prefills = prefill_a[start_a < step].sum()
+        return float(cost.fixed * step + cost.per_decode * decodes + cost.per_prefill * prefills)
+
+    last: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for line, batch_id, end in zip(held, batch_ids, ends, strict=True):
+        if batch_id is not None:
+            last[batch_id] = max(last.get(batch_id, 0.0), end)
+            counts[batch_id] = counts.get(batch_id, 0) + int(line.counts_line)
+    batches = {b: BatchForecast(counts[b], seconds_until(step)) for b, step in last.items()}
+    return batches, seconds_until(float(end_a.max()))

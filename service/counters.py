@@ -1,0 +1,134 @@
+"""A batch's live counters (``BatchCounter`` rows): changed in the transaction that changes the
+lines they count, summed when a batch's status is read or its end is decided.
+
+A writer adds to the slot of its worker id (``slot_of``), so the workers of one batch touch
+different rows and do not queue on one lock; a reader sums at most ``COUNTER_SLOTS`` rows, however
+many lines the batch has. ``recount`` rebuilds a batch's slots from its lines (finalize's check
+that the counters and the lines agree).
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+
+from sqlalchemy import case, delete, func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from service.models import COUNTER_SLOTS, LINE_COMPLETED, LINE_OPEN, BatchCounter, RequestLine
+
+
+@dataclass(frozen=True)
+class CounterDelta:
+    """A change to a batch's counters (lines closed: ``num_open`` negative)."""
+
+    num_open: int = 0
+    num_completed: int = 0
+    num_failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+    def __add__(self, other: CounterDelta) -> CounterDelta:
+        return CounterDelta(*(getattr(self, f.name) + getattr(other, f.name)
+                              for f in fields(self)))
+
+    @classmethod
+    def closed(cls, status: str, *, prompt_tokens: int = 0, completion_tokens: int = 0,
+               cached_tokens: int = 0) -> CounterDelta:
+        """One open line that became final with ``status``."""
+        completed = status == LINE_COMPLETED
+        return cls(-1, int(completed), int(not completed), prompt_tokens, completion_tokens,
+                   cached_tokens)
+
+
+_COLUMNS = tuple(f.name for f in fields(CounterDelta))
+
+
+@dataclass(frozen=True)
+class LineTotals:
+    """Counts and usage of a batch's lines."""
+
+    total: int = 0
+    completed: int = 0
+    failed: int = 0
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def slot_of(worker_id: str) -> int:
+    return zlib.crc32(worker_id.encode()) % COUNTER_SLOTS
+
+
+def add(session: Session, deltas: dict[str, CounterDelta], *, slot: int) -> None:
+    """Add ``deltas`` (batch id -> change) to ``slot`` of each batch. Batches are taken in id
+    order, so two writers that touch the same batches lock their rows in the same order."""
+    # Both dialects spell the upsert alike (INSERT ... ON CONFLICT DO UPDATE).
+    insert = pg_insert if session.get_bind().dialect.name == "postgresql" else sqlite_insert
+    for batch_id in sorted(deltas):
+        delta = deltas[batch_id]
+        if delta == CounterDelta():
+            continue
+        values = {name: getattr(delta, name) for name in _COLUMNS}
+        stmt = insert(BatchCounter).values(batch_id=batch_id, slot=slot, **values)
+        session.execute(stmt.on_conflict_do_update(
+            index_elements=[BatchCounter.batch_id, BatchCounter.slot],
+            set_={name: getattr(BatchCounter, name) + getattr(stmt.excluded, name)
+                  for name in _COLUMNS}))
+
+
+def sums(session: Session, batch_ids: Iterable[str]) -> dict[str, CounterDelta]:
+    """The summed counters of ``batch_ids`` (a batch without rows is absent)."""
+    ids = list(batch_ids)
+    if not ids:
+        return {}
+    rows = session.execute(
+        select(BatchCounter.batch_id, *(func.sum(getattr(BatchCounter, n)) for n in _COLUMNS))
+        .where(BatchCounter.batch_id.in_(ids)).group_by(BatchCounter.batch_id)
+    ).all()
+    return {row[0]: CounterDelta(*(int(v or 0) for v in row[1:])) for row in rows}
+
+
+def num_open(session: Session, batch_id: str) -> int:
+    return sums(session, [batch_id]).get(batch_id, CounterDelta()).num_open
+
+
+def totals(session: Session, batches: Iterable[tuple[str, int]]) -> dict[str, LineTotals]:
+    """Live totals of ``(batch id, num_total)`` pairs: counts and usage from the counters."""
+    pairs = list(batches)
+    found = sums(session, (batch_id for batch_id, _ in pairs))
+    result = {}
+    for batch_id, total in pairs:
+        c = found.get(batch_id, CounterDelta())
+        result[batch_id] = LineTotals(total, c.num_completed, c.num_failed, c.input_tokens,
+                                      c.output_tokens, c.cached_tokens)
+    return result
+
+
+def from_lines(session: Session, batch_id: str) -> CounterDelta:
+    """What the counters of ``batch_id`` should say, counted from its lines."""
+    is_open = RequestLine.status.in_(LINE_OPEN)
+    row = session.execute(
+        select(
+            func.coalesce(func.sum(case((is_open, 1), else_=0)), 0),
+            func.coalesce(func.sum(case((RequestLine.status == LINE_COMPLETED, 1), else_=0)), 0),
+            func.coalesce(func.sum(case((is_open, 0), (RequestLine.status == LINE_COMPLETED, 0),
+                                        else_=1)), 0),
+            func.coalesce(func.sum(RequestLine.prompt_tokens), 0),
+            func.coalesce(func.sum(RequestLine.completion_tokens), 0),
+            func.coalesce(func.sum(RequestLine.cached_tokens), 0),
+        ).where(RequestLine.batch_id == batch_id)
+    ).one()
+    return CounterDelta(*(int(v) for v in row))
+
+
+def recount(session: Session, batch_id: str) -> CounterDelta:
+    """Replace the counters of ``batch_id`` by its lines' figures; returns them."""
+    truth = from_lines(session, batch_id)
+    session.execute(delete(BatchCounter).where(BatchCounter.batch_id == batch_id))
+    add(session, {batch_id: truth}, slot=0)
+    return truth

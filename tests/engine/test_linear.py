@@ -1,0 +1,43 @@
+"""Prepacked linears (engine/layers/linear.py): MKL for fp32, oneDNN for bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers.linear import Linear, bf16_packing_available, mkl_packing_available
+
+
+def make_linear(dtype: torch.dtype, bias: bool) -> tuple[Linear, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(96, 160, bias=bias).to(dtype)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(160, 96, generator=g))
+        if bias:
+            layer.bias.copy_(torch.randn(160, generator=g))
+    return layer, torch.randn(3, 5, 96, generator=g).to(dtype)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_equals_plain_linear(dtype, bias):
+    if dtype == torch.float32 and not mkl_packing_available():
+        pytest.skip("no MKL packing here")
+    if dtype == torch.bfloat16 and not bf16_packing_available():
+        pytest.skip("oneDNN packs bf16 only on CPUs with bf16 units")
+    layer, x = make_linear(dtype, bias)
+    want = F.linear(x, layer.weight, layer.bias)
+    layer.pack()
+    assert layer.weight.untyped_storage().nbytes() <= layer.weight.element_size()  # dropped
+    got = layer(x)
+    assert got.shape == want.shape and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
+    assert layer(x[:0]).shape == (0, 5, 160)
+
+
+def test_packing_refuses_other_dtypes():
+    layer, _ = make_linear(torch.float16, bias=False)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        layer.pack()

@@ -1,0 +1,132 @@
+"""The scale benchmark (bench/scale.py): its fake engine keeps its pace, its worker launcher
+refuses a bad setting, its report checks targets, and one tiny run end to end (the real API and
+Celery workers on the machine's PostgreSQL and Redis) keeps every custom_id exactly once and
+prints a number for every figure it measures."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from bench.fake_engine import FakeEngine
+from bench.scale_probes import claim_counters
+from bench.scale_report import targets
+from bench.scale_worker import engine_from_env
+from engine.sampling_params import SamplingParams
+from tests.conftest_services import REPO, _pg_reachable, _redis_reachable
+
+
+def drain(engine: FakeEngine, num_requests: int) -> tuple[float, int]:
+    for i in range(num_requests):
+        engine.add_request(f"r{i}", "hello", SamplingParams(max_tokens=8))
+    start, steps, done = time.monotonic(), 0, 0
+    while engine.has_unfinished_requests():
+        done += len(engine.step())
+        steps += 1
+    assert done == num_requests
+    return time.monotonic() - start, steps
+
+
+def test_instant_engine_finishes_a_full_batch_each_step() -> None:
+    engine = FakeEngine(lines_per_s=None, max_num_seqs=8)
+    _, steps = drain(engine, 20)
+    assert steps == 3  # 8 + 8 + 4
+    outputs = FakeEngine(lines_per_s=None)
+    outputs.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
+    (out,) = outputs.step()
+    assert (out.request_id, out.finish_reason, out.metrics.num_prompt_tokens) == ("a", "stop", 3)
+
+
+def test_paced_engine_holds_its_pace_when_kept_full() -> None:
+    # 16 seats, 4 steps a request, 800 lines/s: a step every 5 ms; 160 lines take 0.2 s.
+    engine = FakeEngine(lines_per_s=800, max_num_seqs=16, steps_per_request=4)
+    assert engine.step_time == pytest.approx(0.005)
+    elapsed, steps = drain(engine, 160)
+    assert steps == 40
+    assert 0.19 <= elapsed < 0.5  # never faster than the pace; slower only on a busy machine
+
+
+def test_worker_launcher_refuses_a_bad_engine_setting() -> None:
+    assert engine_from_env({"BOXCAR_BENCH_ENGINE": "instant"}).step_time == 0.0
+    paced = engine_from_env({"BOXCAR_BENCH_ENGINE": "paced", "BOXCAR_BENCH_LINES_PER_S": "100"})
+    assert paced.lines_per_s == 100.0
+    for env, field in (({}, "BOXCAR_BENCH_ENGINE"),
+                       ({"BOXCAR_BENCH_ENGINE": "paced"}, "BOXCAR_BENCH_LINES_PER_S"),
+                       ({"BOXCAR_BENCH_ENGINE": "paced", "BOXCAR_BENCH_LINES_PER_S": "0"},
+                        "lines_per_s"),
+                       ({"BOXCAR_BENCH_ENGINE": "instant", "BOXCAR_BENCH_LINES_PER_S": "5"},
+                        "BOXCAR_BENCH_LINES_PER_S")):
+        with pytest.raises(ValueError, match=field):
+            engine_from_env(env)
+
+
+def test_claim_counters_are_summed_over_workers_or_absent() -> None:
+    page = ('# TYPE boxcar_shard_claim_attempts counter\n'
+            'boxcar_shard_claim_attempts_total{worker="a"} 3.0\n'
+            'boxcar_shard_claim_attempts_total{worker="b"} 2.0\n'
+            '# TYPE boxcar_shard_claims counter\n'
+            'boxcar_shard_claims_total{worker="a"} 2.0\n'
+            'boxcar_shard_claims_total{worker="b"} 2.0\n')
+    assert claim_counters(page) == (5.0, 4.0)
+    assert claim_counters("# TYPE boxcar_workers gauge\nboxcar_workers 2.0\n") is None
+
+
+def run(num_workers: int, lines_per_s: float, busy: float, **figures) -> SimpleNamespace:
+    base = dict(num_workers=num_workers, engine="paced", lines_per_s_per_worker=100.0,
+                lines_per_s=lines_per_s, machine_cpu_busy=busy, attempts_per_claim=1.0,
+                lock_wait_share=0.01, idle_commits_per_s_per_worker=0.5, exactly_once=True)
+    return SimpleNamespace(**(base | figures))
+
+
+def test_scaling_targets_name_the_cpu_when_it_is_the_limit() -> None:
+    sweep = [run(8, 800, 0.5), run(16, 1200, 0.6), run(32, 1300, 0.97, attempts_per_claim=1.5)]
+    found = {t.name: t for t in targets(sweep, None)}
+    step = found["paced 8->16 workers adds >= 60% of ideal"]
+    assert (step.value, step.status) == (pytest.approx(0.5), "not met")
+    assert found["paced 16->32 workers adds >= 60% of ideal"].status == "CPU-limited"
+    assert found["attempts per claim <= 1.1 at 32 workers"].status == "not met"
+    assert found["lock waits < 10% of backend active time (worst run)"].status == "met"
+    assert found["status poll of a 50,000-line batch < 5 ms"].status == "not measured"
+    good = [run(8, 800, 0.5), run(16, 1600, 0.6)]
+    assert {t.status for t in targets(good, None) if "adds" in t.name} == {"met"}
+
+
+@pytest.mark.skipif(not (_pg_reachable() and _redis_reachable()),
+                    reason="needs PostgreSQL on 5432 and Redis on 6379")
+def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> None:
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.scale", "--workers", "2", "--lines", "200",
+         "--engine", "instant", "--big-lines", "0", "--idle-s", "1", "--json"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    (result,) = report["runs"]
+    assert (result["num_workers"], result["num_lines"], result["engine"]) == (2, 200, "instant")
+    assert result["exactly_once"] and result["missing"] == result["duplicated"] == 0
+    # Not applicable to the instant engine: it has no pace to be ideal against.
+    assert result["ideal_lines_per_s"] is result["efficiency"] is None
+    # A fast machine may finish 200 lines before the 50 ms sampler sees an active backend:
+    # then, and only then, there is no share to report.
+    no_active_sample = result["active_backend_samples"] == 0
+    assert (result["lock_wait_share"] is None) == no_active_sample
+    measured = {k: v for k, v in result.items()
+                if k not in ("engine", "ideal_lines_per_s", "efficiency",
+                             "lines_per_s_per_worker", "exactly_once")
+                and not (k == "lock_wait_share" and no_active_sample)}
+    for name, value in measured.items():
+        assert isinstance(value, int | float) and math.isfinite(value), (name, value)
+    assert result["lines_per_s"] > 0 and result["num_status_polls"] >= 1
+    assert result["claims"] >= 1 and result["attempts_per_claim"] >= 1
+    assert result["peak_connections"] >= 2 and result["pg_cpu_ms_per_line"] > 0
+    assert 0 < result["machine_cpu_busy"] <= 1
+    assert no_active_sample or 0 <= result["lock_wait_share"] <= 1
+    assert {t["name"]: t["status"] for t in report["targets"]}[
+        "every custom_id exactly once in every run (runs broken)"] == "met"
+    print(f"tiny scale run took {time.monotonic() - started:.1f} s")

@@ -1,0 +1,62 @@
+"""worker.forecaster: the held lines' progress read on the engine thread, the forecast published
+with the worker's metrics snapshot."""
+
+from __future__ import annotations
+
+import pytest
+
+from metrics.forecast import StepCost
+from tests.worker.fake_engine import FakeEngine
+from worker.drain import Drainer
+from worker.forecaster import Forecaster, line_max_tokens
+from worker.items import LineWork
+
+
+def line(pk: int, batch: str | None, max_tokens: int, *, job: str | None = None) -> LineWork:
+    body = {"prompt": f"line {pk}", "max_tokens": max_tokens, "ignore_eos": True}
+    return LineWork(pk, f"{batch or job}:0", "t", batch, job, "/v1/completions", body)
+
+
+def make(engine: FakeEngine) -> tuple[Drainer, Forecaster]:
+    drainer = Drainer(engine, submit=lambda result: None, model_name="m", max_num_seqs=2,
+                      max_num_batched_tokens=64)
+    cost = StepCost()
+    for decodes in (1, 2, 1, 2):  # each step costs 1 s whatever it holds
+        cost.observe(1.0, num_decode=decodes, num_prefill=0)
+    forecaster = Forecaster(drainer, cost, seats=2, max_model_len=4096, interval=0.0)
+    drainer.on_step = forecaster.gather
+    return drainer, forecaster
+
+
+def test_the_forecast_covers_lines_in_the_engine_and_in_the_queue():
+    drainer, forecaster = make(FakeEngine(max_num_seqs=2))
+    assert forecaster.snapshot() is None  # nothing gathered yet
+    drainer.add([line(i, "x", 4) for i in range(1, 6)], is_job=False)
+    drainer.add([line(9, "y", 2)], is_job=False)
+    assert drainer.turn()  # one step: two of x's lines run, one token each
+    snap = forecaster.snapshot()
+    # Two seats: x's running lines end in 3 steps, the next two at 7, the fifth at 11; y's
+    # line (queued after x's) takes the seat freed at step 7 and ends at 9.
+    assert snap["batches"] == {"x": {"lines": 5, "seconds_left": 11.0},
+                               "y": {"lines": 1, "seconds_left": 9.0}}
+    assert snap["seconds_left"] == 11.0 and snap["seats"] == 2
+    assert snap["cost"]["fixed"] + snap["cost"]["per_decode"] * 1.5 == pytest.approx(1.0)
+    while drainer.turn():
+        pass
+    assert forecaster.snapshot()["batches"] == {}
+
+
+def test_an_engine_that_cannot_report_progress_publishes_no_forecast():
+    class Silent(FakeEngine):
+        progress = None
+
+    drainer, forecaster = make(Silent(max_num_seqs=2))
+    drainer.add([line(1, "x", 4)], is_job=False)
+    assert drainer.turn()
+    assert forecaster.snapshot() is None
+
+
+def test_line_max_tokens_reads_either_field():
+    assert line_max_tokens({"max_completion_tokens": 7, "max_tokens": 9}) == 7
+    assert line_max_tokens({"max_tokens": 9}) == 9
+    assert line_max_tokens({}) is None and line_max_tokens({"max_tokens": True}) is None

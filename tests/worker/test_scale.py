@@ -1,0 +1,184 @@
+"""The control plane at scale: claims that skip each other's shards, batch counters that equal
+the lines, one finalize per batch, status reads that never touch the lines, and the claim
+counters the API's /metrics aggregates."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+from sqlalchemy import event, select, text
+
+from service import counters
+from service.models import LINE_COMPLETED, LINE_FAILED, BatchCounter, RequestLine, Shard
+from tests.conftest_services import chat_line
+from tests.worker.fake_engine import FakeEngine
+from worker import claims
+from worker import finalize as finalize_module
+from worker.items import LineResult, LineWork
+from worker.prepare import prepare_batch
+from worker.result_writer import write_results
+
+
+def prepared(stack, lines, *, shard_size: int = 4) -> str:
+    batch = stack.create_batch(lines)
+    assert prepare_batch(stack.ctx.db, stack.ctx.storage, batch["id"], worker_id="prep",
+                         shard_size=shard_size)
+    return batch["id"]
+
+
+def shard_ids(stack, batch_id: str) -> list[str]:
+    with stack.ctx.db.read_session() as session:
+        return sorted(session.scalars(select(Shard.id).where(Shard.batch_id == batch_id)).all())
+
+
+def test_skip_locked_claims_of_two_sessions_are_disjoint(make_stack, pg_url):
+    """Two workers claim from the same candidates at once: the second skips the rows the first
+    holds (it would wait, and fail on lock_timeout, without SKIP LOCKED) and takes others."""
+    stack = make_stack(pg_url)
+    batch_id = prepared(stack, [chat_line(f"c{i}", f"line {i}") for i in range(32)])
+    candidates = shard_ids(stack, batch_id)
+    assert len(candidates) == 8
+    db = stack.ctx.db
+    with db.session() as first:
+        won_first = claims.claim_shards(first, candidates, worker_id="w1", lease_seconds=30,
+                                        max_bulk=4, max_jobs=0)
+        with db.session() as second:  # the first has not committed: its rows are locked
+            second.execute(text("SET LOCAL lock_timeout = '2s'"))
+            won_second = claims.claim_shards(second, candidates, worker_id="w2",
+                                             lease_seconds=30, max_bulk=8, max_jobs=0)
+    first_ids, second_ids = {c.id for c in won_first}, {c.id for c in won_second}
+    assert len(first_ids) == 4 and len(second_ids) == 4
+    assert first_ids.isdisjoint(second_ids) and first_ids | second_ids == set(candidates)
+    with db.read_session() as session:
+        owners = dict(session.execute(select(Shard.id, Shard.lease_owner)).all())
+        statuses = set(session.scalars(select(RequestLine.status)).all())
+    assert {owners[s] for s in first_ids} == {"w1"} and {owners[s] for s in second_ids} == {"w2"}
+    assert statuses == {"pending"}  # the claim writes the shard, not its lines
+
+
+def test_claims_lost_to_another_worker_are_not_retaken(make_stack, any_db_url):
+    stack = make_stack(any_db_url)
+    batch_id = prepared(stack, [chat_line(f"c{i}", f"line {i}") for i in range(8)])
+    candidates = shard_ids(stack, batch_id)
+    with stack.ctx.db.session() as session:
+        assert len(claims.claim_shards(session, candidates, worker_id="w1", lease_seconds=30,
+                                       max_bulk=8, max_jobs=0)) == 2
+    with stack.ctx.db.session() as session:
+        assert claims.claim_shards(session, candidates, worker_id="w2", lease_seconds=30,
+                                   max_bulk=8, max_jobs=0) == []
+
+
+def _work(line: RequestLine) -> LineWork:
+    return LineWork(line.pk, line.shard_id, line.tenant_id, line.batch_id, None, line.endpoint,
+                    line.body or {})
+
+
+def test_counters_equal_the_lines_after_failures_and_a_redelivery(make_stack, any_db_url):
+    stack = make_stack(any_db_url)
+    lines = [chat_line(f"r{i}", f"line {i}") for i in range(6)]
+    lines.append(chat_line("r0", "a repeated custom_id"))  # fails at prepare, keeps its id
+    batch_id = prepared(stack, lines)
+    with stack.ctx.db.read_session() as session:
+        rows = session.scalars(select(RequestLine).where(RequestLine.status == "pending")
+                               .order_by(RequestLine.pk)).all()
+        repeated = session.scalars(select(RequestLine).where(RequestLine.line_no == 7)).one()
+    assert (repeated.custom_id, repeated.status) == ("r0", LINE_FAILED)
+    results = [
+        LineResult(_work(row), LINE_COMPLETED, response={"n": i}, prompt_tokens=10 + i,
+                   completion_tokens=3, cached_tokens=4) if i % 3 else
+        LineResult(_work(row), LINE_FAILED, error={"code": "x", "message": "m"})
+        for i, row in enumerate(rows[:5])
+    ]
+    with stack.ctx.db.session() as session:
+        closed = write_results(session, results, worker_id="w1")
+    assert closed == {batch_id}
+    # The broker redelivers: another worker ran the same lines and writes them again.
+    with stack.ctx.db.session() as session:
+        assert write_results(session, results[::-1], worker_id="w2") == set()
+    with stack.ctx.db.read_session() as session:
+        live = counters.sums(session, [batch_id])[batch_id]
+        truth = counters.from_lines(session, batch_id)
+        slots = session.scalars(select(BatchCounter.slot)
+                                .where(BatchCounter.batch_id == batch_id)).all()
+    assert live == truth
+    assert (truth.num_open, truth.num_completed, truth.num_failed) == (1, 3, 3)
+    assert truth.input_tokens == 11 + 12 + 14 and truth.cached_tokens == 12
+    assert set(slots) == {0, counters.slot_of("w1")}  # w2 wrote nothing
+    body = stack.batch(batch_id)
+    assert body["request_counts"] == {"total": 7, "completed": 3, "failed": 3}
+    assert body["usage"]["input_tokens"] == 37 and body["usage"]["output_tokens"] == 9
+
+
+def test_a_batch_runs_to_counters_that_match_and_is_finalized_once(make_stack, any_db_url,
+                                                                    monkeypatch):
+    tries, leases = [], []
+    real = finalize_module.claim_batch_lease
+
+    def counted(session, batch_id, **kw):
+        tries.append(batch_id)
+        won = real(session, batch_id, **kw)
+        if won:
+            leases.append(batch_id)
+        return won
+
+    monkeypatch.setattr(finalize_module, "claim_batch_lease", counted)
+    stack = make_stack(any_db_url)
+    lines = [chat_line(f"f{i}", f"line {i}", max_tokens=2) for i in range(30)]
+    lines[4] = chat_line("f4", "TOO_LONG")  # fails in the engine's pipeline
+    lines.append("not json")  # fails at prepare, without a custom_id
+    for _ in range(2):
+        stack.add_worker(FakeEngine(max_num_seqs=4))
+    batch = stack.create_batch(lines)
+    done = stack.wait_status(batch["id"], "completed", timeout=60)
+    assert done["request_counts"] == {"total": 31, "completed": 29, "failed": 2}
+    # One finalize: not an attempt per finished shard (8 shards). Both workers' writers may
+    # see the batch drain at the same moment; the lease lets one of them in.
+    assert leases == [batch["id"]] and len(tries) <= 2
+    with stack.ctx.db.read_session() as session:
+        assert counters.sums(session, [batch["id"]])[batch["id"]] == counters.from_lines(
+            session, batch["id"])
+    errors = stack.lines_of(done["error_file_id"])
+    assert [e["custom_id"] for e in errors] == ["f4"]
+
+
+@contextmanager
+def statements(engine):
+    seen: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        seen.append(statement)
+
+    event.listen(engine, "before_cursor_execute", record)
+    try:
+        yield seen
+    finally:
+        event.remove(engine, "before_cursor_execute", record)
+
+
+def test_status_reads_no_lines(make_stack, any_db_url, monkeypatch):
+    """Retrieving or listing live batches reads their counters, never their lines (the ETA,
+    ``metrics.eta``, is left out here: it keeps its own cached read)."""
+    stack = make_stack(any_db_url)
+    batch_ids = [prepared(stack, [chat_line(f"s{i}", f"line {i}") for i in range(40)])
+                 for _ in range(3)]
+    monkeypatch.setattr(stack.ctx.etas, "get", lambda session: {})
+    with statements(stack.ctx.db.read_engine) as seen:
+        one = stack.batch(batch_ids[0])
+        listed = stack.client.get("/v1/batches").json()
+    assert one["status"] == "in_progress" and one["request_counts"]["total"] == 40
+    assert [b["id"] for b in listed["data"]] == batch_ids[::-1]
+    assert seen and not [s for s in seen if "request_lines" in s]
+
+
+def test_the_claim_counters_reach_the_apis_metrics(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url)
+    worker = stack.add_worker(FakeEngine())
+    batch = stack.create_batch([chat_line(f"m{i}", f"line {i}", max_tokens=2) for i in range(12)])
+    stack.wait_status(batch["id"], "completed", timeout=30)
+    snapshot = worker.recorder.snapshot()["counters"]
+    assert snapshot["shard_claims"] == 3
+    assert snapshot["shard_claim_attempts"] >= snapshot["shard_claims"]
+    worker.publisher.publish()
+    text_ = stack.client.get("/metrics").text
+    assert f'boxcar_shard_claims_total{{worker="{worker.worker_id}"}} 3.0' in text_
+    assert "boxcar_shard_claim_attempts_total{" in text_

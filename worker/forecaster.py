@@ -1,0 +1,90 @@
+"""What this worker publishes about the lines it holds: per batch, how many and when they will be
+done (``metrics.forecast``), for the API's ``estimated_completion_at`` (``metrics.eta``).
+
+``gather`` runs on the engine thread after a step, at most every ``interval`` seconds: it reads
+the engine's sequences (only that thread may) and the line queue into plain ``LineProgress``
+values. ``snapshot`` runs on the metrics thread when the heartbeat publishes: it fits the step
+cost and runs the forecast there, off the engine's path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from metrics.forecast import LineProgress, StepCost, forecast
+from worker.drain import Drainer
+from worker.items import LineWork
+
+
+def line_max_tokens(body: dict[str, Any]) -> int | None:
+    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+class Forecaster:
+    def __init__(self, drainer: Drainer, step_cost: StepCost, *, seats: int,
+                 max_model_len: int, interval: float = 0.5) -> None:
+        self.drainer = drainer
+        self.step_cost = step_cost
+        self.seats = seats
+        self.max_model_len = max_model_len
+        self.interval = interval
+        self._gathered_at = -1e18
+        self._lines: tuple[float, list[LineProgress]] | None = None
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def gather(self) -> None:
+        """Read the held lines' progress, if ``interval`` has passed since the last read."""
+        now = time.monotonic()
+        if now - self._gathered_at < self.interval:
+            return
+        self._gathered_at = now
+        drainer = self.drainer
+        progress = getattr(drainer.engine, "progress", None)
+        if not callable(progress):  # an engine that cannot say (a test's fake): no forecast
+            return
+        in_engine = drainer.in_engine
+        lines = []
+        seen: set[str] = set()
+        for seq in progress():
+            work = in_engine.get(seq.request_id)
+            first = seq.request_id not in seen
+            seen.add(seq.request_id)
+            lines.append(LineProgress(
+                batch_id=work.batch_id if work is not None else None, running=seq.running,
+                prefill_tokens=max(seq.num_tokens - seq.num_computed_tokens - 1, 0),
+                output_tokens=seq.num_output_tokens, max_tokens=seq.max_tokens,
+                ignore_eos=seq.ignore_eos, counts_line=first))
+        prompt = drainer.avg_prompt_tokens
+        lines.extend(self._queued(work, prompt) for work in drainer.queue.ordered())
+        self._lines = (time.time(), lines)  # one reference swap: the metrics thread reads it
+
+    def _queued(self, work: LineWork, prompt: float) -> LineProgress:
+        body = work.body
+        max_tokens = line_max_tokens(body)
+        room = max(int(self.max_model_len - prompt), 1)
+        return LineProgress(batch_id=work.batch_id, running=False, prefill_tokens=prompt,
+                            output_tokens=0,
+                            max_tokens=room if max_tokens is None else min(max_tokens, room),
+                            ignore_eos=body.get("ignore_eos") is True)
+
+    # -- the metrics thread -------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any] | None:
+        """``{"at", "seats", "seconds_left", "cost", "batches": {id: {"lines",
+        "seconds_left"}}}``: the forecast as of ``at`` (unix seconds); None before the first
+        step."""
+        gathered = self._lines
+        cost = self.step_cost.fit()
+        if gathered is None or cost is None:
+            return None
+        at, lines = gathered
+        batches, seconds_left = forecast(lines, seats=self.seats, cost=cost,
+                                         lengths=self.drainer.output_lengths)
+        return {"at": at, "seats": self.seats, "seconds_left": round(seconds_left, 3),
+                "cost": {"fixed": cost.fixed, "per_decode": cost.per_decode,
+                         "per_prefill": cost.per_prefill},
+                "batches": {b: {"lines": f.num_lines, "seconds_left": round(f.seconds_left, 3)}
+                            for b, f in batches.items()}}
