@@ -48,6 +48,8 @@ class Linear(nn.Linear):
             raise ValueError(f"packing needs a CPU float32 or bfloat16 weight, got "
                              f"{weight.dtype} on {weight.device}")
         if weight.dtype == torch.bfloat16:
+            if not bf16_packing_available():
+                raise ValueError("oneDNN packs bf16 weights only on a CPU with bf16 units")
             self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         else:
             self.packed_weight = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 64)

@@ -41,3 +41,14 @@ def test_packing_refuses_other_dtypes():
     layer, _ = make_linear(torch.float16, bias=False)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         layer.pack()
+
+
+def test_bf16_packing_refused_with_a_value_error_where_onednn_cannot(monkeypatch):
+    import engine.layers.linear as linear
+
+    monkeypatch.setattr(linear, "bf16_packing_available", lambda: False)
+    layer, x = make_linear(torch.bfloat16, bias=False)
+    with pytest.raises(ValueError, match="bf16 units"):
+        layer.pack()
+    assert layer.packed_weight is None  # still a plain linear, still usable
+    assert layer(x).shape == (3, 5, 160)
