@@ -7,9 +7,10 @@ the KV context each request attends over). Each step costs at least:
   model's own shape and that row count in the run's dtype (the faster of ``F.linear`` and the
   engine's prepacked ``Linear`` where it packs that dtype), and its weight bytes at the measured
   copy bandwidth;
-- the output layer on the rows that sample, the same way, in bf16 for both dtypes: a greedy
-  fp32 run screens it in bf16 and computes exact logits for a few candidates only
-  (``engine/layers/greedy_screen.py``), so bf16 is the cheapest exact way;
+- the output layer on the rows that sample, the same way, at the cheaper of the run's dtype and
+  bf16: on a CPU with bf16 units a greedy fp32 run screens it in bf16 and computes exact logits
+  for a few candidates only (``engine/layers/greedy_screen.py``); elsewhere bf16 is emulated and
+  the run's own dtype is the cheaper;
 - attention: the longer of its KV bytes (every context token's keys and values read once, every
   new token's written once, in the run's dtype) at the copy bandwidth and its QK^T and AV FLOPs
   at the dtype's best measured GEMM rate.
@@ -264,9 +265,13 @@ def floor(steps: list[Step], shapes: ModelShapes, dtype: str, tables: dict[str, 
             for g in shapes.layer_gemms
         )
         if step.num_sampled:
+            # The cheaper of the run's dtype and the bf16 screen: on a CPU without bf16 units
+            # the engine does not screen (emulated bf16 is slower than fp32 there).
             head = shapes.lm_head
-            lm_head += max(screen.time(head, step.num_sampled),
-                           head.weight_bytes(SCREEN_DTYPE) / copy_bandwidth)
+            lm_head += min(max(t.time(head, step.num_sampled),
+                               head.weight_bytes(t.dtype) / copy_bandwidth)
+                           for t in {id(table): table, id(screen): screen}.values()
+                           if head.name in t.seconds)
         kv_bytes = (step.kv_context_tokens + step.num_tokens) * kv_per_token
         flops = 4 * shapes.num_layers * shapes.q_size * step.attention_pairs
         attention += max(kv_bytes / copy_bandwidth, flops / attention_rate)

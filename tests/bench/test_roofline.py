@@ -96,6 +96,16 @@ def test_floor_takes_the_longer_of_compute_and_bytes_per_part() -> None:
     assert result.seconds == pytest.approx(result.linears + result.lm_head + result.attention)
     assert result.num_steps == 2
 
+    # Where the run's dtype computes the output layer faster than the bf16 screen (a CPU
+    # without bf16 units, where the engine does not screen), the floor takes that.
+    fp32.seconds["lm_head"] = {1: 1e-4, 2: 2e-4}
+    cheaper = floor(steps, shapes, "float32", {"float32": fp32, "bfloat16": bf16}, bandwidth)
+    head_bytes_fp32 = 8 * 32 * 4 / bandwidth
+    assert cheaper.lm_head == pytest.approx(
+        min(max(1e-4, head_bytes_fp32), max(1e-3, head_bytes))  # 1 row: the bf16 screen's
+        + min(max(2e-4, head_bytes_fp32), max(5e-3, head_bytes)))  # 2 rows: fp32's
+    assert cheaper.lm_head < result.lm_head
+
 
 def test_measurements_cover_the_ladder_in_each_dtype() -> None:
     gemms = (Gemm("a", 16, 24), Gemm("b", 24, 16))
