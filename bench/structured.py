@@ -49,14 +49,17 @@ SUBJECTS = ["a baker", "a pilot", "a student", "a retired teacher", "a painter",
             "a librarian", "a sailor", "a photographer", "a gardener", "a doctor"]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def args_and_llm(description: str) -> tuple[argparse.Namespace, LLM]:
+    """The flags both structured-output benches take, and the default model's engine."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--num-lines", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
+    return parser.parse_args(), LLM(str(pull()))
 
-    llm = LLM(str(pull()))
+
+def main() -> None:
+    args, llm = args_and_llm(__doc__.splitlines()[0])
     engine = llm.engine
     prompts = [
         engine.apply_chat_template([{"role": "user", "content":

@@ -14,7 +14,6 @@ of the schema file are parsed and validated with jsonschema.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -23,10 +22,8 @@ from pathlib import Path
 
 import jsonschema
 
-from bench.structured import SCHEMA, SUBJECTS
+from bench.structured import SCHEMA, SUBJECTS, args_and_llm
 from cli.offline import run_batch_file
-from engine import LLM
-from engine.model_cache import pull
 from pipeline.engine_adapter import PrepareError, prepare
 
 CHAT = "/v1/chat/completions"
@@ -45,13 +42,7 @@ def write(path: Path, lines: list[dict]) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-lines", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    args = parser.parse_args()
-
-    llm = LLM(str(pull()))
+    args, llm = args_and_llm(__doc__.splitlines()[0])
     engine = llm.engine
     tmp = Path(tempfile.mkdtemp(prefix="bench-structured-run-"))
     response_format = {"type": "json_schema",
