@@ -353,7 +353,11 @@ class WorkerService:
                 or not self.leases.has_room(is_job=ids.is_job_shard(shard_id))):
             self.leases.wake()
             return False
-        return self.leases.claim([shard_id], max_bulk=1, max_jobs=1) == 1
+        # A bulk shard another worker took since the message was sent is made up for by the
+        # next claimable one (fill): the message says there is work, not which shard to run.
+        is_job = ids.is_job_shard(shard_id)
+        return self.leases.claim([shard_id], max_bulk=0 if is_job else 1,
+                                 max_jobs=1 if is_job else 0, fill=not is_job) == 1
 
     def handle_batch(self, batch_id: str) -> str | None:
         """Prepare or finalize ``batch_id`` as its state asks; notice a cancel at once."""

@@ -68,6 +68,60 @@ def test_claims_lost_to_another_worker_are_not_retaken(make_stack, any_db_url):
                                    max_bulk=8, max_jobs=0) == []
 
 
+def test_a_claim_that_lost_its_candidates_fills_from_the_queue(make_stack, any_db_url):
+    """Two workers read the same candidates; the second claims after the first took them. With
+    ``fill`` its statement takes the next claimable shards in queue order instead of coming
+    back empty (an attempt lost); without, empty; on a dry queue, empty either way."""
+    stack = make_stack(any_db_url)
+    batch_id = prepared(stack, [chat_line(f"c{i}", f"line {i}") for i in range(16)])
+    candidates = shard_ids(stack, batch_id)[:2]  # what both workers read
+    with stack.ctx.db.session() as session:
+        first = claims.claim_shards(session, candidates, worker_id="w1", lease_seconds=30,
+                                    max_bulk=2, max_jobs=0)
+    assert {c.id for c in first} == set(candidates)
+    with stack.ctx.db.session() as session:
+        assert claims.claim_shards(session, candidates, worker_id="w2", lease_seconds=30,
+                                   max_bulk=2, max_jobs=0) == []
+        second = claims.claim_shards(session, candidates, worker_id="w2", lease_seconds=30,
+                                     max_bulk=2, max_jobs=0, fill=True)
+    rest = set(shard_ids(stack, batch_id)) - set(candidates)
+    assert len(second) == 2 and {c.id for c in second} <= rest
+    with stack.ctx.db.session() as session:
+        third = claims.claim_shards(session, candidates, worker_id="w3", lease_seconds=30,
+                                    max_bulk=4, max_jobs=0, fill=True)
+    assert {c.id for c in third} == rest - {c.id for c in second}
+    with stack.ctx.db.session() as session:  # every shard is held: nothing to fill from
+        assert claims.claim_shards(session, candidates, worker_id="w4", lease_seconds=30,
+                                   max_bulk=2, max_jobs=0, fill=True) == []
+
+
+def test_a_dry_queue_runs_no_claim_statement(make_stack, any_db_url):
+    """An attempt is a claim statement that ran: a worker that finds no candidate runs none
+    and counts none."""
+    stack = make_stack(any_db_url)
+    worker = stack.add_worker(FakeEngine())
+    batch = stack.create_batch([chat_line(f"d{i}", f"line {i}") for i in range(8)])
+    stack.wait_status(batch["id"], "completed", timeout=30)
+    before = worker.recorder.snapshot()["counters"]
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    event.listen(stack.ctx.db.engine, "before_cursor_execute", record)
+    try:
+        for _ in range(3):
+            assert worker.leases.claim_some() == 0
+    finally:
+        event.remove(stack.ctx.db.engine, "before_cursor_execute", record)
+    after = worker.recorder.snapshot()["counters"]
+    assert (after["shard_claim_attempts"], after["shard_claims"]) == (
+        before["shard_claim_attempts"], before["shard_claims"])
+    # (The keeper's own thread may reap meanwhile: an UPDATE of shards that claims nothing.)
+    assert not [s for s in statements if "FOR UPDATE" in s
+                or (s.lstrip().startswith("UPDATE shards") and "attempts" in s)]
+
+
 def _work(line: RequestLine) -> LineWork:
     return LineWork(line.pk, line.shard_id, line.tenant_id, line.batch_id, None, line.endpoint,
                     line.body or {})
