@@ -103,7 +103,8 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     started = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "bench.scale", "--workers", "2", "--lines", "200",
-         "--engine", "instant", "--big-lines", "0", "--idle-s", "1", "--json"],
+         "--engine", "instant", "--big-lines", "0", "--idle-s", "1", "--idle-settle-s", "0",
+         "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -130,3 +131,13 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     assert {t["name"]: t["status"] for t in report["targets"]}[
         "every custom_id exactly once in every run (runs broken)"] == "met"
     print(f"tiny scale run took {time.monotonic() - started:.1f} s")
+
+
+def test_bad_idle_flags_name_the_flag(capsys) -> None:
+    from bench.scale import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--workers", "2", "--idle-settle-s", "-1"])
+    assert "--idle-settle-s must be >= 0" in capsys.readouterr().err
+    args = parse_args(["--workers", "2"])
+    assert (args.idle_s, args.idle_settle_s) == (20.0, 30.0)
