@@ -236,3 +236,29 @@ def test_the_claim_counters_reach_the_apis_metrics(make_stack, sqlite_url):
     text_ = stack.client.get("/metrics").text
     assert f'boxcar_shard_claims_total{{worker="{worker.worker_id}"}} 3.0' in text_
     assert "boxcar_shard_claim_attempts_total{" in text_
+
+
+def test_prepare_writes_every_field_of_valid_and_failed_lines(make_stack, any_db_url):
+    """PostgreSQL inserts the lines with COPY, SQLite with INSERTs: the same rows either way,
+    pks in input order, JSON columns that read back as written."""
+    stack = make_stack(any_db_url)
+    lines = [chat_line("a", "first prompt", max_tokens=3), "not json",
+             chat_line("b", "second \u00e9 \"quoted\"\n tab\t", max_tokens=5),
+             chat_line("a", "repeats a's custom_id")]
+    batch_id = prepared(stack, lines, shard_size=1)
+    with stack.ctx.db.read_session() as session:
+        rows = session.scalars(select(RequestLine).order_by(RequestLine.pk)).all()
+    assert [r.line_no for r in rows] == [1, 2, 3, 4]
+    assert [r.status for r in rows] == ["pending", "failed", "pending", "failed"]
+    a, bad, b, repeated = rows
+    assert a.body["messages"][0]["content"] == "first prompt"
+    assert b.body["messages"][0]["content"] == "second \u00e9 \"quoted\"\n tab\t"
+    assert b.engine_fields is not None and a.engine_fields is not None
+    assert (a.custom_id, b.custom_id, repeated.custom_id) == ("a", "b", "a")
+    assert bad.error["code"] and repeated.error["code"] and a.error is None
+    assert bad.finished_at is not None and a.finished_at is None
+    assert {a.shard_id, b.shard_id} == {f"{batch_id}:0", f"{batch_id}:1"}
+    assert sorted([a.position, b.position]) == [0, 1]
+    assert bad.shard_id is None and bad.position is None
+    with stack.ctx.db.read_session() as session:
+        assert counters.sums(session, [batch_id])[batch_id].num_open == 2
