@@ -215,9 +215,9 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
     if not claimed:
         return []
     batch_ids = {c.batch_id for c in claimed if c.batch_id is not None}
-    deadlines = dict(session.execute(
+    deadlines = {batch_id: unix_seconds(expires_at) for batch_id, expires_at in session.execute(
         select(Batch.id, Batch.expires_at).where(Batch.id.in_(batch_ids))
-    ).all()) if batch_ids else {}
+    ).all()} if batch_ids else {}
     rows = session.execute(
         select(RequestLine.pk, RequestLine.shard_id, RequestLine.tenant_id,
                RequestLine.batch_id, RequestLine.job_id, RequestLine.endpoint, RequestLine.body,
@@ -234,7 +234,7 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
             line_pk=r.pk, shard_id=r.shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
             job_id=r.job_id, endpoint=r.endpoint, body=r.body or {},
             engine_fields=r.engine_fields, priority=shard.priority,
-            deadline=unix_seconds(deadlines.get(shard.batch_id or ""))))
+            deadline=deadlines.get(shard.batch_id or "")))
     return [
         Claim(HeldShard(c.id, c.tenant_id, c.batch_id, c.job_id, c.priority,
                         {w.line_pk for w in lines[c.id]}), lines[c.id], c.attempts)
