@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from sqlalchemy.orm import Session
+
 from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
 from service import ids, served_models
 from service.db import Database, utcnow
@@ -88,21 +90,31 @@ class LeaseKeeper(RoundLoop):
         that order of preference; with ``fill``, bulk shards others took meanwhile are made up
         for by other claimable ones, ``claims.claim_shards``) in one short transaction, then
         load their lines with no lock held and hand them to the engine; returns the number of
-        shards won.
+        shards won."""
+        with self.db.session() as session:
+            claimed = self._claim_in(session, shard_ids, max_bulk=max_bulk, max_jobs=max_jobs,
+                                     fill=fill)
+        return self._load(claimed)
 
-        Counted (``on_claims``) only when a claim statement runs: the shards it asked for and
-        those it won. Nothing to ask for (no candidate: the queue is dry) runs no statement and
-        counts nothing."""
+    def _claim_in(self, session: Session, shard_ids: list[str], *, max_bulk: int,
+                  max_jobs: int, fill: bool) -> list[claims.ClaimedShard]:
+        """The claim statement, counted (``on_claims``) only when it runs: the shards it asked
+        for and those it won. Nothing to ask for (no candidate: the queue is dry) runs no
+        statement and counts nothing."""
         num_jobs = sum(1 for sid in shard_ids if ids.is_job_shard(sid))
         attempts = min(num_jobs, max_jobs) + min(len(shard_ids) - num_jobs, max_bulk)
         if attempts <= 0:
-            return 0
-        with self.db.session() as session:
-            claimed = claims.claim_shards(
-                session, shard_ids, worker_id=self.worker_id,
-                lease_seconds=self.settings.lease_seconds, max_bulk=max_bulk, max_jobs=max_jobs,
-                model=self.model, fill=fill)
+            return []
+        claimed = claims.claim_shards(
+            session, shard_ids, worker_id=self.worker_id,
+            lease_seconds=self.settings.lease_seconds, max_bulk=max_bulk, max_jobs=max_jobs,
+            model=self.model, fill=fill)
         self._on_claims(attempts, len(claimed))
+        return claimed
+
+    def _load(self, claimed: list[claims.ClaimedShard]) -> int:
+        """Load the claimed shards' lines (after the claim's commit, no lock held) and hand
+        them to the engine; returns how many."""
         if not claimed:
             return 0
         try:
@@ -153,17 +165,26 @@ class LeaseKeeper(RoundLoop):
             if reap:
                 self._reap()
             return 0
-        # The reap, when due, shares the candidates' transaction: an idle worker's poll is one
-        # commit, and shards it frees are candidates at once.
-        with self.db.session() if reap else self.db.read_session() as session:
+        # On PostgreSQL the reap (when due), the candidates' read and the claim are one
+        # transaction: one commit a poll, and the claim follows the read by a round trip, so
+        # candidates are seldom gone by then. SQLite reads without its write lock and claims
+        # in a write transaction of its own only when there is something to claim.
+        one = not self.db.is_sqlite
+        claimed: list[claims.ClaimedShard] = []
+        with self.db.session() if reap or one else self.db.read_session() as session:
             reaped = claims.reap_expired(session) if reap else []
             candidates = claims.find_candidates(
                 session, now=utcnow(), model=self.model, max_bulk=max_bulk * CANDIDATES_PER_WANT,
                 max_jobs=max_jobs)
+            shard_ids = [c.id for c in candidates if c.id not in self.held]
+            if one:
+                claimed = self._claim_in(session, shard_ids, max_bulk=max_bulk,
+                                         max_jobs=max_jobs, fill=True)
         if reap:
             self._reaped(reaped)
-        shard_ids = [c.id for c in candidates if c.id not in self.held]
         self._found_work = bool(shard_ids)
+        if one:
+            return self._load(claimed)
         return self.claim(shard_ids, max_bulk=max_bulk, max_jobs=max_jobs, fill=True)
 
     def _reap(self) -> None:

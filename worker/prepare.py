@@ -136,7 +136,7 @@ def _insert_lines(session: Session, rows: list[dict]) -> None:
 
 
 def _copy_lines(session: Session, rows: list[dict]) -> None:
-    conn = session.connection().connection.dbapi_connection
+    conn = session.connection().connection.driver_connection  # psycopg's, in this transaction
     assert conn is not None
     encode = json.JSONEncoder(separators=(", ", ": ")).encode  # as SQLAlchemy's JSON type
     with conn.cursor() as cursor:
