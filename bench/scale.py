@@ -36,6 +36,7 @@ from bench.scale_probes import (
     commits,
     cpu_busy_share,
     free_connections,
+    group_cpu_s,
     machine_cpu_ticks,
 )
 from bench.scale_stack import ScaleStack
@@ -76,6 +77,7 @@ class RunResult:
     active_backend_samples: int
     idle_commits_per_s_per_worker: float
     pg_cpu_ms_per_line: float
+    service_cpu_ms_per_line: float  # the API and worker processes (the bench client excluded)
     status_poll_ms_median: float | None
     num_status_polls: int
     machine_cpu_busy: float
@@ -147,10 +149,18 @@ def idle_commits_per_s(stack: ScaleStack, config: RunConfig) -> float:
     return (after - before) / (end - start) / config.num_workers
 
 
+def service_cpu_s(stack: ScaleStack) -> float:
+    """CPU seconds the API and the worker processes have used so far (each started in a
+    session of its own: its process group)."""
+    procs = [p for p in (stack.api, *stack.workers) if p is not None]
+    return sum(group_cpu_s(p.pid) for p in procs)
+
+
 def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config: RunConfig,
                   idle_commits: float) -> RunResult:
     sampler = PgSampler(config.database_url, stack.name).start()
     cpu_before = machine_cpu_ticks()
+    service_before = service_cpu_s(stack)
     polls: list[float] = []
     start = time.perf_counter()
     try:
@@ -179,6 +189,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     finally:
         activity = sampler.stop()
     cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
+    service_cpu = service_cpu_s(stack) - service_before
     if batch["status"] != "completed":
         raise RuntimeError(f"the batch ended {batch['status']}: {batch.get('errors')}")
     missing, duplicated = check_output(client, batch, config.num_lines)
@@ -200,6 +211,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         lock_wait_share=activity.lock_wait_share, active_backend_samples=activity.active,
         idle_commits_per_s_per_worker=idle_commits,
         pg_cpu_ms_per_line=1000 * activity.backend_cpu_s / config.num_lines,
+        service_cpu_ms_per_line=1000 * service_cpu / config.num_lines,
         status_poll_ms_median=1000 * statistics.median(polls) if polls else None,
         num_status_polls=len(polls), machine_cpu_busy=cpu_busy,
         peak_connections=activity.peak_connections,

@@ -4,6 +4,8 @@ counters the API's /metrics aggregates."""
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import contextmanager
 
 from sqlalchemy import event, select, text
@@ -262,3 +264,40 @@ def test_prepare_writes_every_field_of_valid_and_failed_lines(make_stack, any_db
     assert bad.shard_id is None and bad.position is None
     with stack.ctx.db.read_session() as session:
         assert counters.sums(session, [batch_id])[batch_id].num_open == 2
+
+
+def test_an_idle_workers_claim_poll_is_one_transaction_with_the_reap(make_stack, any_db_url):
+    """Idle commits: the reap shares the claim poll's transaction (it has none of its own), and
+    the lease check of a worker holding nothing touches the database not at all."""
+    stack = make_stack(any_db_url)
+    worker = stack.add_worker(FakeEngine())
+    me = threading.get_ident()
+    seen: list[str] = []  # this thread's statements and commits (the worker's run beside it)
+
+    def statement(conn, cursor, text_, parameters, context, executemany):
+        if threading.get_ident() == me:
+            seen.append(text_.split()[0].upper())
+
+    def commit(conn):
+        if threading.get_ident() == me:
+            seen.append("COMMIT")
+
+    engines = {stack.ctx.db.engine, stack.ctx.db.read_engine}
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", statement)
+        event.listen(engine, "commit", commit)
+    try:
+        worker.leases._last_reap = time.monotonic() - 3600  # the reap is due
+        assert worker.leases.claim_some() == 0
+        reap_poll = list(seen)
+        seen.clear()
+        worker.leases.check()
+        check = list(seen)
+    finally:
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", statement)
+            event.remove(engine, "commit", commit)
+    statements = [s for s in reap_poll if s not in ("BEGIN", "COMMIT")]  # SQLite's BEGIN
+    assert reap_poll.count("COMMIT") == 1
+    assert statements[0] == "UPDATE" and "SELECT" in statements  # the reap, then the read
+    assert check == []
