@@ -20,7 +20,7 @@ import datetime as dt
 from collections import Counter
 from dataclasses import dataclass
 
-from sqlalchemy import and_, case, func, literal, or_, select, true, update
+from sqlalchemy import and_, case, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from service import counters, ids
@@ -173,21 +173,21 @@ def claim_shards(
             continue
         # Lock only as many as wanted, the first free ones in the caller's order: the rest
         # stay free for the workers claiming beside this one.
-        rank = case({sid: i for i, sid in enumerate(wanted)}, value=Shard.id,
-                    else_=len(wanted)) if wanted else literal(0)
+        rank = [case({sid: i for i, sid in enumerate(wanted)}, value=Shard.id,
+                     else_=len(wanted))] if wanted else []
         if is_bulk and fill:
             # The wanted ones first, then any claimable bulk shard in queue order (the order
             # find_candidates reads, without its spreading over tenants).
             query = (select(*columns).join(Batch, Batch.id == Shard.batch_id)
                      .where(Shard.job_id.is_(None), _claimable(now),
                             Batch.status == IN_PROGRESS, _of_model(model))
-                     .order_by(rank, Batch.expires_at, Shard.priority.desc(),
+                     .order_by(*rank, Batch.expires_at, Shard.priority.desc(),
                                Shard.created_at, Shard.id))
         else:
             query = (select(*columns)
                      .where(Shard.id.in_(wanted), _claimable(now), batch_running,
                             _of_model(model))
-                     .order_by(rank))
+                     .order_by(*rank))
         rows = session.execute(
             query.limit(limit).with_for_update(skip_locked=True, of=Shard)).all()
         picked += [ClaimedShard(r.id, r.tenant_id, r.batch_id, r.job_id, r.priority,

@@ -75,26 +75,25 @@ def test_a_claim_that_lost_its_candidates_fills_from_the_queue(make_stack, any_d
     ``fill`` its statement takes the next claimable shards in queue order instead of coming
     back empty (an attempt lost); without, empty; on a dry queue, empty either way."""
     stack = make_stack(any_db_url)
-    batch_id = prepared(stack, [chat_line(f"c{i}", f"line {i}") for i in range(16)])
-    candidates = shard_ids(stack, batch_id)[:2]  # what both workers read
-    with stack.ctx.db.session() as session:
-        first = claims.claim_shards(session, candidates, worker_id="w1", lease_seconds=30,
-                                    max_bulk=2, max_jobs=0)
-    assert {c.id for c in first} == set(candidates)
-    with stack.ctx.db.session() as session:
-        assert claims.claim_shards(session, candidates, worker_id="w2", lease_seconds=30,
-                                   max_bulk=2, max_jobs=0) == []
-        second = claims.claim_shards(session, candidates, worker_id="w2", lease_seconds=30,
-                                     max_bulk=2, max_jobs=0, fill=True)
-    rest = set(shard_ids(stack, batch_id)) - set(candidates)
-    assert len(second) == 2 and {c.id for c in second} <= rest
-    with stack.ctx.db.session() as session:
-        third = claims.claim_shards(session, candidates, worker_id="w3", lease_seconds=30,
-                                    max_bulk=4, max_jobs=0, fill=True)
-    assert {c.id for c in third} == rest - {c.id for c in second}
-    with stack.ctx.db.session() as session:  # every shard is held: nothing to fill from
-        assert claims.claim_shards(session, candidates, worker_id="w4", lease_seconds=30,
-                                   max_bulk=2, max_jobs=0, fill=True) == []
+    batch_id = prepared(stack, [chat_line(f"c{i}", f"line {i}") for i in range(24)])
+    order = shard_ids(stack, batch_id)  # 6 shards, created in queue order
+
+    def claim(worker: str, wanted: list[str], max_bulk: int, fill: bool = True) -> list[str]:
+        with stack.ctx.db.session() as session:
+            return [c.id for c in claims.claim_shards(
+                session, wanted, worker_id=worker, lease_seconds=30, max_bulk=max_bulk,
+                max_jobs=0, fill=fill)]
+
+    candidates = order[:2]  # what both workers read
+    assert set(claim("w1", candidates, 2, fill=False)) == set(candidates)
+    assert claim("w2", candidates, 2, fill=False) == []
+    second = claim("w2", candidates, 2)
+    assert len(second) == 2 and not set(second) & set(candidates)
+    third = claim("w3", [], 1)  # no candidate named: the queue's next one
+    assert len(third) == 1 and not set(third) & set(candidates + second)
+    last = claim("w4", candidates, 4)
+    assert set(last) == set(order) - set(candidates + second + third)
+    assert claim("w5", candidates, 2) == []  # every shard is held: nothing to fill from
 
 
 def test_a_dry_queue_runs_no_claim_statement(make_stack, any_db_url):
