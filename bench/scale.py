@@ -6,7 +6,8 @@ by a fake one (``bench.fake_engine``), for N workers at a time.
 
 Each worker count is one run on a fresh database (created on the server of ``--database-url``,
 dropped after) with its own API, workers, Redis queue namespace and storage folder. A run
-measures, in order: PostgreSQL commits/s per worker while every worker is idle (``--idle-s``);
+measures, in order: PostgreSQL commits/s per worker while every worker is idle (``--idle-s``,
+after ``--idle-settle-s``);
 then one batch of ``--lines`` lines from ``POST /v1/batches`` to ``completed``: lines/s, the
 share of PostgreSQL backend active time spent waiting on locks (pg_stat_activity every 50 ms),
 the database's backend CPU per line (/proc), the machine's CPU busy share, the latency of the
@@ -35,6 +36,7 @@ from bench.scale_probes import (
     commits,
     cpu_busy_share,
     free_connections,
+    group_cpu_s,
     machine_cpu_ticks,
 )
 from bench.scale_stack import ScaleStack
@@ -56,6 +58,7 @@ class RunConfig:
     timeout_s: float
     database_url: str
     broker_url: str
+    idle_settle_s: float = 0.0
 
 
 @dataclass
@@ -74,6 +77,7 @@ class RunResult:
     active_backend_samples: int
     idle_commits_per_s_per_worker: float
     pg_cpu_ms_per_line: float
+    service_cpu_ms_per_line: float  # the API and worker processes (the bench client excluded)
     status_poll_ms_median: float | None
     num_status_polls: int
     machine_cpu_busy: float
@@ -135,19 +139,28 @@ def run_once(config: RunConfig) -> RunResult:
 
 
 def idle_commits_per_s(stack: ScaleStack, config: RunConfig) -> float:
-    """Commits/s per worker with every worker up and nothing to do (after a second to settle
-    from start-up and the upload)."""
-    time.sleep(1.0)
+    """Commits/s per worker with every worker up and nothing to do, after ``idle_settle_s``
+    (an idle worker's polls back off from ``BOXCAR_POLL_INTERVAL`` to the 20 s cap over its
+    first ~30 s: the settled figure is what an idle fleet costs) and a second for the upload."""
+    time.sleep(1.0 + config.idle_settle_s)
     before, start = commits(config.database_url, stack.name), time.monotonic()
     time.sleep(config.idle_s)
     after, end = commits(config.database_url, stack.name), time.monotonic()
     return (after - before) / (end - start) / config.num_workers
 
 
+def service_cpu_s(stack: ScaleStack) -> float:
+    """CPU seconds the API and the worker processes have used so far (each started in a
+    session of its own: its process group)."""
+    procs = [p for p in (stack.api, *stack.workers) if p is not None]
+    return sum(group_cpu_s(p.pid) for p in procs)
+
+
 def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config: RunConfig,
                   idle_commits: float) -> RunResult:
     sampler = PgSampler(config.database_url, stack.name).start()
     cpu_before = machine_cpu_ticks()
+    service_before = service_cpu_s(stack)
     polls: list[float] = []
     start = time.perf_counter()
     try:
@@ -176,6 +189,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     finally:
         activity = sampler.stop()
     cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
+    service_cpu = service_cpu_s(stack) - service_before
     if batch["status"] != "completed":
         raise RuntimeError(f"the batch ended {batch['status']}: {batch.get('errors')}")
     missing, duplicated = check_output(client, batch, config.num_lines)
@@ -197,6 +211,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         lock_wait_share=activity.lock_wait_share, active_backend_samples=activity.active,
         idle_commits_per_s_per_worker=idle_commits,
         pg_cpu_ms_per_line=1000 * activity.backend_cpu_s / config.num_lines,
+        service_cpu_ms_per_line=1000 * service_cpu / config.num_lines,
         status_poll_ms_median=1000 * statistics.median(polls) if polls else None,
         num_status_polls=len(polls), machine_cpu_busy=cpu_busy,
         peak_connections=activity.peak_connections,
@@ -245,8 +260,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "status-poll and throughput targets (default 50000; 0: skip)")
     parser.add_argument("--big-workers", type=int, default=4,
                         help="workers for that batch (default 4)")
-    parser.add_argument("--idle-s", type=float, default=10.0,
-                        help="seconds of idle workers to count commits over (default 10)")
+    parser.add_argument("--idle-s", type=float, default=20.0,
+                        help="seconds of idle workers to count commits over (default 20: one "
+                             "period of the idle polls at their cap)")
+    parser.add_argument("--idle-settle-s", type=float, default=30.0,
+                        help="seconds to wait after the workers are up before counting idle "
+                             "commits: their polls' back-off reaches its cap (default 30)")
     parser.add_argument("--timeout", type=float, default=900.0,
                         help="seconds one batch may take before the run fails (default 900)")
     parser.add_argument("--database-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/test",
@@ -268,13 +287,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{args.big_lines} and {args.big_workers}")
     if args.idle_s <= 0 or args.timeout <= 0:
         parser.error(f"--idle-s and --timeout must be > 0, got {args.idle_s} and {args.timeout}")
+    if args.idle_settle_s < 0:
+        parser.error(f"--idle-settle-s must be >= 0, got {args.idle_settle_s}")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common = dict(idle_s=args.idle_s, timeout_s=args.timeout, database_url=args.database_url,
-                  broker_url=args.broker_url)
+                  broker_url=args.broker_url, idle_settle_s=args.idle_settle_s)
     configs = [RunConfig(n, args.lines, args.engine, args.lines_per_s, **common)
                for n in args.workers]
     if args.big_lines:

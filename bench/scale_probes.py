@@ -34,6 +34,23 @@ def process_cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def group_cpu_s(pgid: int) -> float:
+    """utime + stime of the live processes of process group ``pgid`` (a process started with
+    ``start_new_session`` and its children), in seconds."""
+    total = 0.0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid:  # pgrp is field 5 (proc(5))
+            total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
 def machine_cpu_ticks() -> tuple[int, int]:
     """(busy, total) jiffies of all CPUs since boot; idle and iowait are not busy."""
     with open("/proc/stat") as f:

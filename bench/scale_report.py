@@ -81,7 +81,8 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 COLUMNS = ("workers", "engine", "lines", "lines/s", "ideal", "eff", "att/claim", "lock wait",
-           "idle commits/s/w", "PG CPU ms/line", "poll ms (n)", "CPU busy", "conns", "once")
+           "idle commits/s/w", "PG CPU ms/line", "svc CPU ms/line", "poll ms (n)", "CPU busy",
+           "conns", "once")
 
 
 def run_row(r: Any) -> list[str]:
@@ -92,6 +93,7 @@ def run_row(r: Any) -> list[str]:
         _num(r.attempts_per_claim, ".2f"),
         "n/a" if r.lock_wait_share is None else f"{100 * r.lock_wait_share:.1f}%",
         f"{r.idle_commits_per_s_per_worker:.1f}", f"{r.pg_cpu_ms_per_line:.2f}",
+        _num(getattr(r, "service_cpu_ms_per_line", None), ".2f"),
         f"{_num(r.status_poll_ms_median, '.1f')} ({r.num_status_polls})",
         f"{100 * r.machine_cpu_busy:.0f}%", str(r.peak_connections),
         "yes" if r.exactly_once else f"NO ({r.missing} missing, {r.duplicated} repeated)",
@@ -105,7 +107,8 @@ def format_report(sweep: Sequence[Any], big: Any | None, found: list[Target]) ->
              for row in rows]
     lines += ["", "eff: lines/s over ideal (workers x the paced engine's lines/s); att/claim: "
               "shard claim attempts per claim won; lock wait: share of active PostgreSQL backend "
-              "samples waiting on a lock; idle commits/s/w: commits/s per idle worker; poll: "
+              "samples waiting on a lock; idle commits/s/w: commits/s per idle worker; svc CPU: "
+              "CPU of the API and worker processes per line; poll: "
               "median status GET while the batch ran; conns: peak database connections.", "",
               "targets (issue 17):"]
     for t in found:

@@ -22,8 +22,9 @@ over the tokens per second the workers computed in the last ``RATE_WINDOW_S`` se
 timelines.
 
 Null while unknown: a batch still validating (no lines yet) or no worker has stepped recently.
-One GROUP BY over the live batches' lines, cached ``CACHE_S`` seconds per process, serves
-every poll: the cost does not grow with the number of pollers.
+A batch's open lines, finished lines and usage come from its counter rows (``service.counters``),
+so a read costs a few rows per live batch whatever the batches' sizes; it is cached ``CACHE_S``
+seconds per process and serves every poll: the cost does not grow with the number of pollers.
 """
 
 from __future__ import annotations
@@ -33,12 +34,14 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import case, func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from metrics.api_collector import live_workers
 from metrics.forecast import Cost
-from service.models import FINALIZING, IN_PROGRESS, LINE_COMPLETED, LINE_OPEN, Batch, RequestLine
+from service import counters
+from service.counters import CounterDelta
+from service.models import FINALIZING, IN_PROGRESS, Batch
 from service.queue_order import bulk_rank
 
 MIN_LEARNED_LINES = 3
@@ -176,27 +179,19 @@ def _live_batches(session: Session) -> list[_Live]:
         select(Batch).where(Batch.status.in_((IN_PROGRESS, FINALIZING)))).all()
     if not batches:
         return []
-    done = case((RequestLine.status == LINE_COMPLETED, 1), else_=0)
-    open_ = case((RequestLine.status.in_(LINE_OPEN), 1), else_=0)
-    rows = {r[0]: r for r in session.execute(
-        select(RequestLine.batch_id, func.coalesce(func.sum(open_), 0),
-               func.coalesce(func.sum(done), 0),
-               func.coalesce(func.sum(RequestLine.prompt_tokens), 0),
-               func.coalesce(func.sum(RequestLine.completion_tokens), 0),
-               func.coalesce(func.sum(RequestLine.cached_tokens), 0))
-        .where(RequestLine.batch_id.in_([b.id for b in batches]))
-        .group_by(RequestLine.batch_id)
-    ).all()}
+    # Open lines, finished lines and their usage from the batches' counter rows
+    # (service.counters): at most COUNTER_SLOTS rows a batch, never its lines.
+    found = counters.sums(session, [b.id for b in batches])
     live = []
     for b in batches:
-        _, remaining, completed, inp, out, cached = rows.get(b.id, (b.id, 0, 0, 0, 0, 0))
+        c = found.get(b.id, CounterDelta())
         deadline = b.expires_at.timestamp() if b.expires_at else None
-        prompt, output = per_line(completed=int(completed), input_tokens=int(inp),
-                                  output_tokens=int(out), cached_tokens=int(cached),
+        prompt, output = per_line(completed=c.num_completed, input_tokens=c.input_tokens,
+                                  output_tokens=c.output_tokens, cached_tokens=c.cached_tokens,
                                   est_prompt=b.est_prompt_tokens_per_line,
                                   est_output=b.est_output_tokens_per_line)
         live.append(_Live(b.id, b.model, b.status, bulk_rank(deadline, b.priority), deadline,
-                          int(remaining), prompt, output))
+                          c.num_open, prompt, output))
     return live
 
 

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import delete, update
 
 from metrics.api_collector import WORKER_STALE_INTERVALS, WORKER_STALE_MIN_S
 from metrics.recorder import EngineRecorder
@@ -71,15 +71,18 @@ class MetricsPublisher(RoundLoop):
                 snapshot["forecast"] = self._forecast()
             except Exception:  # the heartbeat must go out whatever the forecast does
                 log.exception("could not forecast the held lines")
+        # One UPDATE (the row exists after the first beat); an INSERT only when it does not.
         with self.db.session() as session:
-            row = session.get(WorkerStatus, self.worker_id)
-            if row is None:
+            now = utcnow()
+            found = session.execute(
+                update(WorkerStatus).where(WorkerStatus.id == self.worker_id)
+                .values(heartbeat_at=now, metrics=snapshot)
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if not found:
                 session.add(WorkerStatus(id=self.worker_id, model=self.model,
-                                         started_at=self._started_at, heartbeat_at=utcnow(),
+                                         started_at=self._started_at, heartbeat_at=now,
                                          metrics=snapshot))
-            else:
-                row.heartbeat_at = utcnow()
-                row.metrics = snapshot
 
     def remove(self) -> None:
         """A clean stop: the worker leaves the list at once."""

@@ -3,6 +3,7 @@ engine-free results, and the lines of the output and error files."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -165,6 +166,19 @@ def output_line(custom_id: str, body: dict[str, Any], *, request_id: str) -> dic
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }
+
+
+def output_line_json(custom_id: str, body_json: str, *, request_id: str) -> str | None:
+    """``json.dumps(output_line(custom_id, body, request_id=...), ensure_ascii=False)`` where
+    ``body_json`` is ``json.dumps(body)`` (how a response is stored), without decoding and
+    encoding the body again; None when the stored text holds a ``\\u`` escape (non-ASCII text
+    that the output file writes unescaped): decode it then."""
+    if "\\u" in body_json:
+        return None
+    dump = json.dumps
+    return (f'{{"id": "batch_req_{new_id()}", "custom_id": {dump(custom_id, ensure_ascii=False)}, '
+            f'"response": {{"status_code": 200, "request_id": '
+            f'{dump(request_id, ensure_ascii=False)}, "body": {body_json}}}, "error": null}}')
 
 
 def failed_line(

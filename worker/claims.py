@@ -146,11 +146,17 @@ def claim_shards(
     max_jobs: int,
     now: dt.datetime | None = None,
     model: str | None = None,
+    fill: bool = False,
 ) -> list[ClaimedShard]:
     """Take the leases on up to ``max_bulk`` bulk shards and ``max_jobs`` job shards among
     ``shard_ids`` (tried in that order) that are claimable, of ``model`` and whose batch is
-    running; those another transaction is claiming right now are skipped, not waited for."""
-    if not shard_ids or (max_bulk <= 0 and max_jobs <= 0):
+    running; those another transaction is claiming right now are skipped, not waited for.
+
+    ``fill``: bulk shards of ``shard_ids`` that others took since they were read are made up
+    for, in the same statement, by other claimable bulk shards in queue order, so a claim comes
+    back short only when the queue is (nearly) dry, not because racing workers read the same
+    candidates."""
+    if (not shard_ids and not fill) or (max_bulk <= 0 and max_jobs <= 0):
         return []
     now = now or utcnow()
     batch_running = or_(
@@ -160,19 +166,30 @@ def claim_shards(
     picked: list[ClaimedShard] = []
     job_ids = [sid for sid in shard_ids if ids.is_job_shard(sid)]
     bulk_ids = [sid for sid in shard_ids if not ids.is_job_shard(sid)]
-    for wanted, limit in ((job_ids, max_jobs), (bulk_ids, max_bulk)):
-        if not wanted or limit <= 0:
+    columns = (Shard.id, Shard.tenant_id, Shard.batch_id, Shard.job_id, Shard.priority,
+               Shard.attempts)
+    for wanted, limit, is_bulk in ((job_ids, max_jobs, False), (bulk_ids, max_bulk, True)):
+        if (not wanted and not (fill and is_bulk)) or limit <= 0:
             continue
         # Lock only as many as wanted, the first free ones in the caller's order: the rest
         # stay free for the workers claiming beside this one.
-        rank = case({sid: i for i, sid in enumerate(wanted)}, value=Shard.id)
+        rank = [case({sid: i for i, sid in enumerate(wanted)}, value=Shard.id,
+                     else_=len(wanted))] if wanted else []
+        if is_bulk and fill:
+            # The wanted ones first, then any claimable bulk shard in queue order (the order
+            # find_candidates reads, without its spreading over tenants).
+            query = (select(*columns).join(Batch, Batch.id == Shard.batch_id)
+                     .where(Shard.job_id.is_(None), _claimable(now),
+                            Batch.status == IN_PROGRESS, _of_model(model))
+                     .order_by(*rank, Batch.expires_at, Shard.priority.desc(),
+                               Shard.created_at, Shard.id))
+        else:
+            query = (select(*columns)
+                     .where(Shard.id.in_(wanted), _claimable(now), batch_running,
+                            _of_model(model))
+                     .order_by(*rank))
         rows = session.execute(
-            select(Shard.id, Shard.tenant_id, Shard.batch_id, Shard.job_id, Shard.priority,
-                   Shard.attempts)
-            .where(Shard.id.in_(wanted), _claimable(now), batch_running, _of_model(model))
-            .order_by(rank).limit(limit)
-            .with_for_update(skip_locked=True, of=Shard)
-        ).all()
+            query.limit(limit).with_for_update(skip_locked=True, of=Shard)).all()
         picked += [ClaimedShard(r.id, r.tenant_id, r.batch_id, r.job_id, r.priority,
                                 r.attempts + 1) for r in rows]
     if not picked:
@@ -198,9 +215,9 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
     if not claimed:
         return []
     batch_ids = {c.batch_id for c in claimed if c.batch_id is not None}
-    deadlines = dict(session.execute(
+    deadlines = {batch_id: unix_seconds(expires_at) for batch_id, expires_at in session.execute(
         select(Batch.id, Batch.expires_at).where(Batch.id.in_(batch_ids))
-    ).all()) if batch_ids else {}
+    ).all()} if batch_ids else {}
     rows = session.execute(
         select(RequestLine.pk, RequestLine.shard_id, RequestLine.tenant_id,
                RequestLine.batch_id, RequestLine.job_id, RequestLine.endpoint, RequestLine.body,
@@ -217,7 +234,7 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
             line_pk=r.pk, shard_id=r.shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
             job_id=r.job_id, endpoint=r.endpoint, body=r.body or {},
             engine_fields=r.engine_fields, priority=shard.priority,
-            deadline=unix_seconds(deadlines.get(shard.batch_id or ""))))
+            deadline=deadlines.get(shard.batch_id or "")))
     return [
         Claim(HeldShard(c.id, c.tenant_id, c.batch_id, c.job_id, c.priority,
                         {w.line_pk for w in lines[c.id]}), lines[c.id], c.attempts)

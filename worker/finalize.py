@@ -20,13 +20,13 @@ import json
 import logging
 from typing import Any
 
-from sqlalchemy import exists, func, select, update
+from sqlalchemy import Text, cast, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from metrics.counters import BATCHES_FINALIZED
 from openai_format.ids import new_id
 from openai_format.parse import SERVER_ERROR, status_code
-from openai_format.responses import error_line, failed_line, output_line
+from openai_format.responses import error_line, failed_line, output_line, output_line_json
 from service import counters, ids
 from service.counters import CounterDelta
 from service.db import Database, utcnow
@@ -178,8 +178,11 @@ def _write_files(
     with (db.read_session() as session,
           storage.writer(f"batches/{batch_id}/output.jsonl") as out,
           storage.writer(f"batches/{batch_id}/errors.jsonl") as err):
+        # The response as its stored text: spliced into the output line as it is (no decode
+        # and encode per line) unless it needs unescaping (``output_line_json``).
         rows = session.execute(
-            select(RequestLine.custom_id, RequestLine.status, RequestLine.response,
+            select(RequestLine.custom_id, RequestLine.status,
+                   cast(RequestLine.response, Text).label("response_text"),
                    RequestLine.error, RequestLine.request_id, RequestLine.prompt_tokens,
                    RequestLine.completion_tokens, RequestLine.cached_tokens)
             .where(RequestLine.batch_id == batch_id)
@@ -188,13 +191,19 @@ def _write_files(
         )
         for row in rows:
             if row.status == LINE_COMPLETED:
-                line = output_line(row.custom_id, row.response,
-                                   request_id=row.request_id or new_id("req_"))
+                request_id = row.request_id or new_id("req_")
+                text = row.response_text
+                encoded = None if text is None else output_line_json(
+                    row.custom_id, text, request_id=request_id)
+                if encoded is None:
+                    encoded = json.dumps(output_line(
+                        row.custom_id, None if text is None else json.loads(text),
+                        request_id=request_id), ensure_ascii=False)
                 completed += 1
                 input_tokens += row.prompt_tokens
                 output_tokens += row.completion_tokens
                 cached += row.cached_tokens
-                out.write(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+                out.write(encoded.encode() + b"\n")
             else:
                 failed += 1
                 line = _error_file_line(row)

@@ -9,6 +9,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from sqlalchemy.orm import Session
+
 from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
 from service import ids, served_models
 from service.db import Database, utcnow
@@ -82,20 +84,37 @@ class LeaseKeeper(RoundLoop):
                 and lines < self.settings.worker_max_lines
                 and self.drainer.num_queued < self.drainer.low_water)
 
-    def claim(self, shard_ids: list[str], *, max_bulk: int, max_jobs: int) -> int:
+    def claim(self, shard_ids: list[str], *, max_bulk: int, max_jobs: int,
+              fill: bool = False) -> int:
         """Claim up to ``max_bulk`` bulk and ``max_jobs`` job shards among ``shard_ids`` (in
-        that order of preference) in one short transaction, then load their lines with no lock
-        held and hand them to the engine; returns the number of shards won."""
+        that order of preference; with ``fill``, bulk shards others took meanwhile are made up
+        for by other claimable ones, ``claims.claim_shards``) in one short transaction, then
+        load their lines with no lock held and hand them to the engine; returns the number of
+        shards won."""
+        with self.db.session() as session:
+            claimed = self._claim_in(session, shard_ids, max_bulk=max_bulk, max_jobs=max_jobs,
+                                     fill=fill)
+        return self._load(claimed)
+
+    def _claim_in(self, session: Session, shard_ids: list[str], *, max_bulk: int,
+                  max_jobs: int, fill: bool) -> list[claims.ClaimedShard]:
+        """The claim statement, counted (``on_claims``) only when it runs: the shards it asked
+        for and those it won. Nothing to ask for (no candidate: the queue is dry) runs no
+        statement and counts nothing."""
         num_jobs = sum(1 for sid in shard_ids if ids.is_job_shard(sid))
         attempts = min(num_jobs, max_jobs) + min(len(shard_ids) - num_jobs, max_bulk)
         if attempts <= 0:
-            return 0
-        with self.db.session() as session:
-            claimed = claims.claim_shards(
-                session, shard_ids, worker_id=self.worker_id,
-                lease_seconds=self.settings.lease_seconds, max_bulk=max_bulk, max_jobs=max_jobs,
-                model=self.model)
+            return []
+        claimed = claims.claim_shards(
+            session, shard_ids, worker_id=self.worker_id,
+            lease_seconds=self.settings.lease_seconds, max_bulk=max_bulk, max_jobs=max_jobs,
+            model=self.model, fill=fill)
         self._on_claims(attempts, len(claimed))
+        return claimed
+
+    def _load(self, claimed: list[claims.ClaimedShard]) -> int:
+        """Load the claimed shards' lines (after the claim's commit, no lock held) and hand
+        them to the engine; returns how many."""
         if not claimed:
             return 0
         try:
@@ -141,15 +160,43 @@ class LeaseKeeper(RoundLoop):
         max_jobs = self.settings.worker_max_jobs - jobs
         max_bulk = self.settings.worker_max_shards - bulk if self.has_room(is_job=False) else 0
         max_bulk = min(max_bulk, BULK_PER_CLAIM)
+        reap = time.monotonic() - self._last_reap >= self.settings.lease_seconds
         if max_jobs <= 0 and max_bulk <= 0:
+            if reap:
+                self._reap()
             return 0
-        with self.db.read_session() as session:
+        # On PostgreSQL the reap (when due), the candidates' read and the claim are one
+        # transaction: one commit a poll, and the claim follows the read by a round trip, so
+        # candidates are seldom gone by then. SQLite reads without its write lock and claims
+        # in a write transaction of its own only when there is something to claim.
+        one = not self.db.is_sqlite
+        claimed: list[claims.ClaimedShard] = []
+        with self.db.session() if reap or one else self.db.read_session() as session:
+            reaped = claims.reap_expired(session) if reap else []
             candidates = claims.find_candidates(
                 session, now=utcnow(), model=self.model, max_bulk=max_bulk * CANDIDATES_PER_WANT,
                 max_jobs=max_jobs)
-        shard_ids = [c.id for c in candidates if c.id not in self.held]
+            shard_ids = [c.id for c in candidates if c.id not in self.held]
+            if one:
+                claimed = self._claim_in(session, shard_ids, max_bulk=max_bulk,
+                                         max_jobs=max_jobs, fill=True)
+        if reap:
+            self._reaped(reaped)
         self._found_work = bool(shard_ids)
-        return self.claim(shard_ids, max_bulk=max_bulk, max_jobs=max_jobs)
+        if one:
+            return self._load(claimed)
+        return self.claim(shard_ids, max_bulk=max_bulk, max_jobs=max_jobs, fill=True)
+
+    def _reap(self) -> None:
+        with self.db.session() as session:
+            reaped = claims.reap_expired(session)
+        self._reaped(reaped)
+
+    def _reaped(self, reaped: list[str]) -> None:
+        self._last_reap = time.monotonic()
+        if reaped:
+            log.info("made %d shards with expired leases claimable again", len(reaped))
+            self._announce_shards(reaped)
 
     def announce(self) -> None:
         """Say (again) that this worker serves its model, so it stays served while it runs
@@ -160,25 +207,16 @@ class LeaseKeeper(RoundLoop):
             self._last_announce = time.monotonic()
 
     def check(self) -> None:
-        """Heartbeat what is held (one statement); drop lost shards and stopped batches; reap
-        expired leases once a lease period (claims take expired shards anyway: reaping only
-        rings for them). A worker holding nothing touches the database only to reap."""
+        """Heartbeat what is held (one statement); drop lost shards and stopped batches. A
+        worker holding nothing does not touch the database here (expired leases are reaped
+        with the claim poll, ``claim_some``)."""
         held = self.held.ids()
-        reap = time.monotonic() - self._last_reap >= self.settings.lease_seconds
-        if not held and not reap:
+        if not held:
             return
-        lost: set[str] = set()
-        statuses: dict[str, str] = {}
-        reaped: list[str] = []
         with self.db.session() as session:
-            if held:
-                lost = claims.heartbeat(session, held, worker_id=self.worker_id,
-                                        lease_seconds=self.settings.lease_seconds)
-                statuses = claims.batch_statuses(session, self.held.batch_ids())
-            if reap:
-                reaped = claims.reap_expired(session)
-        if reap:
-            self._last_reap = time.monotonic()
+            lost = claims.heartbeat(session, held, worker_id=self.worker_id,
+                                    lease_seconds=self.settings.lease_seconds)
+            statuses = claims.batch_statuses(session, self.held.batch_ids())
         if lost:
             log.warning("lost the lease of %d shards: %s", len(lost), sorted(lost))
             self.held.remove(lost)
@@ -190,9 +228,6 @@ class LeaseKeeper(RoundLoop):
             self.held.remove(self.held.of_batches(stopped))
             self.drainer.drop(lambda work: work.batch_id in stopped)
             self._on_batches_touched(stopped)
-        if reaped:
-            log.info("made %d shards with expired leases claimable again", len(reaped))
-            self._announce_shards(reaped)
 
     def is_idle(self) -> bool:
         """Nothing held, nothing queued, and the last claim found no candidate."""

@@ -12,6 +12,7 @@ over.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from collections.abc import Iterator
 
@@ -116,10 +117,36 @@ def _assign_shards(rows: list[dict], *, batch_id: str, shard_size: int) -> int:
     return -(-len(valid) // shard_size)
 
 
+# The columns prepare fills (``_line_rows`` and ``_prepare`` give every row all of them).
+_COPY_COLUMNS = ("tenant_id", "batch_id", "line_no", "endpoint", "status", "sort_key",
+                 "prompt_tokens", "completion_tokens", "cached_tokens", "custom_id", "body",
+                 "engine_fields", "error", "finished_at", "position", "shard_id")
+_JSON_COLUMNS = frozenset(("body", "engine_fields", "error"))
+
+
 def _insert_lines(session: Session, rows: list[dict]) -> None:
-    """Insert in chunks, in input order (so a batch's pks follow its line numbers)."""
+    """Insert in input order (so a batch's pks follow its line numbers): on PostgreSQL one
+    ``COPY`` in the session's transaction (a statement per line otherwise: most of prepare's
+    time at 50k lines), elsewhere an executemany in chunks."""
+    if session.get_bind().dialect.name == "postgresql":
+        _copy_lines(session, rows)
+        return
     for start in range(0, len(rows), INSERT_CHUNK):
         session.execute(insert(RequestLine), rows[start:start + INSERT_CHUNK])
+
+
+def _copy_lines(session: Session, rows: list[dict]) -> None:
+    conn = session.connection().connection.driver_connection  # psycopg's, in this transaction
+    assert conn is not None
+    encode = json.JSONEncoder(separators=(", ", ": ")).encode  # as SQLAlchemy's JSON type
+    with conn.cursor() as cursor:
+        with cursor.copy(f"COPY {RequestLine.__tablename__} ({', '.join(_COPY_COLUMNS)}) "
+                         "FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(tuple(
+                    None if (value := row[name]) is None
+                    else encode(value) if name in _JSON_COLUMNS else value
+                    for name in _COPY_COLUMNS))
 
 
 def prepare_batch(

@@ -347,13 +347,17 @@ class WorkerService:
     # -- entry points for broker messages ----------------------------------------------------
 
     def offer_shard(self, shard_id: str) -> bool:
-        """Claim ``shard_id`` now if this worker has room; True when it did."""
+        """A shard is ready (``shard_id``): wake this worker's claim loop if it has room for
+        it; True when it does. The claim itself is the lease keeper's (``claim_some``): it reads
+        what is claimable first, so a message for a shard that another worker has taken
+        meanwhile runs no claim statement when nothing else is left (an attempt that could only
+        lose), and takes the next claimable shard when something is."""
         self.wait_started()
-        if (self._stop.is_set() or shard_id in self.held
-                or not self.leases.has_room(is_job=ids.is_job_shard(shard_id))):
-            self.leases.wake()
+        if self._stop.is_set() or shard_id in self.held:
             return False
-        return self.leases.claim([shard_id], max_bulk=1, max_jobs=1) == 1
+        room = self.leases.has_room(is_job=ids.is_job_shard(shard_id))
+        self.leases.wake()
+        return room
 
     def handle_batch(self, batch_id: str) -> str | None:
         """Prepare or finalize ``batch_id`` as its state asks; notice a cancel at once."""

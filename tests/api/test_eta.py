@@ -9,11 +9,13 @@ import time
 
 import pytest
 from prometheus_client import generate_latest
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 
 from cli.status import collect, format_status
 from metrics.api_collector import metrics_registry
 from metrics.eta import MIN_LEARNED_LINES, EtaCache, estimate, throughput, work_left
+from service import counters
+from service.counters import CounterDelta
 from service.db import utcnow
 from service.models import (
     IN_PROGRESS,
@@ -61,6 +63,10 @@ def _start(ctx, batch_id: str, *, open_lines: int, done_lines: int = 0) -> None:
                 tenant_id=tenant, batch_id=batch_id, line_no=i + 1, custom_id=f"c{i}",
                 endpoint="/v1/chat/completions", status=LINE_COMPLETED if done else LINE_PENDING,
                 prompt_tokens=40 if done else 0, completion_tokens=10 if done else 0))
+        # As prepare and the result writer do: the counters change with the lines.
+        counters.add(session, {batch_id: CounterDelta(
+            num_open=open_lines, num_completed=done_lines, input_tokens=40 * done_lines,
+            output_tokens=10 * done_lines)}, slot=0)
 
 
 def _worker(ctx, model: str, rate: float, forecast: dict | None = None) -> None:
@@ -182,3 +188,27 @@ def test_lines_no_worker_holds_run_after_the_held_work_in_queue_order(client, ct
     assert etas[hour].estimated_completion_at == pytest.approx(now + 3.0 + 2 * line)
     # day's pending lines wait for hour's (a more urgent class).
     assert etas[day].estimated_completion_at == pytest.approx(now + 3.0 + 6 * line)
+
+
+def test_the_estimate_reads_the_counters_never_the_lines(client, ctx):
+    """O(1) per batch: the estimate's statements touch the batch and counter rows only, and a
+    batch's work left follows its counters (here they say 7 open lines; it has 10)."""
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    _start(ctx, a, open_lines=10)
+    with ctx.db.session() as session:
+        counters.add(session, {a: CounterDelta(num_open=-3)}, slot=5)
+    _worker(ctx, model, rate=100.0)
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    event.listen(ctx.db.read_engine, "before_cursor_execute", record)
+    try:
+        with ctx.db.read_session() as session:
+            etas = estimate(session, worker_metrics_interval=2.0)
+    finally:
+        event.remove(ctx.db.read_engine, "before_cursor_execute", record)
+    assert etas[a].work_left == 7 * 150.0
+    assert statements and not [s for s in statements if "request_lines" in s]

@@ -18,6 +18,7 @@ from openai_format.responses import (
     chat_completion_body,
     error_line,
     output_line,
+    output_line_json,
     text_completion_body,
 )
 from openai_format.sampling import to_sampling_kwargs
@@ -506,3 +507,23 @@ def test_a_byte_order_mark_on_line_one_is_skipped() -> None:
     assert isinstance(parse_line(raw, line_no=1), BatchLine)
     assert isinstance(parse_line(raw.decode(), line_no=1), BatchLine)
     expect_error(raw, "invalid_json", "not valid JSON")  # line 7: not the file's start
+
+
+@pytest.mark.parametrize("body", [
+    {"id": "chatcmpl-1", "choices": [{"message": {"role": "assistant", "content": "ok"}}],
+     "usage": {"prompt_tokens": 3, "completion_tokens": 1}, "temperature": 0.1, "x": None},
+    {"text": "quotes \" and \\ backslash, tab\t newline\n", "n": [1, 2.5, -3e-07, True]},
+    {"text": "caf\u00e9 \u2603 \U0001f600"},  # non-ASCII: stored escaped, written unescaped
+    {"text": "control \u001b char"},
+])
+def test_output_line_json_is_the_output_line_dumped(body):
+    stored = json.dumps(body)  # how SQLAlchemy's JSON type stores a response
+    fast = output_line_json("cid-\u00e9", stored, request_id="req_1")
+    expected = json.dumps(output_line("cid-\u00e9", json.loads(stored), request_id="req_1"),
+                          ensure_ascii=False)
+    if "\\u" in stored:
+        assert fast is None  # the caller decodes and dumps, as before
+        return
+    assert fast is not None
+    same_id = json.loads(fast)["id"]
+    assert fast == expected.replace(json.loads(expected)["id"], same_id)

@@ -103,7 +103,8 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     started = time.monotonic()
     out = subprocess.run(
         [sys.executable, "-m", "bench.scale", "--workers", "2", "--lines", "200",
-         "--engine", "instant", "--big-lines", "0", "--idle-s", "1", "--json"],
+         "--engine", "instant", "--big-lines", "0", "--idle-s", "1", "--idle-settle-s", "0",
+         "--json"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     report = json.loads(out.stdout)
@@ -125,8 +126,19 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     assert result["lines_per_s"] > 0 and result["num_status_polls"] >= 1
     assert result["claims"] >= 1 and result["attempts_per_claim"] >= 1
     assert result["peak_connections"] >= 2 and result["pg_cpu_ms_per_line"] > 0
+    assert result["service_cpu_ms_per_line"] > 0  # the API and workers ran the batch
     assert 0 < result["machine_cpu_busy"] <= 1
     assert no_active_sample or 0 <= result["lock_wait_share"] <= 1
     assert {t["name"]: t["status"] for t in report["targets"]}[
         "every custom_id exactly once in every run (runs broken)"] == "met"
     print(f"tiny scale run took {time.monotonic() - started:.1f} s")
+
+
+def test_bad_idle_flags_name_the_flag(capsys) -> None:
+    from bench.scale import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--workers", "2", "--idle-settle-s", "-1"])
+    assert "--idle-settle-s must be >= 0" in capsys.readouterr().err
+    args = parse_args(["--workers", "2"])
+    assert (args.idle_s, args.idle_settle_s) == (20.0, 30.0)

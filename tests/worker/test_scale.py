@@ -4,6 +4,8 @@ counters the API's /metrics aggregates."""
 
 from __future__ import annotations
 
+import threading
+import time
 from contextlib import contextmanager
 
 from sqlalchemy import event, select, text
@@ -66,6 +68,59 @@ def test_claims_lost_to_another_worker_are_not_retaken(make_stack, any_db_url):
     with stack.ctx.db.session() as session:
         assert claims.claim_shards(session, candidates, worker_id="w2", lease_seconds=30,
                                    max_bulk=8, max_jobs=0) == []
+
+
+def test_a_claim_that_lost_its_candidates_fills_from_the_queue(make_stack, any_db_url):
+    """Two workers read the same candidates; the second claims after the first took them. With
+    ``fill`` its statement takes the next claimable shards in queue order instead of coming
+    back empty (an attempt lost); without, empty; on a dry queue, empty either way."""
+    stack = make_stack(any_db_url)
+    batch_id = prepared(stack, [chat_line(f"c{i}", f"line {i}") for i in range(24)])
+    order = shard_ids(stack, batch_id)  # 6 shards, created in queue order
+
+    def claim(worker: str, wanted: list[str], max_bulk: int, fill: bool = True) -> list[str]:
+        with stack.ctx.db.session() as session:
+            return [c.id for c in claims.claim_shards(
+                session, wanted, worker_id=worker, lease_seconds=30, max_bulk=max_bulk,
+                max_jobs=0, fill=fill)]
+
+    candidates = order[:2]  # what both workers read
+    assert set(claim("w1", candidates, 2, fill=False)) == set(candidates)
+    assert claim("w2", candidates, 2, fill=False) == []
+    second = claim("w2", candidates, 2)
+    assert len(second) == 2 and not set(second) & set(candidates)
+    third = claim("w3", [], 1)  # no candidate named: the queue's next one
+    assert len(third) == 1 and not set(third) & set(candidates + second)
+    last = claim("w4", candidates, 4)
+    assert set(last) == set(order) - set(candidates + second + third)
+    assert claim("w5", candidates, 2) == []  # every shard is held: nothing to fill from
+
+
+def test_a_dry_queue_runs_no_claim_statement(make_stack, any_db_url):
+    """An attempt is a claim statement that ran: a worker that finds no candidate runs none
+    and counts none."""
+    stack = make_stack(any_db_url)
+    worker = stack.add_worker(FakeEngine())
+    batch = stack.create_batch([chat_line(f"d{i}", f"line {i}") for i in range(8)])
+    stack.wait_status(batch["id"], "completed", timeout=30)
+    before = worker.recorder.snapshot()["counters"]
+    statements: list[str] = []
+
+    def record(conn, cursor, statement, parameters, context, executemany):
+        statements.append(statement)
+
+    event.listen(stack.ctx.db.engine, "before_cursor_execute", record)
+    try:
+        for _ in range(3):
+            assert worker.leases.claim_some() == 0
+    finally:
+        event.remove(stack.ctx.db.engine, "before_cursor_execute", record)
+    after = worker.recorder.snapshot()["counters"]
+    assert (after["shard_claim_attempts"], after["shard_claims"]) == (
+        before["shard_claim_attempts"], before["shard_claims"])
+    # (The keeper's own thread may reap meanwhile: an UPDATE of shards that claims nothing.)
+    assert not [s for s in statements if "FOR UPDATE" in s
+                or (s.lstrip().startswith("UPDATE shards") and "attempts" in s)]
 
 
 def _work(line: RequestLine) -> LineWork:
@@ -182,3 +237,66 @@ def test_the_claim_counters_reach_the_apis_metrics(make_stack, sqlite_url):
     text_ = stack.client.get("/metrics").text
     assert f'boxcar_shard_claims_total{{worker="{worker.worker_id}"}} 3.0' in text_
     assert "boxcar_shard_claim_attempts_total{" in text_
+
+
+def test_prepare_writes_every_field_of_valid_and_failed_lines(make_stack, any_db_url):
+    """PostgreSQL inserts the lines with COPY, SQLite with INSERTs: the same rows either way,
+    pks in input order, JSON columns that read back as written."""
+    stack = make_stack(any_db_url)
+    lines = [chat_line("a", "first prompt", max_tokens=3), "not json",
+             chat_line("b", "second \u00e9 \"quoted\"\n tab\t", max_tokens=5),
+             chat_line("a", "repeats a's custom_id")]
+    batch_id = prepared(stack, lines, shard_size=1)
+    with stack.ctx.db.read_session() as session:
+        rows = session.scalars(select(RequestLine).order_by(RequestLine.pk)).all()
+    assert [r.line_no for r in rows] == [1, 2, 3, 4]
+    assert [r.status for r in rows] == ["pending", "failed", "pending", "failed"]
+    a, bad, b, repeated = rows
+    assert a.body["messages"][0]["content"] == "first prompt"
+    assert b.body["messages"][0]["content"] == "second \u00e9 \"quoted\"\n tab\t"
+    assert b.engine_fields is not None and a.engine_fields is not None
+    assert (a.custom_id, b.custom_id, repeated.custom_id) == ("a", "b", "a")
+    assert bad.error["code"] and repeated.error["code"] and a.error is None
+    assert bad.finished_at is not None and a.finished_at is None
+    assert {a.shard_id, b.shard_id} == {f"{batch_id}:0", f"{batch_id}:1"}
+    assert sorted([a.position, b.position]) == [0, 1]
+    assert bad.shard_id is None and bad.position is None
+    with stack.ctx.db.read_session() as session:
+        assert counters.sums(session, [batch_id])[batch_id].num_open == 2
+
+
+def test_an_idle_workers_claim_poll_is_one_transaction_with_the_reap(make_stack, any_db_url):
+    """Idle commits: the reap shares the claim poll's transaction (it has none of its own), and
+    the lease check of a worker holding nothing touches the database not at all."""
+    stack = make_stack(any_db_url)
+    worker = stack.add_worker(FakeEngine())
+    me = threading.get_ident()
+    seen: list[str] = []  # this thread's statements and commits (the worker's run beside it)
+
+    def statement(conn, cursor, text_, parameters, context, executemany):
+        if threading.get_ident() == me:
+            seen.append(text_.split()[0].upper())
+
+    def commit(conn):
+        if threading.get_ident() == me:
+            seen.append("COMMIT")
+
+    engines = {stack.ctx.db.engine, stack.ctx.db.read_engine}
+    for engine in engines:
+        event.listen(engine, "before_cursor_execute", statement)
+        event.listen(engine, "commit", commit)
+    try:
+        worker.leases._last_reap = time.monotonic() - 3600  # the reap is due
+        assert worker.leases.claim_some() == 0
+        reap_poll = list(seen)
+        seen.clear()
+        worker.leases.check()
+        check = list(seen)
+    finally:
+        for engine in engines:
+            event.remove(engine, "before_cursor_execute", statement)
+            event.remove(engine, "commit", commit)
+    statements = [s for s in reap_poll if s not in ("BEGIN", "COMMIT")]  # SQLite's BEGIN
+    assert reap_poll.count("COMMIT") == 1
+    assert statements[0] == "UPDATE" and "SELECT" in statements  # the reap, then the read
+    assert check == []
