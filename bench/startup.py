@@ -238,8 +238,9 @@ def main(argv: list[str] | None = None) -> int:
                 "first_generation", "probe_total"):
         cpu = f"   cpu {median(probes, key + '_cpu'):6.3f}" if key + "_cpu" in probes[0] else ""
         print(f"  {key:<17}{median(probes, key):8.3f}{cpu}")
-    print(f"  probe process    {median(probes, 'probe_wall'):8.3f}   cpu {median(probes, 'probe_cpu'):6.3f}"
-          " (from outside: interpreter start and exit too; cpu: user + system, all threads)")
+    probe_wall, probe_cpu = median(probes, "probe_wall"), median(probes, "probe_cpu")
+    print(f"  probe process    {probe_wall:8.3f}   cpu {probe_cpu:6.3f} (from outside: interpreter "
+          "start and exit too; cpu: user + system, all threads)")
     if "cold" in report:
         cold = report["cold"]
         print(f"cold boxcar run: wall {cold['wall']:.2f} s (kernel build {cold['kernel_build']:.1f}"
