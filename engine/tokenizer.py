@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -47,6 +47,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     transformers' own GGUF tokenizer conversion, so encodings match ``AutoTokenizer`` exactly.
     """
     path = Path(path).expanduser()
+    kwargs: dict[str, Any] = {}
     if path.is_file() and path.suffix == ".gguf":
         source, kwargs = path.parent, {"gguf_file": path.name}
     elif path.is_dir():
@@ -55,7 +56,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
                 f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
                 "pass a tokenizer folder or .gguf file separately"
             )
-        source, kwargs = path, {}
+        source = path
     else:
         raise ValueError(
             f"tokenizer path {path} is neither a folder with tokenizer files nor a .gguf file"

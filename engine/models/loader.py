@@ -11,7 +11,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
@@ -171,9 +171,9 @@ def read_safetensors(
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             start, end = entry["data_offsets"]
             shape, dtype = tuple(entry["shape"]), _SAFETENSORS_DTYPES[entry["dtype"]]
-            tensor = destination(name, shape, dtype) if destination is not None else None
-            if not _can_read_into(tensor, shape, dtype):
-                tensor = torch.empty(shape, dtype=dtype)
+            given = destination(name, shape, dtype) if destination is not None else None
+            tensor = given if _can_read_into(given, shape, dtype) else torch.empty(shape,
+                                                                                  dtype=dtype)
             buffer = tensor.view(-1).view(torch.uint8).numpy()  # the tensor's own bytes
             if buffer.nbytes != end - start:
                 raise ValueError(f"{file}: tensor {name!r} has {end - start} bytes, "
@@ -184,7 +184,8 @@ def read_safetensors(
             yield name, tensor
 
 
-def _can_read_into(tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+def _can_read_into(tensor: torch.Tensor | None, shape: tuple[int, ...],
+                   dtype: torch.dtype) -> TypeGuard[torch.Tensor]:
     return (
         tensor is not None and tuple(tensor.shape) == shape and tensor.dtype == dtype
         and tensor.device.type == "cpu" and tensor.is_contiguous()

@@ -69,6 +69,8 @@ class ModelConfig:
     ``to_transformers`` builds transformers' own config from the same file (for tools that
     need one, such as building the reference model)."""
 
+    architectures: list[str]
+
     def __init__(self, values: dict[str, Any], raw: dict[str, Any]) -> None:
         self.__dict__.update(values)
         self._raw = raw
@@ -81,7 +83,7 @@ class ModelConfig:
 
         raw = dict(self._raw)
         config = AutoConfig.for_model(raw.pop("model_type"), **raw)
-        config.architectures = list(self.architectures)
+        config.architectures = list(getattr(self, "architectures", None) or [])
         return config
 
     def __repr__(self) -> str:
