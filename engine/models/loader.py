@@ -77,6 +77,7 @@ class Checkpoint:
             yield from iter_gguf_weights(self.path, self.config, dtype)
             return
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
+
         def same_dtype_destination(name: str, shape: tuple[int, ...],
                                    stored: torch.dtype) -> torch.Tensor | None:
             return destination(name, shape, stored) if stored == dtype and destination else None
