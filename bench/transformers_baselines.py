@@ -130,7 +130,10 @@ def load_hf_model(checkpoint: Any) -> tuple[Any, str]:
             model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
         how = "transformers from_pretrained"
     except (ImportError, ValueError) as exc:
-        model = AutoModelForCausalLM.from_config(checkpoint.config, dtype=torch.float32)
+        config = checkpoint.config
+        if hasattr(config, "to_transformers"):  # the engine's own reading of config.json
+            config = config.to_transformers()
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         missing, unexpected = model.load_state_dict(
             dict(checkpoint.iter_weights(torch.float32)), strict=False
         )

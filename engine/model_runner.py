@@ -87,7 +87,8 @@ class ModelRunner:
         model.to(dtype=self.dtype)
         # The rotary tables stay fp32 whatever the weights are.
         model.model.rotary_emb.float()
-        model.load_weights(checkpoint.iter_weights(self.dtype))
+        # Weights stored in the run's dtype are read straight into the parameters (no copy).
+        model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
         self.model: LlamaForCausalLM = model.eval()
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, config.seed)

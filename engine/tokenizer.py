@@ -2,11 +2,42 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Model types whose folders ``AutoTokenizer`` loads with the tokenizer_config.json's own class when
+# that is the plain tokenizers backend: transformers maps no special tokenizer class to them
+# (``TOKENIZER_MAPPING_NAMES``; tests/engine/test_tokenizer_load.py checks that it still does).
+PLAIN_BACKEND_MODEL_TYPES = ("llama", "mistral")
+PLAIN_BACKEND_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def plain_backend_folder(path: Path) -> bool:
+    """True when ``AutoTokenizer`` would load the folder ``path`` as the plain tokenizers backend
+    (``PreTrainedTokenizerFast``, which transformers 5 calls ``TokenizersBackend``), so loading
+    it with that class directly gives the same tokenizer without ``AutoTokenizer``'s imports
+    (~0.4 s: it scans every model folder of transformers): a tokenizer.json, a
+    tokenizer_config.json naming that class and no ``auto_map``, and a config.json of a model
+    type transformers gives no tokenizer class of its own. What ``boxcar`` converts a Llama
+    GGUF file to (``engine.models.gguf_cache``) is such a folder."""
+    if not (path / "tokenizer.json").is_file():
+        return False
+    try:
+        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
+        model_config = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (
+        isinstance(tokenizer_config, dict) and isinstance(model_config, dict)
+        and tokenizer_config.get("tokenizer_class") in PLAIN_BACKEND_CLASSES
+        and "auto_map" not in tokenizer_config
+        and model_config.get("model_type") in PLAIN_BACKEND_MODEL_TYPES
+    )
 
 
 def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
@@ -16,6 +47,7 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
     transformers' own GGUF tokenizer conversion, so encodings match ``AutoTokenizer`` exactly.
     """
     path = Path(path).expanduser()
+    kwargs: dict[str, Any] = {}
     if path.is_file() and path.suffix == ".gguf":
         source, kwargs = path.parent, {"gguf_file": path.name}
     elif path.is_dir():
@@ -24,13 +56,17 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
                 f"{path} has no tokenizer files (one of {', '.join(TOKENIZER_FILES)}); "
                 "pass a tokenizer folder or .gguf file separately"
             )
-        source, kwargs = path, {}
+        source = path
     else:
         raise ValueError(
             f"tokenizer path {path} is neither a folder with tokenizer files nor a .gguf file"
         )
+    if not kwargs and plain_backend_folder(source):
+        from transformers import PreTrainedTokenizerFast as tokenizer_class
+    else:
+        from transformers import AutoTokenizer as tokenizer_class  # type: ignore[assignment]
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(source), local_files_only=True, **kwargs)
+        tokenizer = tokenizer_class.from_pretrained(str(source), local_files_only=True, **kwargs)
     except (OSError, ValueError, KeyError) as error:
         raise ValueError(
             f"cannot load a tokenizer from {path}: {error}. A folder needs tokenizer.json or "

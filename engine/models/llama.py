@@ -6,7 +6,7 @@ matmul each (bigger, fewer GEMMs); ``load_weights`` takes Hugging Face names and
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -169,36 +169,71 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states)  # [num_sampled, vocab_size]
 
+    _PACKED = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def _place(self, name: str, params: dict[str, nn.Parameter]
+               ) -> tuple[str, int | None, torch.Tensor] | None:
+        """Where the checkpoint tensor ``name`` goes: (parameter name, shard or None, the
+        parameter or its shard's rows); None for tensors that are skipped."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.tie_word_embeddings:
+            return None
+        parts = name.split(".")
+        target, shard = name, None
+        if len(parts) >= 2 and parts[-2] in self._PACKED:
+            packed_name, shard = self._PACKED[parts[-2]]
+            target = ".".join([*parts[:-2], packed_name, parts[-1]])
+        param = params.get(target)
+        if param is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        if shard is None:
+            return target, None, param
+        return target, shard, param.narrow(0, *self._shard_range(parts[-2], shard))
+
+    def weight_destination(self) -> Callable[[str, tuple[int, ...], torch.dtype],
+                                             torch.Tensor | None]:
+        """For ``Checkpoint.iter_weights(destination=...)``: the parameter (or the rows of a packed
+        one) a checkpoint tensor of that name, shape and dtype can be read straight into, so
+        ``load_weights`` has nothing left to copy; None where it cannot (another shape or
+        dtype, a skipped tensor, a parameter off the CPU)."""
+        params = dict(self.named_parameters())
+
+        def destination(name: str, shape: tuple[int, ...],
+                        dtype: torch.dtype) -> torch.Tensor | None:
+            try:
+                place = self._place(name, params)
+            except ValueError:
+                return None  # load_weights reports it
+            if place is None:
+                return None
+            rows = place[2].detach()
+            fits = (tuple(rows.shape) == shape and rows.dtype == dtype
+                    and rows.device.type == "cpu" and rows.is_contiguous())
+            return rows if fits else None
+
+        return destination
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors in, packing q/k/v and gate/up as they arrive."""
+        """Copy Hugging Face-named tensors in, packing q/k/v and gate/up as they arrive. A
+        tensor that already is its destination's memory (``weight_destination``) is not
+        copied."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        packed = {
-            "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-        }
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            place = self._place(name, params)
+            if place is None:
                 continue
-            if name == "lm_head.weight" and self.tie_word_embeddings:
-                continue
-            parts = name.split(".")
-            target, shard = name, None
-            if len(parts) >= 2 and parts[-2] in packed:
-                packed_name, shard = packed[parts[-2]]
-                target = ".".join([*parts[:-2], packed_name, parts[-1]])
-            param = params.get(target)
-            if param is None:
-                raise ValueError(
-                    f"checkpoint tensor {name!r} has no place in {type(self).__name__}"
-                )
-            if shard is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-                param.copy_(tensor)
-            else:
-                param.narrow(0, *self._shard_range(parts[-2], shard)).copy_(tensor)
+            target, shard, rows = place
+            if rows.shape != tensor.shape:
+                raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(rows.shape)}")
+            if not (tensor.data_ptr() == rows.data_ptr() and tensor.dtype == rows.dtype
+                    and tensor.device == rows.device):
+                rows.copy_(tensor)
             loaded.add(f"{target}#{shard}" if shard is not None else target)
         self._check_all_loaded(params, loaded)
 

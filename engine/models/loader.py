@@ -8,18 +8,23 @@ the embeddings are tied.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
-from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig, PreTrainedTokenizerBase
 
 from engine import model_cache
 from engine.models import gguf_cache
-from engine.models.gguf_loader import iter_gguf_weights, load_gguf_config
+from engine.models.model_config import read_model_config
 from engine.tokenizer import TOKENIZER_FILES, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+# transformers (its config classes) and gguf are imported only where a start needs them: a GGUF
+# file without a converted folder, or a config.json ``read_model_config`` leaves to transformers.
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -44,9 +49,13 @@ _SAFETENSORS_DTYPES = {
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A model on disk: its HF config, where it lives, and where its tokenizer lives."""
+    """A model on disk: its HF config, where it lives, and where its tokenizer lives.
 
-    config: PretrainedConfig
+    ``config`` has the Hugging Face field names: an ``engine.models.model_config.ModelConfig``
+    for a folder of a known family, else a transformers config (a GGUF file read directly, or a
+    config.json ``read_model_config`` leaves to transformers)."""
+
+    config: Any
     path: Path  # an HF folder or a .gguf file
     tokenizer_path: Path | None = None  # None: the tokenizer stored with the model
     source: Path | None = None  # the .gguf file that ``path``, its converted folder, came from
@@ -55,14 +64,26 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf" and self.path.is_file()
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield ``(hf_name, tensor)`` for every weight, as CPU tensors cast to ``dtype``."""
+    def iter_weights(
+        self, dtype: torch.dtype, destination: Destination | None = None
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(hf_name, tensor)`` for every weight, as CPU tensors cast to ``dtype``.
+
+        ``destination``: see ``read_safetensors``; a tensor stored in ``dtype`` already is read
+        straight into the memory it names (the model's own parameter), and yielded as that."""
         if self.is_gguf:
+            from engine.models.gguf_loader import iter_gguf_weights
+
             yield from iter_gguf_weights(self.path, self.config, dtype)
             return
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
+
+        def same_dtype_destination(name: str, shape: tuple[int, ...],
+                                   stored: torch.dtype) -> torch.Tensor | None:
+            return destination(name, shape, stored) if stored == dtype and destination else None
+
         for file in safetensors_files(self.path):
-            for name, tensor in read_safetensors(file):
+            for name, tensor in read_safetensors(file, same_dtype_destination):
                 # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
@@ -93,6 +114,8 @@ def load_checkpoint(
         if converted is not None:
             path, source = converted, path
     if path.is_file():
+        from engine.models.gguf_loader import load_gguf_config
+
         config = load_gguf_config(path)
     else:
         config = _load_hf_config(path)
@@ -110,8 +133,20 @@ def prepare_model(model: str) -> Path:
     return load_checkpoint(model, convert_gguf=True).path
 
 
-def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+# (name, shape, dtype) of a stored tensor -> the CPU tensor to read it into, or None
+Destination = Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor | None]
+
+
+def read_safetensors(
+    file: Path, destination: Destination | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` from a .safetensors file, each read into its own memory.
+
+    ``destination(name, shape, dtype)`` may name where a tensor goes instead: a contiguous CPU
+    tensor of that shape and dtype (a model's parameter), which the bytes are read into and which
+    is yielded. Loading a model that way skips a copy of every weight (~0.3 s and a transient
+    tensor's memory for the default model); any other answer (None, a mismatch) reads the tensor
+    into fresh memory as usual.
 
     Plain reads rather than safetensors' memory map: the mapped pages of a file count in the
     process's RSS until the whole file is closed, so loading through the map peaks at the model
@@ -127,6 +162,8 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"{file} is not a safetensors file: {error}") from error
         header.pop("__metadata__", None)
         if any(entry.get("dtype") not in _SAFETENSORS_DTYPES for entry in header.values()):
+            from safetensors import safe_open
+
             with safe_open(str(file), framework="pt") as weights:
                 for name in weights.keys():
                     yield name, weights.get_tensor(name)
@@ -134,7 +171,10 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
         base = 8 + header_size
         for name, entry in sorted(header.items(), key=lambda item: item[1]["data_offsets"][0]):
             start, end = entry["data_offsets"]
-            tensor = torch.empty(entry["shape"], dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+            shape, dtype = tuple(entry["shape"]), _SAFETENSORS_DTYPES[entry["dtype"]]
+            given = destination(name, shape, dtype) if destination is not None else None
+            tensor = given if _can_read_into(given, shape, dtype) else torch.empty(shape,
+                                                                                  dtype=dtype)
             buffer = tensor.view(-1).view(torch.uint8).numpy()  # the tensor's own bytes
             if buffer.nbytes != end - start:
                 raise ValueError(f"{file}: tensor {name!r} has {end - start} bytes, "
@@ -143,6 +183,14 @@ def read_safetensors(file: Path) -> Iterator[tuple[str, torch.Tensor]]:
             if buffer.nbytes and handle.readinto(buffer) != buffer.nbytes:  # type: ignore[arg-type]
                 raise ValueError(f"{file} is truncated (tensor {name!r})")
             yield name, tensor
+
+
+def _can_read_into(tensor: torch.Tensor | None, shape: tuple[int, ...],
+                   dtype: torch.dtype) -> TypeGuard[torch.Tensor]:
+    return (
+        tensor is not None and tuple(tensor.shape) == shape and tensor.dtype == dtype
+        and tensor.device.type == "cpu" and tensor.is_contiguous()
+    )
 
 
 def safetensors_files(folder: Path) -> list[Path]:
@@ -213,7 +261,7 @@ def _existing_path(reference: str, what: str) -> Path:
     return cached
 
 
-def _load_hf_config(folder: Path) -> PretrainedConfig:
+def _load_hf_config(folder: Path) -> Any:
     config_file = folder / "config.json"
     try:
         raw = json.loads(config_file.read_text())
@@ -229,6 +277,10 @@ def _load_hf_config(folder: Path) -> PretrainedConfig:
             f"{config_file} describes {found}, which is not supported; supported architectures "
             f"are {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    config = read_model_config(raw)
+    if config is None:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
     config.architectures = [architecture]
     return config

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.models import gguf_cache
 from engine.models.loader import load_checkpoint, prepare_model
+from engine.models.model_config import ENGINE_FIELDS, ModelConfig
 from engine.sampling_params import SamplingParams
 from tests.engine.test_gguf import make_gguf, write_gguf
 from tests.engine.test_loader import SAMPLE_TEXTS, random_model, tiny_config
@@ -41,8 +42,14 @@ def test_converted_checkpoint_is_bit_identical(tmp_path: Path, kind: str, qtype:
     assert gguf_cache.find(path) == folder
     assert load_checkpoint(str(path)).path == folder  # later opens use it without asking
 
+    # The folder's config, read by the engine's own reader, has the GGUF config's values for
+    # every field the engine reads; rebuilt by transformers it is the same config.
+    assert isinstance(converted.config, ModelConfig)
+    for field in ENGINE_FIELDS:
+        assert getattr(converted.config, field, None) == getattr(direct.config, field, None), field
     ignore = {"transformers_version", "dtype", "torch_dtype", "_name_or_path"}
-    ours = {k: v for k, v in converted.config.to_dict().items() if k not in ignore}
+    ours = {k: v for k, v in converted.config.to_transformers().to_dict().items()
+            if k not in ignore}
     theirs = {k: v for k, v in direct.config.to_dict().items() if k not in ignore}
     assert ours == theirs
     for dtype in (torch.float32, torch.bfloat16):

@@ -20,6 +20,7 @@ from transformers import (
 )
 
 from engine.models.loader import SUPPORTED_ARCHITECTURES, Checkpoint, load_checkpoint
+from engine.models.model_config import ENGINE_FIELDS
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
@@ -122,7 +123,11 @@ def test_hf_folder_weights_match_transformers(tmp_path: Path, kind: str) -> None
     assert checkpoint.path == tmp_path
     assert checkpoint.config.architectures == [type(model).__name__]
     assert checkpoint.config.architectures[0] in SUPPORTED_ARCHITECTURES
-    loaded, saved = checkpoint.config.to_dict(), model.config.to_dict()
+    # The engine's own reading of config.json: every field it reads is transformers' value.
+    for field in ENGINE_FIELDS:
+        assert getattr(checkpoint.config, field, None) == getattr(model.config, field, None), field
+    loaded = checkpoint.config.to_transformers().to_dict()
+    saved = model.config.to_dict()
     del loaded["_name_or_path"], saved["_name_or_path"]
     assert loaded == saved
     weights = dict(checkpoint.iter_weights(torch.float32))

@@ -139,3 +139,75 @@ def test_small_kv_cache_rejects_what_cannot_fit_and_bounds_the_rest(tiny_model_d
     assert sorted(outputs) == ["fits", "waits"]
     for output in outputs.values():
         assert len(output.token_ids) == 6 and output.finish_reason == "length"
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_weights_are_read_straight_into_the_parameters(tmp_path: Path, kind: str) -> None:
+    from engine.models.loader import load_checkpoint
+    from engine.models.no_init import no_init_weights
+    from engine.models.registry import get_model_class
+    from tests.engine.test_loader import save_checkpoint
+
+    save_checkpoint(tmp_path, kind)
+    checkpoint = load_checkpoint(str(tmp_path))
+    model_class = get_model_class(checkpoint.config)
+
+    def build(dtype: torch.dtype) -> torch.nn.Module:
+        with no_init_weights():
+            model = model_class(checkpoint.config, 64)
+        return model.to(dtype)
+
+    for dtype in (torch.float32, torch.bfloat16):
+        reference = build(dtype)
+        reference.load_weights(checkpoint.iter_weights(dtype))  # each read into its own memory
+        model = build(dtype)
+        params = {p.data_ptr() for p in model.parameters()}
+        rows = {p.data_ptr(): p for p in model.parameters()}
+        direct = 0
+        weights = []
+        for name, tensor in checkpoint.iter_weights(dtype, model.weight_destination()):
+            # a parameter's memory, or a row range of a packed one (q/k/v, gate/up)
+            owner = any(p.data_ptr() <= tensor.data_ptr() < p.data_ptr() + p.nbytes
+                        for p in rows.values())
+            direct += owner
+            weights.append((name, tensor))
+        # the file is float32: straight in for a float32 model, cast (own memory) for bf16
+        assert direct == (len(weights) if dtype == torch.float32 else 0)
+        model.load_weights(weights)
+        assert {p.data_ptr() for p in model.parameters()} == params
+        for (name, ours), theirs in zip(model.state_dict().items(),
+                                        reference.state_dict().values(), strict=True):
+            assert torch.equal(ours, theirs), name
+
+
+def test_read_safetensors_ignores_a_destination_that_does_not_fit(tmp_path: Path) -> None:
+    tensors = {"a": torch.randn(3, 4), "b": torch.randn(2, 2)}
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    wrong_shape, wrong_dtype = torch.empty(4, 3), torch.empty(2, 2, dtype=torch.float64)
+    got = dict(read_safetensors(path, lambda name, shape, dtype:
+                                wrong_shape if name == "a" else wrong_dtype))
+    for name, tensor in tensors.items():
+        assert torch.equal(got[name], tensor), name
+    assert got["a"].data_ptr() != wrong_shape.data_ptr()
+    assert wrong_dtype.data_ptr() != got["b"].data_ptr()
+
+
+def test_engine_start_times_the_tokenizer_beside_the_model_and_reports_its_error(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=8))
+    seconds = engine.startup_seconds
+    assert set(seconds) == {"checkpoint", "tokenizer", "model", "kv_cache", "kernel", "total"}
+    assert 0 < seconds["tokenizer"] <= seconds["total"]
+    assert engine.tokenizer.chat_template and engine.eos_token_ids
+    # A folder without tokenizer files: the tokenizer thread's error is the start's error.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copyfile(tiny_model_dir / name, bare / name)
+    with pytest.raises(ValueError, match="has no tokenizer files"):
+        LLMEngine(EngineConfig(model=str(bare), num_kv_blocks=8))
