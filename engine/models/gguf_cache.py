@@ -47,10 +47,15 @@ def fallback_root() -> Path:
 
 
 def candidate_dirs(gguf: Path) -> list[Path]:
-    """Where the conversion of ``gguf`` may live, in order of preference."""
+    """Where the conversion of ``gguf`` may live, in order of preference.
+
+    The names carry the format version, so releases of two formats side by side (a rolling
+    upgrade) each keep their own folder instead of reconverting each other's at every start."""
     gguf = gguf.resolve()
     path_hash = hashlib.sha256(str(gguf).encode()).hexdigest()[:16]
-    return [gguf.parent / f".{gguf.name}.boxcar", fallback_root() / f"{gguf.stem}-{path_hash}"]
+    suffix = f"boxcar-v{FORMAT_VERSION}"
+    return [gguf.parent / f".{gguf.name}.{suffix}",
+            fallback_root() / f"{gguf.stem}-{path_hash}-v{FORMAT_VERSION}"]
 
 
 def cache_key(gguf: Path) -> dict[str, Any]:

@@ -37,7 +37,7 @@ def test_converted_checkpoint_is_bit_identical(tmp_path: Path, kind: str, qtype:
     assert direct.path == path and gguf_cache.find(path) is None  # nothing converted yet
 
     converted = load_checkpoint(str(path), convert_gguf=True)
-    folder = tmp_path / f".{path.name}.boxcar"  # beside the model
+    folder = tmp_path / f".{path.name}.boxcar-v{gguf_cache.FORMAT_VERSION}"  # beside the model
     assert converted.path == folder and converted.source == path
     assert gguf_cache.find(path) == folder
     assert load_checkpoint(str(path)).path == folder  # later opens use it without asking
