@@ -61,12 +61,21 @@ def _zeroed_kv_cache(
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a GPU, fp32 on a CPU. bf16 on a CPU with bf16 units (AVX512-BF16, AMX)
-    passes the quality gate (``python -m bench.bf16_quality``: 98.5% top-1 on the default
-    model) but its speed there has not been measured yet, and a default is decided by
-    measurement: until ``bench.offline --dtype bfloat16`` beats fp32 on such a CPU, bf16 on the
-    CPU is opt-in (``--dtype bfloat16``). ``float32`` is the exact mode, token for token
-    transformers' fp32."""
+    """``auto``: bf16 on a GPU, fp32 on a CPU; ``float32`` is the exact mode, token for token
+    transformers' fp32.
+
+    bf16 on a CPU with bf16 units (AVX512-BF16, AMX) passes the quality gate
+    (``python -m bench.bf16_quality``: 98.8% top-1 on the default model) and, measured on an
+    AMX Xeon (2 cores shared with other jobs, so in CPU time, fp32 and bf16 interleaved in one
+    process, 1 thread, 16 requests of the benchmark workload), does 1.6-1.9x fp32's output tokens
+    per CPU second: the bound is the weight bytes a decode step streams, half in bf16 except the
+    output layer, which both screen in bf16 (~1.8x fewer bytes in all). But ``auto`` is decided
+    by wall time at the thread count the engine runs, and at 2 threads that machine measured
+    nothing steady: with 3-4 other jobs on its 2 cores, 70-75% of both dtypes' CPU time went to
+    OpenMP threads spinning at barriers while their peer was descheduled, and the bf16/fp32
+    wall ratio moved from 0.17x (the lead's run) to 1.3x between rounds. Until a quiet
+    ``bench.offline --threads 2 --dtypes float32,bfloat16`` on such a CPU puts bf16 ahead, bf16
+    on the CPU stays opt-in (``--dtype bfloat16``)."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return _DTYPES[name]
