@@ -61,9 +61,10 @@ def run_boxcar(llm: Any, workload: Workload, name: str
     llm.generate([workload.prompts[0]], SamplingParams(temperature=0.0, max_tokens=2))  # warm up
     before = llm.engine.get_stats()
     with record_steps(llm.engine.scheduler) as steps:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = llm.generate(workload.prompts, params)
         seconds = time.perf_counter() - start
+        cpu_seconds = time.process_time() - cpu_start
     after = llm.engine.get_stats()
     result = Result(name, len(workload.prompts), workload.num_prompt_tokens,
                     sum(len(o.token_ids) for o in outputs), seconds,
@@ -74,6 +75,9 @@ def run_boxcar(llm: Any, workload: Workload, name: str
         "cached_tokens": [o.metrics.num_cached_tokens for o in outputs],
         "num_preemptions": after.num_preemptions - before.num_preemptions,
         "prefix_cache_hit_rate": after.prefix_cache_hit_rate,
+        # all threads of the process: on a shared machine, the figure that sharing moves least
+        # (OpenMP threads spin while they wait for a descheduled peer, so it still grows)
+        "cpu_seconds": cpu_seconds,
     }
     return result, work, steps
 
@@ -265,7 +269,8 @@ def main(argv: list[str] | None = None) -> int:
                                for d in args.dtypes}}
     flops = {r.name: model_flops(checkpoint.config, work, workload) / r.seconds
              for r, work, _ in boxcars}
-    report = _report(results, roofline, flops, {r.name: w for r, w, _ in boxcars}, how, skipped)
+    report = _report(results, roofline, flops, {r.name: w for r, w, _ in boxcars}, how, skipped,
+                     args.threads)
     print(report["text"])
     if args.json:
         Path(args.json).write_text(json.dumps(report["figures"], indent=2) + "\n")
@@ -282,7 +287,7 @@ def _target(a: str, b: str) -> float | None:
 
 def _report(results: list[Result], roofline: dict[str, Any], model_flops_per_s: dict[str, float],
             works: dict[str, dict[str, Any]], hf_loader: str,
-            skipped: dict[str, str]) -> dict[str, Any]:
+            skipped: dict[str, str], threads: int = 1) -> dict[str, Any]:
     boxcars = [r for r in results if r.name in works]
     others = [r for r in results if r.name not in works]
     # Tokens are checked against the exact mode when it ran, else the first boxcar run.
@@ -324,10 +329,34 @@ def _report(results: list[Result], roofline: dict[str, Any], model_flops_per_s: 
                       f"{check['compared']} requests differ" + (f" ({detail})" if detail else ""))
         lines.append(f"{key:<58}{ratio:7.2f}x  {goal:<30} {tokens}".rstrip())
     lines.append("")
+    lines.extend(_cpu_lines(boxcars, works, threads))
+    figures["cpu_seconds"] = {r.name: works[r.name]["cpu_seconds"] for r in boxcars}
     if roofline:
         lines.extend(_roofline_lines(roofline, boxcars, model_flops_per_s, works, figures))
     lines.append(f"transformers model: {hf_loader}")
     return {"text": "\n".join(lines), "figures": figures}
+
+
+def _cpu_lines(boxcars: list[Result], works: dict[str, dict[str, Any]], threads: int
+               ) -> list[str]:
+    """CPU time of each boxcar run and the ratios of output tokens per CPU second: on a shared
+    machine these move less than wall time. ``busy`` is CPU time over wall time x threads: near
+    100% when the threads compute or spin (OpenMP threads spin at a barrier while a peer is
+    descheduled), low when the run waits on something else."""
+    lines = []
+    for r in boxcars:
+        cpu = works[r.name]["cpu_seconds"]
+        busy = cpu / (r.seconds * threads) if r.seconds else 0.0
+        per_cpu = r.num_output_tokens / cpu if cpu else 0.0
+        lines.append(f"{r.name}: {cpu:.1f} CPU s ({busy:.0%} of {threads} threads' wall time), "
+                     f"{per_cpu:.1f} out tok per CPU s")
+    for i, a in enumerate(boxcars):
+        for b in boxcars[:i]:
+            ca, cb = works[a.name]["cpu_seconds"], works[b.name]["cpu_seconds"]
+            if ca and cb:
+                lines.append(f"{a.name} / {b.name} in out tok per CPU s: "
+                             f"{(a.num_output_tokens / ca) / (b.num_output_tokens / cb):.2f}x")
+    return [*lines, ""] if lines else []
 
 
 def _roofline_lines(roofline: dict[str, Any], boxcars: list[Result],

@@ -61,14 +61,25 @@ def _zeroed_kv_cache(
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a GPU, fp32 on a CPU. bf16 on a CPU with bf16 units (AVX512-BF16, AMX)
-    passes the quality gate (``python -m bench.bf16_quality``: 98.5% top-1 on the default
-    model) but its speed there has not been measured yet, and a default is decided by
-    measurement: until ``bench.offline --dtype bfloat16`` beats fp32 on such a CPU, bf16 on the
-    CPU is opt-in (``--dtype bfloat16``). ``float32`` is the exact mode, token for token
-    transformers' fp32."""
+    """``auto``: bf16 on a GPU; on a CPU, bf16 where it multiplies bf16 in hardware (AMX or
+    AVX512-BF16, ``greedy_screen.bf16_is_native``) and oneDNN packs bf16 weights, fp32
+    elsewhere. ``float32`` is the exact mode, token for token transformers' fp32 (the tests that
+    compare with transformers pin it).
+
+    Why, measured on an AMX Xeon (2 cores, shared with other jobs; the default model, 32
+    requests of the benchmark workload, ``bench.offline``): bf16 runs 1.75x fp32's output
+    tokens at 2 threads (143 against 251 out tok/s, taken while the machine was quiet) and 1.82x
+    at 1 thread; the quality gate holds (``python -m bench.bf16_quality``: 98.8% top-1 agreement
+    with fp32's greedy tokens, mean |delta logprob| 0.016). The bound is the weight bytes a
+    decode step streams: half in bf16, except the output layer, which both screen in bf16. On a
+    CPU without bf16 units bf16 is emulated, 0.44x fp32 (AVX2 EPYC), so ``auto`` is fp32 there.
+    With the cores oversubscribed, 2-thread wall time swings (each OpenMP region waits about a
+    time slice for a descheduled peer; bf16's regions are short, so it loses most, down to
+    0.17x in one shared run); that is the machine, not the dtype, and at 1 thread bf16 leads."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type == "cuda":
+            return torch.bfloat16
+        return torch.bfloat16 if bf16_is_native() and bf16_packing_available() else torch.float32
     return _DTYPES[name]
 
 

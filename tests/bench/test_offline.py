@@ -47,7 +47,11 @@ def test_offline_bench_reports_dtypes_baseline_ratios_floor_and_skips(
                                                          / run["run_seconds"])
         assert run["num_steps"] > 0 and run["processed_tokens"] > 0
     assert figures["roofline"]["copy_bandwidth"] > 0
+    # CPU time of each boxcar run (the figure a shared machine moves least), and its ratio
+    cpu = figures["cpu_seconds"]
+    assert list(cpu) == ["boxcar float32", "boxcar bfloat16"] and all(c > 0 for c in cpu.values())
     text = capsys.readouterr().out
+    assert "boxcar bfloat16 / boxcar float32 in out tok per CPU s:" in text
     assert "(target >= 3x:" in text and "(goal >= 70%:" in text
     assert "llama.cpp" in text and "skipped" in text
 

@@ -32,8 +32,11 @@ from tests.conftest_services import (
     wait_for,
 )
 
-# Small and quick on two CPU cores; the KV cache sized in blocks, not bytes.
-ENGINE_OPTIONS = {"device": "cpu", "max_num_seqs": 8, "num_kv_blocks": 256, "num_threads": 1}
+# Small and quick on two CPU cores; the KV cache sized in blocks, not bytes. fp32, the exact
+# mode: the tests compare served tokens with offline ones, and ``auto`` is bf16 on a CPU with
+# bf16 units, whose tokens may depend on how requests were batched.
+ENGINE_OPTIONS = {"device": "cpu", "dtype": "float32", "max_num_seqs": 8, "num_kv_blocks": 256,
+                  "num_threads": 1}
 
 
 @dataclass
