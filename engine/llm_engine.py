@@ -10,6 +10,7 @@ from typing import TypeVar
 
 import torch
 
+from engine.allocator import keep_step_buffers_on_heap
 from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
 from engine.model_runner import ModelRunner
@@ -46,6 +47,8 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if config.device in ("cpu", "auto"):
+            keep_step_buffers_on_heap()
         start = time.perf_counter()
         # a GGUF model is converted once to a cached folder; later starts read that instead
         checkpoint = load_checkpoint(config.model, config.tokenizer, convert_gguf=True)

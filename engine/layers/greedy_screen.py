@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.layers.linear import onednn_linear
+
 _U = 2.0**-8  # unit roundoff of bf16 (round to nearest even)
 _SAFETY = 1.25
 
@@ -60,8 +62,7 @@ class GreedyScreen:
 
     def _screen(self, hidden_bf16: torch.Tensor) -> torch.Tensor:
         if self._packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(hidden_bf16, self._packed, None, "none",
-                                                     [], "")
+            out = onednn_linear(hidden_bf16, self._packed, None)
         else:
             out = F.linear(hidden_bf16, self._weight_bf16)
         return out.float()

@@ -10,6 +10,13 @@ same sgemm arithmetic, so packing changes no bits at 2+ rows.
 bf16 weights go to oneDNN's own blocked layout (``torch.ops.mkldnn._reorder_linear_weight``),
 which oneDNN offers only on CPUs with bf16 units (AVX512-BF16 or AMX): the output layer's screen
 measured 3.3 ms packed against 5.7 ms unpacked at 64 rows (``greedy_screen.py``).
+
+oneDNN compiles a primitive per (weight, row count) and keeps the last 1,024 in an LRU cache.
+A continuous batch changes its row count nearly every step, so five weight shapes times hundreds
+of row counts overflowed that cache and every call compiled again: 400 row counts x 4 shapes ran
+at ~3 ms a call against ~0.27 ms with the primitives cached. bf16 rows are therefore padded to a
+bucket (``row_bucket``: exact up to 16, then multiples of 16 to 256, of 64 beyond), which bounds
+the primitives to ~60 a weight; the padded rows cost little next to streaming the weight.
 """
 
 from __future__ import annotations
@@ -30,6 +37,27 @@ def bf16_packing_available() -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def row_bucket(rows: int) -> int:
+    """The row count a bf16 oneDNN call runs at: ``rows`` up to 16, then rounded up to a
+    multiple of 16 up to 256 and of 64 beyond."""
+    if rows <= 16:
+        return rows
+    step = 16 if rows <= 256 else 64
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
+                  bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [rows, in] @ W.T (+ bias)`` for a weight packed by ``_reorder_linear_weight``, at the
+    row count's bucket (module docstring)."""
+    rows = x.shape[0]
+    padded = row_bucket(rows)
+    if padded != rows:
+        x = F.pad(x, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return out[:rows] if padded != rows else out
 
 
 class Linear(nn.Linear):
@@ -64,8 +92,7 @@ class Linear(nn.Linear):
         if rows == 0:
             return x.new_empty((*x.shape[:-1], self.out_features))
         if self.weight.dtype == torch.bfloat16:
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(rows, x.shape[-1]),
-                                                     self.packed_weight, self.bias, "none", [], "")
+            out = onednn_linear(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias)
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, self.bias, rows)
 

@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers.linear import Linear, bf16_packing_available, mkl_packing_available
+from engine.layers.linear import (
+    Linear,
+    bf16_packing_available,
+    mkl_packing_available,
+    onednn_linear,
+    row_bucket,
+)
 
 
 def make_linear(dtype: torch.dtype, bias: bool) -> tuple[Linear, torch.Tensor]:
@@ -35,6 +41,30 @@ def test_packed_equals_plain_linear(dtype, bias):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * 10)
     assert layer(x[:0]).shape == (0, 5, 160)
+
+
+def test_row_buckets_are_few_and_cover_every_row_count():
+    buckets = {row_bucket(rows) for rows in range(1, 2049)}
+    assert all(row_bucket(rows) >= rows for rows in range(1, 2049))
+    assert [row_bucket(r) for r in (1, 16, 17, 32, 33, 256, 257, 321)] == [
+        1, 16, 32, 32, 48, 256, 320, 384]
+    assert len(buckets) <= 64  # x five weight shapes stays inside oneDNN's 1,024 primitives
+
+
+@pytest.mark.parametrize("rows", [1, 7, 17, 100, 257])
+def test_bucketed_onednn_rows_equal_their_unpadded_results(rows):
+    """Padding to the bucket is invisible: the rows asked for, each its own dot products."""
+    if not bf16_packing_available():
+        pytest.skip("oneDNN packs bf16 only on CPUs with bf16 units")
+    g = torch.Generator().manual_seed(rows)
+    weight = torch.randn(160, 96, generator=g).to(torch.bfloat16)
+    bias = torch.randn(160, generator=g).to(torch.bfloat16)
+    x = torch.randn(rows, 96, generator=g).to(torch.bfloat16)
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+    got = onednn_linear(x, packed, bias)
+    assert got.shape == (rows, 160) and got.is_contiguous()
+    want = F.linear(x.float(), weight.float(), bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-1)
 
 
 def test_packing_refuses_other_dtypes():
