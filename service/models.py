@@ -247,10 +247,8 @@ class RequestLine(Base):
 
 # A batch's live counters are spread over this many rows, one per slot: a worker writes its
 # results into one slot (``service.counters``), so the workers of one big batch do not queue
-# on a single row lock. Rows exist only for slots written, and a status read sums at most this
-# many. 16 slots put 32 workers two or more to a row (17.7% of PostgreSQL's active time waiting
-# on locks in bench.scale at 32 workers); at 128 few workers of a fleet share one.
-COUNTER_SLOTS = 128
+# on a single row lock.
+COUNTER_SLOTS = 16
 
 
 class BatchCounter(Base):
