@@ -170,32 +170,3 @@ def test_engine_starts_from_the_conversion_with_the_same_output(
     cached = generate()
     assert direct == converting == cached
     assert direct[0] == path.stem and len(direct[1]) == 8
-
-
-def test_save_safetensors_matches_the_library(tmp_path: Path) -> None:
-    """The streaming writer's file reads back bit for bit, like safetensors' own save_file."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-
-    tensors = {
-        "a.weight": torch.randn(7, 5),
-        "b.bias": torch.randn(3).to(torch.bfloat16),
-        "c.half": torch.randn(2, 3, 4).to(torch.float16),
-        "d.scalar": torch.tensor(1.5),
-        "e.view": torch.randn(6, 4).t(),  # not contiguous
-    }
-    ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
-    gguf_cache.save_safetensors(ours, tensors)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(theirs))
-    for path in (ours, theirs):
-        with safe_open(str(path), framework="pt") as handle:
-            assert set(handle.keys()) == set(tensors)
-            for name, tensor in tensors.items():
-                read = handle.get_tensor(name)
-                assert read.dtype == tensor.dtype and read.shape == tensor.shape
-                assert torch.equal(read.view(-1).view(torch.uint8),
-                                   tensor.contiguous().view(-1).view(torch.uint8))
-    assert (ours.stat().st_size - theirs.stat().st_size) % 8 == 0
-    with pytest.raises(ValueError, match="'f.bool'"):
-        gguf_cache.save_safetensors(tmp_path / "bad.safetensors",
-                                    {"f.bool": torch.zeros(2, dtype=torch.bool)})
