@@ -47,8 +47,6 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        if config.device in ("cpu", "auto"):
-            keep_step_buffers_on_heap()
         start = time.perf_counter()
         # a GGUF model is converted once to a cached folder; later starts read that instead
         checkpoint = load_checkpoint(config.model, config.tokenizer, convert_gguf=True)
@@ -91,6 +89,10 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.prefill_time = 0.0
         self.decode_time = 0.0
+        if self.model_runner.device.type == "cpu":
+            # after the build: loading and packing the weights keeps glibc's defaults (their
+            # large, once-only buffers go back to the kernel when freed)
+            keep_step_buffers_on_heap()
 
     def _build_runner(self, config: EngineConfig, checkpoint) -> None:
         """The model's context length and its ModelRunner (weights, KV cache, kernel)."""
