@@ -23,6 +23,18 @@ from engine.sampling_params import SamplingParams
 ANSWER = "ok"  # each request's text; token ids are its characters
 
 
+def prompt_token_ids(engine, prompt: str | list[int]) -> list[int]:
+    """A fake engine's prompt as token ids, refused as the real engine refuses it (empty, or no
+    room left in ``engine.max_model_len``)."""
+    token_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    if len(token_ids) >= engine.max_model_len:
+        raise ValueError(f"prompt has {len(token_ids)} tokens >= max_model_len "
+                         f"{engine.max_model_len}")
+    return token_ids
+
+
 @dataclass(frozen=True)
 class FakeConfig:
     max_num_seqs: int
@@ -85,12 +97,7 @@ class FakeEngine:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens >= max_model_len "
-                             f"{self.max_model_len}")
+        token_ids = prompt_token_ids(self, prompt)
         metrics = RequestMetrics(arrival_time=arrival_time or time.monotonic(),
                                  num_prompt_tokens=len(token_ids))
         self._requests[request_id] = _Request(token_ids, params, metrics, self.steps_per_request)

@@ -58,14 +58,12 @@ class LLMEngine:
         with ThreadPoolExecutor(1, thread_name_prefix="boxcar-tokenizer") as pool:
             tokenizer_future = pool.submit(_timed, checkpoint.load_tokenizer)
             try:
-                self._build_runner(config, checkpoint)
+                model_len, kernel_seconds, runner_seconds = self._build_runner(config, checkpoint)
             except BaseException:
                 tokenizer_future.cancel()
                 raise
             self.tokenizer, tokenizer_seconds = tokenizer_future.result()
-        runner_seconds = self._runner_seconds
         kv_seconds = self.model_runner.kv_cache_seconds
-        kernel_seconds = self._kernel_seconds
         # where start-up time went (bench/startup.py prints it; a service can log it). The
         # tokenizer ran beside the model, so the parts add up to more than the total.
         self.startup_seconds = {
@@ -78,7 +76,7 @@ class LLMEngine:
         }
         num_blocks = self.model_runner.num_kv_blocks
         # A request must always fit in the cache on its own, or it could never run.
-        self.max_model_len = min(self._model_len, num_blocks * config.block_size)
+        self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(checkpoint.config, self.tokenizer)
         # Built on the first structured request (reading the vocabulary takes a moment).
@@ -94,8 +92,9 @@ class LLMEngine:
             # large, once-only buffers go back to the kernel when freed)
             keep_step_buffers_on_heap()
 
-    def _build_runner(self, config: EngineConfig, checkpoint) -> None:
-        """The model's context length and its ModelRunner (weights, KV cache, kernel)."""
+    def _build_runner(self, config: EngineConfig, checkpoint) -> tuple[int, float, float]:
+        """Build the ModelRunner (weights, KV cache, kernel); returns the model's context
+        length, the seconds spent loading the kernel and the seconds of the whole build."""
         start = time.perf_counter()
         hf_config = checkpoint.config
         model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -109,11 +108,10 @@ class LLMEngine:
                     f"max_model_len={config.max_model_len} exceeds the model's {model_len}"
                 )
             model_len = config.max_model_len
-        self._model_len = model_len
         kernel_seconds = cpu_decode_attention.load_seconds
         self.model_runner = ModelRunner(config, checkpoint, max_position=model_len)
-        self._kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
-        self._runner_seconds = time.perf_counter() - start
+        kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
+        return model_len, kernel_seconds, time.perf_counter() - start
 
     # ---- tokenization -------------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from bench.fake_engine import prompt_token_ids
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestProgress
 from engine.sampling_params import SamplingParams
 
@@ -69,12 +70,7 @@ class FakeEngine:
         self.thread_ids.add(threading.get_ident())
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens >= max_model_len "
-                             f"{self.max_model_len}")
+        token_ids = prompt_token_ids(self, prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))
         self._requests[request_id] = (token_ids, params, [], metrics)
         self.priorities[request_id] = priority
