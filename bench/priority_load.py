@@ -8,9 +8,9 @@ distinct job request is added. Three runs, interleaved round by round on this sh
 
 - ``bulk alone``: the bulk workload only (its throughput is the reference);
 - ``job urgent, cap N``: the job added with ``priority=-1`` (bulk at 0; lower is more urgent),
-  with ``urgent_prefill_tokens=N`` (one run per ``--caps`` value, the first is the one checked
-  against the bound) capping the bulk's prefill tokens per step while the job is unfinished; the
-  bulk's decodes all still run;
+  with ``urgent_bulk_tokens=N`` (one run per ``--caps`` value, the first is the one checked
+  against the bound) capping the bulk's tokens per step (decodes and prefill) while the job is
+  unfinished;
 - ``job urgent, no cap``: the same without the cap (on a CPU a step's time grows with its tokens,
   so the job then moves at the pace of full bulk steps, prefill chunks included);
 - ``job fifo``: the job added with ``priority=0``, behind every bulk request (what priority buys).
@@ -60,6 +60,7 @@ def run_load(llm: Any, bulk: Any, job: tuple[list[int], int] | None, job_priorit
     bulk_done = start
     bulk_tokens = 0
     preemptions_at_job = 0
+    job_steps: list[float] = []  # the steps' times from the job's arrival to its end
     while engine.has_unfinished_requests() or (job is not None and job_added is None):
         now = time.perf_counter()
         if job is not None and job_added is None and now - start >= job_delay:
@@ -67,7 +68,10 @@ def run_load(llm: Any, bulk: Any, job: tuple[list[int], int] | None, job_priorit
             engine.add_request("job", job[0], SamplingParams(
                 temperature=0.0, max_tokens=job[1], ignore_eos=True), priority=job_priority)
             job_added = now
-        for out in engine.step():
+        outputs = engine.step()
+        if job_added is not None and job_done is None:
+            job_steps.append(time.perf_counter() - now)
+        for out in outputs:
             if out.request_id == "job":
                 job_done = time.perf_counter()
             else:
@@ -78,10 +82,16 @@ def run_load(llm: Any, bulk: Any, job: tuple[list[int], int] | None, job_priorit
         "bulk_seconds": bulk_done - start,
         "bulk_tokens_per_s": bulk_tokens / (bulk_done - start),
         "job_latency": None if job_added is None or job_done is None else job_done - job_added,
+        "job_steps": len(job_steps),
+        "job_step_ms": 1000 * statistics.mean(job_steps) if job_steps else None,
         "preemptions": after.num_preemptions - before.num_preemptions,
         "preemptions_after_job": after.num_preemptions - max(preemptions_at_job,
                                                              before.num_preemptions),
     }
+
+
+def fmt(value: float | None, unit: str) -> str:
+    return "-" if value is None else f"{value:.2f}{unit}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--job-delay", type=float, default=3.0)
     parser.add_argument("--job-max-tokens", type=int, default=32)
     parser.add_argument("--caps", default="64",
-                        help="comma-separated EngineConfig.urgent_prefill_tokens values, one "
+                        help="comma-separated EngineConfig.urgent_bulk_tokens values, one "
                              "'job urgent' run each; the first is checked against the bound")
     parser.add_argument("--skip-fifo", action="store_true")
     parser.add_argument("--skip-no-cap", action="store_true")
@@ -116,8 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     caps = [int(c) for c in args.caps.split(",")]
 
     def capped(cap: int | None) -> None:
-        # urgent_prefill_tokens is read by the scheduler at each step: set it per run.
-        llm.engine.scheduler.config = replace(llm.engine.config, urgent_prefill_tokens=cap)
+        # urgent_bulk_tokens is read by the scheduler at each step: set it per run.
+        llm.engine.scheduler.config = replace(llm.engine.config, urgent_bulk_tokens=cap)
 
     def job_run(priority: int, cap: int | None) -> dict[str, Any]:
         capped(cap)
@@ -137,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         results[name].append(variants[name]())
         x = results[name][-1]
         print(f"round {r} {name:<22} bulk {x['bulk_seconds']:.1f}s "
-              f"{x['bulk_tokens_per_s']:.1f} tok/s, job {x['job_latency']}", flush=True)
+              f"{x['bulk_tokens_per_s']:.1f} tok/s, job {fmt(x['job_latency'], 's')} in "
+              f"{x['job_steps']} steps of {fmt(x['job_step_ms'], ' ms')} (mean)", flush=True)
 
     reference = statistics.median(x["bulk_tokens_per_s"] for x in results["bulk alone"])
     bound = max(3 * solo, solo + 4.0)

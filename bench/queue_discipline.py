@@ -1,7 +1,7 @@
 """Queue discipline through the embedded service on the default model: a single job under a
 bulk batch, and the batch's estimated completion.
 
-    python -m bench.queue_discipline [--bulk 150] [--rounds 1] [--urgent-prefill-tokens 64]
+    python -m bench.queue_discipline [--bulk 150] [--rounds 1] [--urgent-bulk-tokens 64]
     python -m bench.queue_discipline --eta-only   # step 3 alone: the estimate's errors
 
 One embedded service (REST, worker, SQLite, the real engine). Seeded chat workloads: ``--bulk``
@@ -20,7 +20,7 @@ no batch reuses another's prefixes); the job is a 60-word chat prompt with 32 ou
    against the time that was left at the reading (the strict measure) and against the time
    from the batch's POST. Target: within 25%.
 
-The service's engine runs with ``urgent_prefill_tokens`` (EngineConfig; on a CPU a step's time
+The service's engine runs with ``urgent_bulk_tokens`` (EngineConfig; on a CPU a step's time
 grows with its tokens, so without a cap a job moves at the pace of full bulk steps).
 """
 
@@ -173,14 +173,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bulk", type=int, default=150)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--urgent-prefill-tokens", type=int, default=64)
+    parser.add_argument("--urgent-bulk-tokens", type=int, default=64)
     parser.add_argument("--skip-queued", action="store_true")
     parser.add_argument("--eta-only", action="store_true",
                         help="measure only the estimate (step 3): no job, no bulk + job runs")
     args = parser.parse_args(argv)
 
     workdir = tempfile.mkdtemp(prefix="boxcar-bench-queue-")
-    options: dict[str, Any] = {"urgent_prefill_tokens": args.urgent_prefill_tokens}
+    options: dict[str, Any] = {"urgent_bulk_tokens": args.urgent_bulk_tokens}
     if args.threads:
         options["num_threads"] = args.threads
     settings = Settings(database_url=f"sqlite:///{workdir}/boxcar.db",
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = Bench(client)
     try:
         print(f"model {args.model}; bulk {args.bulk} chat lines (20-80 words, 16-64 output "
-              f"tokens); urgent_prefill_tokens {args.urgent_prefill_tokens}; machine shared: "
+              f"tokens); urgent_bulk_tokens {args.urgent_bulk_tokens}; machine shared: "
               "compare ratios", flush=True)
         bench.solo_job()  # warm up
         solo = 0.0

@@ -35,11 +35,13 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
-    # While an unfinished request is more urgent than others, the less urgent requests' prefill
-    # tokens (prompt chunks, admissions, recomputes) share at most this many per step; their
-    # decodes all still run. Keeps the urgent request's steps short on a device whose step time
-    # grows with its tokens (a CPU). None: no cap. No effect while every priority is equal.
-    urgent_prefill_tokens: int | None = 64
+    # While an unfinished request is more urgent than others, the less urgent requests' tokens
+    # (the running ones' decodes and prompt chunks in queue order, then admissions) share at
+    # most this many per step; the rest skip the step, keeping their blocks. Keeps the urgent
+    # request's steps short on a device whose step time grows with its tokens (a CPU: a step of
+    # 128 decodes took 3.5x one of 16). None: no cap (a GPU's decode step barely grows with its
+    # rows). No effect while every priority is equal.
+    urgent_bulk_tokens: int | None = 64
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -68,10 +70,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, got {self.num_threads}")
-        if self.urgent_prefill_tokens is not None and self.urgent_prefill_tokens < 1:
+        if self.urgent_bulk_tokens is not None and self.urgent_bulk_tokens < 1:
             raise ValueError(
-                f"urgent_prefill_tokens must be >= 1 (or None: no cap), "
-                f"got {self.urgent_prefill_tokens}"
+                f"urgent_bulk_tokens must be >= 1 (or None: no cap), "
+                f"got {self.urgent_bulk_tokens}"
             )
         if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(

@@ -85,15 +85,15 @@ class Scheduler:
         more urgent than the last running one takes what it lacks from it: budget (that request
         skips this step), or a seat or blocks (it is preempted), repeated down the running list
         while less urgent requests remain. While a request more urgent than others is unfinished
-        (running or waiting), the less urgent ones' prefill tokens (prompt chunks, admissions,
-        recomputes) share at most ``urgent_prefill_tokens`` per step, so each step stays short on
-        a device whose step time grows with its tokens, while every running decode (one token
-        each: the bulk throughput) still runs; the urgent requests' own tokens are not capped.
-        Otherwise no request is admitted in a step that had to preempt, and the first one that
-        does not fit stops admission.
+        (running or waiting), the less urgent ones' tokens (decodes and prompt chunks of the
+        running ones in queue order, then admissions) share at most ``urgent_bulk_tokens`` per
+        step and the rest skip the step, keeping their blocks, so each step stays short on a
+        device whose step time grows with its tokens; the urgent requests' own tokens are not
+        capped. Otherwise no request is admitted in a step that had to preempt, and the first
+        one that does not fit stops admission.
         """
         step = _Step(self.config.max_num_batched_tokens)
-        step.urgent_priority, step.prefill_budget = self._prefill_cap()
+        step.urgent_priority, step.bulk_budget = self._bulk_cap()
         now = time.monotonic()
 
         i = 0
@@ -102,7 +102,7 @@ class Scheduler:
             num_new = step.cap(request, min(request.num_tokens - request.num_computed_tokens,
                                             step.budget))
             if num_new == 0:
-                i += 1  # a less urgent prefill with no prefill budget left: it skips this step
+                i += 1  # a less urgent request and the less urgent budget is spent: it skips
                 continue
             while not self.kv.allocate_slots(request, num_new):
                 victim = self.running.pop()
@@ -125,12 +125,12 @@ class Scheduler:
             self.scheduled_tokens_hist[num_batched] += 1
         return SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
 
-    def _prefill_cap(self) -> tuple[int | None, int | None]:
-        """(most urgent priority, prefill budget of the less urgent) while priorities differ.
+    def _bulk_cap(self) -> tuple[int | None, int | None]:
+        """(most urgent priority, token budget of the less urgent) while priorities differ.
 
-        (None, None) when ``urgent_prefill_tokens`` is off or every request has one priority.
+        (None, None) when ``urgent_bulk_tokens`` is off or every request has one priority.
         """
-        cap = self.config.urgent_prefill_tokens
+        cap = self.config.urgent_bulk_tokens
         queued = [q for q in (self.running, self.waiting) if q]
         if cap is None or not queued:
             return None, None
@@ -174,7 +174,7 @@ class Scheduler:
             num_new = request.num_tokens - request.num_computed_tokens - num_hit
             capped = step.cap(request, num_new)
             if capped < num_new and not (capped and config.enable_chunked_prefill):
-                break  # the less urgent requests' prefill budget is spent for this step
+                break  # the less urgent requests' budget is spent for this step
             num_new = capped
             if num_new > step.budget and outranks:
                 self._take_budget(request, num_new, step)
@@ -297,38 +297,37 @@ class _Step:
     initial_budget: int = field(init=False)
     num_preempted: int = 0
     preempted_ids: set[str] = field(default_factory=set)
-    # While priorities differ: the most urgent priority, and the prefill tokens left this step
-    # for requests less urgent than it (None: no cap).
+    # While priorities differ: the most urgent priority, and the tokens left this step for
+    # requests less urgent than it (None: no cap).
     urgent_priority: int | None = None
-    prefill_budget: int | None = None
+    bulk_budget: int | None = None
     capped_ids: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.initial_budget = self.budget
 
-    def is_capped(self, request: Request, num_new: int) -> bool:
-        """Whether ``num_new`` tokens of ``request`` are a less urgent prefill under the cap."""
-        return (num_new > 1 and self.prefill_budget is not None
-                and self.urgent_priority is not None and request.priority > self.urgent_priority)
+    def is_capped(self, request: Request) -> bool:
+        """Whether ``request``'s tokens come out of the less urgent requests' budget."""
+        return (self.bulk_budget is not None and self.urgent_priority is not None
+                and request.priority > self.urgent_priority)
 
     def cap(self, request: Request, num_new: int) -> int:
-        """``num_new`` cut to the prefill budget left if it is a less urgent request's prefill."""
-        if self.prefill_budget is not None and self.is_capped(request, num_new):
-            return min(num_new, self.prefill_budget)
+        """``num_new`` cut to the less urgent requests' budget left if ``request`` is one."""
+        if self.bulk_budget is not None and self.is_capped(request):
+            return min(num_new, self.bulk_budget)
         return num_new
 
     def add(self, scheduled: ScheduledRequest, request: Request | None = None) -> None:
         self.scheduled[scheduled.request_id] = scheduled
         self.budget -= scheduled.num_new_tokens
-        if (request is not None and self.prefill_budget is not None
-                and self.is_capped(request, scheduled.num_new_tokens)):
-            self.prefill_budget -= scheduled.num_new_tokens
+        if request is not None and self.bulk_budget is not None and self.is_capped(request):
+            self.bulk_budget -= scheduled.num_new_tokens
             self.capped_ids.add(scheduled.request_id)
 
     def remove(self, request_id: str) -> None:
         scheduled = self.scheduled.pop(request_id, None)
         if scheduled is not None:
             self.budget += scheduled.num_new_tokens
-            if request_id in self.capped_ids and self.prefill_budget is not None:
-                self.prefill_budget += scheduled.num_new_tokens
+            if request_id in self.capped_ids and self.bulk_budget is not None:
+                self.bulk_budget += scheduled.num_new_tokens
                 self.capped_ids.discard(request_id)

@@ -16,12 +16,12 @@ The full ordering key, most significant first:
 
 The engine has one integer, lower = more urgent, ordered by (priority, arrival), and a more
 urgent request preempts less urgent running ones (by recompute) and, through
-``urgent_prefill_tokens``, caps the less urgent requests' prefill while priorities differ.
+``urgent_bulk_tokens``, caps the less urgent requests' tokens a step while priorities differ.
 ``engine_priority`` gives that only to single jobs (below zero, higher job priority lower);
 every bulk line is 0. Points 2-4 are kept by the order lines enter the engine (claims and the
 worker's line queue), which keeps only about two steps' worth waiting beyond its running seats:
 an earlier-deadline batch waits at most for the seats' current occupants, and bulk lines never
-preempt each other (that would recompute work) nor cap each other's prefill (two deadline
+preempt each other (that would recompute work) nor cap each other's steps (two deadline
 classes in the engine at once would otherwise cost throughput for as long as they overlap).
 """
 

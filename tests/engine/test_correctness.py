@@ -177,14 +177,14 @@ def test_same_step_shared_prefix_is_computed_once_and_exact(
     assert llm.engine.scheduler.kv.in_flight == {}
 
 
-@pytest.mark.parametrize("urgent_prefill_tokens", [None, 5])
+@pytest.mark.parametrize("urgent_bulk_tokens", [None, 5])
 def test_urgent_request_preempts_bulk_and_all_stay_exact(tiny_model_dir, shared_prefix_reference,
-                                                         urgent_prefill_tokens):
+                                                         urgent_bulk_tokens):
     # A cap of 5 cuts the bulk prompts into chunks that straddle the 8-token blocks.
     prompts, max_tokens, expected = shared_prefix_reference
     llm = LLM(str(tiny_model_dir), dtype="float32", block_size=8, max_num_seqs=3,
               max_num_batched_tokens=24,
-              urgent_prefill_tokens=urgent_prefill_tokens)
+              urgent_bulk_tokens=urgent_bulk_tokens)
     engine = llm.engine
     for bad in ("high", 1.5, True):
         with pytest.raises(ValueError, match="priority"):

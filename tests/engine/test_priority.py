@@ -125,54 +125,51 @@ def test_preempted_request_is_not_readmitted_in_the_same_step():
     drain(sched)
 
 
-def step_with_prefill(sched):
-    """One step; returns (output, ids that were decoding before it, less urgent prefill tokens)."""
-    decoding = {r.request_id for r in sched.running if r.num_tokens - r.num_computed_tokens == 1}
-    prefill_ids = {r.request_id for r in sched.running + sched.waiting
-                   if r.request_id != "job" and r.request_id not in decoding}
-    out, _ = step(sched)
-    check_invariants(sched)
-    bulk_prefill = sum(s.num_new_tokens for s in out.scheduled if s.request_id in prefill_ids)
-    return out, decoding, bulk_prefill
+def bulk_tokens(out) -> dict[str, int]:
+    return {s.request_id: s.num_new_tokens for s in out.scheduled if s.request_id != "job"}
 
 
-def test_urgent_prefill_tokens_caps_only_less_urgent_prefill():
-    sched = make_scheduler(max_num_seqs=8, urgent_prefill_tokens=4)
-    for i in range(3):
+def test_urgent_bulk_tokens_caps_every_less_urgent_token_oldest_first():
+    sched = make_scheduler(max_num_seqs=8, urgent_bulk_tokens=4)
+    for i in range(6):
         sched.add_request(make_request(f"bulk{i}", [1, 2, 3, i + 10], max_tokens=40, priority=1))
     out, _ = step(sched)
-    assert out.num_batched_tokens == 12  # one priority: prompts are not capped
+    assert out.num_batched_tokens == 24  # one priority: nothing is capped
     step(sched)
     sched.add_request(make_request("job", list(range(50, 60)), max_tokens=6, priority=0))
-    for i in range(3, 6):
-        sched.add_request(make_request(f"bulk{i}", [i + 20] * 18, max_tokens=40, priority=1))
-    out, decoding, bulk_prefill = step_with_prefill(sched)
-    by_id = {s.request_id: s.num_new_tokens for s in out.scheduled}
-    # The job's whole prompt, every bulk decode, and 4 bulk prompt tokens (a chunk of bulk3).
-    assert by_id == {"bulk0": 1, "bulk1": 1, "bulk2": 1, "job": 10, "bulk3": 4}
-    assert decoding == {"bulk0", "bulk1", "bulk2"} and bulk_prefill == 4
+    sched.add_request(make_request("bulk6", [30] * 18, max_tokens=40, priority=1))
+    before = {r.request_id: r.num_computed_tokens for r in sched.running}
+    out, _ = step(sched)
+    check_invariants(sched)
+    # The job's whole prompt and the four oldest bulk decodes; the two newest bulk requests skip
+    # the step (still running, their blocks kept) and bulk6 is not admitted.
+    assert bulk_tokens(out) == {"bulk0": 1, "bulk1": 1, "bulk2": 1, "bulk3": 1}
+    assert {s.request_id: s.num_new_tokens for s in out.scheduled}["job"] == 10
+    for rid in ("bulk4", "bulk5"):
+        request = sched.requests[rid]
+        assert request.status == RequestStatus.RUNNING
+        assert request.num_computed_tokens == before[rid] and request.block_ids
+    assert sched.requests["bulk6"].status == RequestStatus.WAITING
     num_capped_steps = 0
     while "job" in sched.requests:
-        out, decoding, bulk_prefill = step_with_prefill(sched)
-        assert decoding <= ids(out)  # the bulk decodes all run
-        assert bulk_prefill <= 4 and "job" in ids(out)
+        out, _ = step(sched)
+        check_invariants(sched)
+        assert "job" in ids(out)
+        assert bulk_tokens(out) == {"bulk0": 1, "bulk1": 1, "bulk2": 1, "bulk3": 1}
         num_capped_steps += 1
     assert num_capped_steps == 5
-    # The job is done: the rest of the bulk prompts run uncapped in one step.
-    left = sum(r.num_tokens - r.num_computed_tokens for r in sched.running + sched.waiting
-               if r.num_tokens - r.num_computed_tokens > 1)
-    out, decoding, bulk_prefill = step_with_prefill(sched)
-    assert left == 3 * 18 - 6 * 4 and bulk_prefill == left
-    assert decoding <= ids(out)
+    # The job is done: every bulk decode and bulk6's whole prompt run in one step.
+    out, _ = step(sched)
+    assert bulk_tokens(out) == {**{f"bulk{i}": 1 for i in range(6)}, "bulk6": 18}
     drain(sched)
 
 
-def test_urgent_prefill_cap_counts_admissions_and_none_turns_it_off():
+def test_urgent_bulk_cap_counts_admissions_and_none_turns_it_off():
     # The job and a less urgent prompt are admitted in one step; a less urgent request held on
     # the job's prefix blocks stays held. With the cap the other prompt gets 3 tokens, without
     # it its whole prompt.
     for cap, expected in ((3, 3), (None, 16)):
-        sched = make_scheduler(max_num_seqs=8, urgent_prefill_tokens=cap)
+        sched = make_scheduler(max_num_seqs=8, urgent_bulk_tokens=cap)
         sched.add_request(make_request("bulk0", [7] * 8, max_tokens=10, priority=1))
         sched.add_request(make_request("job", [7] * 8 + [1], max_tokens=2, priority=0))
         sched.add_request(make_request("bulk1", [9] * 16, max_tokens=10, priority=1))
@@ -182,8 +179,8 @@ def test_urgent_prefill_cap_counts_admissions_and_none_turns_it_off():
         drain(sched)
 
 
-def test_urgent_prefill_cap_without_chunking_defers_long_prompts():
-    sched = make_scheduler(max_num_seqs=8, urgent_prefill_tokens=4, enable_chunked_prefill=False)
+def test_urgent_bulk_cap_without_chunking_defers_long_prompts():
+    sched = make_scheduler(max_num_seqs=8, urgent_bulk_tokens=4, enable_chunked_prefill=False)
     sched.add_request(make_request("job", [1, 2, 3, 4, 5], max_tokens=3, priority=0))
     sched.add_request(make_request("short", [6, 7, 8], max_tokens=3, priority=1))
     sched.add_request(make_request("long", [9] * 10, max_tokens=3, priority=1))
@@ -197,16 +194,16 @@ def test_urgent_prefill_cap_without_chunking_defers_long_prompts():
     drain(sched)
 
 
-def test_urgent_prefill_tokens_is_validated():
+def test_urgent_bulk_tokens_is_validated():
     for bad in (0, -3):
-        with pytest.raises(ValueError, match="urgent_prefill_tokens"):
-            make_scheduler(urgent_prefill_tokens=bad)
+        with pytest.raises(ValueError, match="urgent_bulk_tokens"):
+            make_scheduler(urgent_bulk_tokens=bad)
 
 
 def test_equal_priorities_schedule_exactly_as_without_the_cap():
     def trace(cap: int | None, priority: int) -> list[list[tuple[str, int, int]]]:
         sched = make_scheduler(num_blocks=12, max_num_seqs=4, max_num_batched_tokens=16,
-                               urgent_prefill_tokens=cap)
+                               urgent_bulk_tokens=cap)
         for i in range(10):
             sched.add_request(make_request(f"r{i}", [i % 3 + 1] * (5 + 3 * i), max_tokens=6,
                                            priority=priority))
