@@ -25,7 +25,8 @@ import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 
@@ -38,6 +39,7 @@ from bench.scale_probes import (
     free_connections,
     group_cpu_s,
     machine_cpu_ticks,
+    table_stats,
 )
 from bench.scale_stack import ScaleStack
 
@@ -85,6 +87,16 @@ class RunResult:
     exactly_once: bool
     missing: int
     duplicated: int
+    # What active backends waited on, biggest first: wait_event_type, wait_event, statement
+    # (``scale_probes.statement_label``) and the share of all active backend samples.
+    waits: list[dict[str, Any]] = field(default_factory=list)
+    # request_lines after the batch: the share of its row updates (the result writes) that were
+    # HOT (no index entries written, the new version in the old one's page), its heap and
+    # index size per line, and the mean row's bytes.
+    line_hot_update_share: float | None = None
+    line_heap_bytes_per_line: float = 0.0
+    line_index_bytes_per_line: float = 0.0
+    line_row_bytes: float = 0.0
 
 
 def ok(response: httpx.Response) -> httpx.Response:
@@ -197,6 +209,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     response = client.get("/metrics", follow_redirects=True)  # a mounted app: /metrics/
     ok(response)
     counters = claim_counters(response.text)
+    lines_table = table_stats(stack.database_url, "request_lines")
     attempts, claims = counters if counters is not None else (None, None)
     lines_per_s = config.num_lines / elapsed
     ideal = (config.num_workers * config.lines_per_s
@@ -216,7 +229,23 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         num_status_polls=len(polls), machine_cpu_busy=cpu_busy,
         peak_connections=activity.peak_connections,
         exactly_once=missing == 0 and duplicated == 0, missing=missing, duplicated=duplicated,
+        waits=wait_breakdown(activity.waits, activity.active),
+        line_hot_update_share=lines_table.hot_share,
+        line_heap_bytes_per_line=lines_table.heap_bytes / config.num_lines,
+        line_index_bytes_per_line=lines_table.index_bytes / config.num_lines,
+        line_row_bytes=lines_table.mean_row_bytes,
     )
+
+
+# Waits below this share of active samples are left out of a run's breakdown.
+MIN_WAIT_SHARE = 0.002
+
+
+def wait_breakdown(waits: Counter[tuple[str, str, str]], active: int) -> list[dict[str, Any]]:
+    return [{"type": wait_type, "event": event, "statement": statement,
+             "samples": n, "share": n / active}
+            for (wait_type, event, statement), n in waits.most_common()
+            if active and n / active >= MIN_WAIT_SHARE]
 
 
 def check_output(client: httpx.Client, batch: dict, num_lines: int) -> tuple[int, int]:

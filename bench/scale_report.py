@@ -12,6 +12,7 @@ MAX_LOCK_WAIT_SHARE = 0.10
 MAX_STATUS_POLL_MS = 5.0
 MIN_BIG_LINES_PER_S = 3000.0
 MAX_IDLE_COMMITS_PER_S = 1.0
+MAX_WAITS_SHOWN = 10
 CPU_LIMIT = 0.90  # a machine this busy is the limit, not the service
 
 
@@ -115,4 +116,18 @@ def format_report(sweep: Sequence[Any], big: Any | None, found: list[Target]) ->
         value = "n/a" if t.value is None else f"{t.value:.3g}"
         detail = f"  ({t.detail})" if t.detail else ""
         lines.append(f"  [{t.status}] {t.name}: {value}{detail}")
+    lines += ["", "what active PostgreSQL backends waited on (share of active samples; Lock "
+              "waits make the lock-wait figure):"]
+    for r in [*sweep, *([big] if big else [])]:
+        lines.append(f"  {r.num_workers} workers, {r.engine}, {r.num_lines:,} lines "
+                     f"({r.active_backend_samples:,} active samples):")
+        waits = getattr(r, "waits", None) or []
+        lines += [f"    {100 * w['share']:5.1f}%  {w['type']}:{w['event']}  {w['statement']}"
+                  for w in waits[:MAX_WAITS_SHOWN]] or ["    none"]
+        hot = getattr(r, "line_hot_update_share", None)
+        if hot is not None:
+            lines.append(f"    request_lines: {100 * hot:.0f}% of row updates HOT; "
+                         f"{r.line_heap_bytes_per_line:,.0f} heap + "
+                         f"{r.line_index_bytes_per_line:,.0f} index bytes a line, "
+                         f"rows {r.line_row_bytes:,.0f} bytes")
     return "\n".join(lines)

@@ -119,7 +119,7 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     assert (result["lock_wait_share"] is None) == no_active_sample
     measured = {k: v for k, v in result.items()
                 if k not in ("engine", "ideal_lines_per_s", "efficiency",
-                             "lines_per_s_per_worker", "exactly_once")
+                             "lines_per_s_per_worker", "exactly_once", "waits")
                 and not (k == "lock_wait_share" and no_active_sample)}
     for name, value in measured.items():
         assert isinstance(value, int | float) and math.isfinite(value), (name, value)
@@ -129,6 +129,11 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     assert result["service_cpu_ms_per_line"] > 0  # the API and workers ran the batch
     assert 0 < result["machine_cpu_busy"] <= 1
     assert no_active_sample or 0 <= result["lock_wait_share"] <= 1
+    for wait in result["waits"]:  # what the lock-wait share is made of, biggest first
+        assert wait["type"] and wait["statement"] and 0 < wait["share"] <= 1
+    lock_share = sum(w["share"] for w in result["waits"] if w["type"] == "Lock")
+    assert no_active_sample or lock_share <= result["lock_wait_share"] + 1e-9
+    assert result["line_hot_update_share"] > 0.9  # results written in their lines' pages
     assert {t["name"]: t["status"] for t in report["targets"]}[
         "every custom_id exactly once in every run (runs broken)"] == "met"
     print(f"tiny scale run took {time.monotonic() - started:.1f} s")
@@ -142,3 +147,17 @@ def test_bad_idle_flags_name_the_flag(capsys) -> None:
     assert "--idle-settle-s must be >= 0" in capsys.readouterr().err
     args = parse_args(["--workers", "2"])
     assert (args.idle_s, args.idle_settle_s) == (20.0, 30.0)
+
+
+def test_statement_labels_group_executions_of_one_statement() -> None:
+    from bench.scale_probes import statement_label
+
+    assert statement_label("UPDATE request_lines SET status=%(b_status)s::VARCHAR, response="
+                           "%(b_response)s WHERE request_lines.pk = %(b_pk)s") == \
+        "UPDATE request_lines SET status"
+    assert statement_label("INSERT INTO batch_counters (batch_id, slot) VALUES (%(a)s, 1)\n"
+                           "ON CONFLICT (batch_id, slot) DO UPDATE SET num_open = 1") == \
+        "INSERT INTO batch_counters ON CONFLICT"
+    assert statement_label("SELECT shards.id FROM shards WHERE x FOR UPDATE SKIP LOCKED") == \
+        "SELECT FROM shards"
+    assert statement_label("COMMIT") == "COMMIT" and statement_label(None) == "(none)"
