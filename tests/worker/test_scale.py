@@ -300,3 +300,27 @@ def test_an_idle_workers_claim_poll_is_one_transaction_with_the_reap(make_stack,
     assert reap_poll.count("COMMIT") == 1
     assert statements[0] == "UPDATE" and "SELECT" in statements  # the reap, then the read
     assert check == []
+
+
+def test_result_writes_are_hot_updates_on_postgresql(make_stack, pg_url):
+    """A result write changes no indexed column and finds room in its line's page (fillfactor,
+    0006_hot_results): PostgreSQL counts every one as a HOT update, so results write no index
+    entries and do not extend the table. 200 lines fill several pages, as a real batch does."""
+    stack = make_stack(pg_url)
+    batch_id = prepared(stack, [chat_line(f"r{i}", f"line {i} " + "x" * 200) for i in range(200)],
+                        shard_size=64)
+    with stack.ctx.db.read_session() as session:
+        rows = session.scalars(select(RequestLine).where(RequestLine.batch_id == batch_id)
+                               .order_by(RequestLine.pk)).all()
+    results = [LineResult(_work(row), LINE_COMPLETED if i % 5 else LINE_FAILED,
+                          response={"choices": [{"text": "y" * 300}]} if i % 5 else None,
+                          error=None if i % 5 else {"code": "x", "message": "m"},
+                          prompt_tokens=10, completion_tokens=3)
+               for i, row in enumerate(rows)]
+    with stack.ctx.db.session() as session:
+        assert write_results(session, results, worker_id="w1") == {batch_id}
+        # This transaction's own counts (pg_stat_get_xact_*): no wait for the stats collector.
+        updated, hot = session.execute(text(
+            "SELECT pg_stat_get_xact_tuples_updated('request_lines'::regclass), "
+            "pg_stat_get_xact_tuples_hot_updated('request_lines'::regclass)")).one()
+    assert (updated, hot) == (200, 200)
