@@ -253,10 +253,9 @@ class RequestLine(Base):
     finished_at: Mapped[dt.datetime | None]
 
 
-# A batch's live counters are spread over this many rows, one per slot: a worker writes its
-# results into one slot (``service.counters``), so the workers of one big batch do not queue
-# on a single row lock.
-COUNTER_SLOTS = 16
+# A batch's live counters are spread over one row per worker that wrote to it (its slot,
+# ``service.counters.slot_of``) and slot 0 (prepare, recount): two workers never queue on one
+# counter row, and a status read sums as many rows as workers ran the batch, not its lines.
 
 
 class BatchCounter(Base):
