@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -111,6 +112,7 @@ class RunResult:
     quiet_poll_server_ms_median: float | None = None
     num_quiet_polls: int = 0
     quiet_machine_cpu_busy: float | None = None
+    num_cpus: int = 0  # the machine's: what the CPU figures are shares of
 
 
 def ok(response: httpx.Response) -> httpx.Response:
@@ -257,6 +259,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         quiet_poll_ms_median=_median(p.client_ms for p in quiet),
         quiet_poll_server_ms_median=_median(p.server_ms for p in quiet),
         num_quiet_polls=len(quiet), quiet_machine_cpu_busy=quiet_cpu,
+        num_cpus=os.cpu_count() or 1,
     )
 
 

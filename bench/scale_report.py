@@ -35,12 +35,21 @@ def targets(sweep: Sequence[Any], big: Any | None) -> list[Target]:
         ideal_added = (high.num_workers - low.num_workers) * high.lines_per_s_per_worker
         share = (high.lines_per_s - low.lines_per_s) / ideal_added
         status = _check(share >= SCALING_SHARE)
-        if status != "met" and high.machine_cpu_busy >= CPU_LIMIT:
+        # The CPU the service (API, workers, PostgreSQL) would need for the target's lines/s at
+        # the larger run's CPU per line: the machine is the limit when that is (nearly) all of
+        # it, or when it was that busy.
+        target_lines_per_s = low.lines_per_s + SCALING_SHARE * ideal_added
+        needed = target_lines_per_s * cpu_ms_per_line(high) / 1000
+        cpus = getattr(high, "num_cpus", 0) or None
+        if status != "met" and (high.machine_cpu_busy >= CPU_LIMIT
+                                or (cpus is not None and needed >= CPU_LIMIT * cpus)):
             status = "CPU-limited"
+        room = (f"; the target's {target_lines_per_s:,.0f} lines/s need {needed:.2f} of "
+                f"{cpus} CPUs at {cpu_ms_per_line(high):.2f} ms a line" if cpus else "")
         found.append(Target(
             f"paced {low.num_workers}->{high.num_workers} workers adds >= 60% of ideal", share,
             status, f"+{high.lines_per_s - low.lines_per_s:,.0f} of +{ideal_added:,.0f} lines/s; "
-                    f"machine CPU {100 * high.machine_cpu_busy:.0f}% busy"))
+                    f"machine CPU {100 * high.machine_cpu_busy:.0f}% busy{room}"))
     if sweep:
         top = max(sweep, key=lambda r: r.num_workers)
         value = top.attempts_per_claim
@@ -71,6 +80,11 @@ def targets(sweep: Sequence[Any], big: Any | None) -> list[Target]:
     found.append(Target("every custom_id exactly once in every run (runs broken)", len(broken),
                         _check(not broken), f"broken at {broken} workers" if broken else ""))
     return found
+
+
+def cpu_ms_per_line(r: Any) -> float:
+    """The service's CPU per line: the API and workers, and PostgreSQL's backends."""
+    return (getattr(r, "service_cpu_ms_per_line", 0.0) or 0.0) + r.pg_cpu_ms_per_line
 
 
 def _poll_target(big: Any) -> Target:

@@ -80,7 +80,8 @@ def test_claim_counters_are_summed_over_workers_or_absent() -> None:
 def run(num_workers: int, lines_per_s: float, busy: float, **figures) -> SimpleNamespace:
     base = dict(num_workers=num_workers, engine="paced", lines_per_s_per_worker=100.0,
                 lines_per_s=lines_per_s, machine_cpu_busy=busy, attempts_per_claim=1.0,
-                lock_wait_share=0.01, idle_commits_per_s_per_worker=0.5, exactly_once=True)
+                lock_wait_share=0.01, idle_commits_per_s_per_worker=0.5, exactly_once=True,
+                pg_cpu_ms_per_line=0.1, service_cpu_ms_per_line=0.5, num_cpus=0)
     return SimpleNamespace(**(base | figures))
 
 
@@ -95,6 +96,14 @@ def test_scaling_targets_name_the_cpu_when_it_is_the_limit() -> None:
     assert found["status poll of a live 50,000-line batch < 5 ms"].status == "not measured"
     good = [run(8, 800, 0.5), run(16, 1600, 0.6)]
     assert {t.status for t in targets(good, None) if "adds" in t.name} == {"met"}
+    # 60% busy, but the target (1,369 + 960 lines/s at 0.8 ms a line: 1.86 CPU-s/s) needs more
+    # than 90% of 2 CPUs: the machine is the limit; with 4 CPUs it is not.
+    for cpus, status in ((2, "CPU-limited"), (4, "not met")):
+        step = [run(16, 1369, 0.45, num_cpus=cpus),
+                run(32, 1900, 0.6, num_cpus=cpus, service_cpu_ms_per_line=0.7)]
+        (found_step,) = [t for t in targets(step, None) if "adds" in t.name]
+        assert found_step.status == status, found_step
+        assert "need 1.86 of" in found_step.detail
 
 
 @pytest.mark.skipif(not (_pg_reachable() and _redis_reachable()),

@@ -324,3 +324,21 @@ def test_result_writes_are_hot_updates_on_postgresql(make_stack, pg_url):
             "SELECT pg_stat_get_xact_tuples_updated('request_lines'::regclass), "
             "pg_stat_get_xact_tuples_hot_updated('request_lines'::regclass)")).one()
     assert (updated, hot) == (200, 200)
+
+
+def test_a_hungry_engine_does_not_wake_a_claim_loop_that_found_the_queue_dry(make_stack,
+                                                                            sqlite_url):
+    """The drain loop asks for more at every step that leaves its queue low; after a claim that
+    found nothing, those asks wait for the next poll, while a broker message still wakes the
+    loop at once."""
+    stack = make_stack(sqlite_url)
+    worker = stack.add_worker(FakeEngine())
+    keeper = worker.leases
+    wakes: list[bool] = []
+    keeper.wake = lambda check=False: wakes.append(True)  # what each call would have done
+    assert keeper.claim_some() == 0  # nothing queued: dry
+    keeper.wake_hungry()
+    assert wakes == []
+    keeper._dry_until = 0.0  # a poll interval later
+    keeper.wake_hungry()
+    assert wakes == [True]
