@@ -113,6 +113,14 @@ class RunResult:
     num_quiet_polls: int = 0
     quiet_machine_cpu_busy: float | None = None
     num_cpus: int = 0  # the machine's: what the CPU figures are shares of
+    # The batch's phases as the polls saw them (to a poll interval): prepare (created to
+    # in_progress, one worker), the run (to every line closed: all workers) and finalize (to
+    # completed, one worker); and lines/s over the run alone, against the ideal.
+    prepare_s: float | None = None
+    run_s: float | None = None
+    finalize_s: float | None = None
+    run_lines_per_s: float | None = None
+    run_efficiency: float | None = None
 
 
 def ok(response: httpx.Response) -> httpx.Response:
@@ -193,6 +201,8 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     quiet: list[Poll] = []
     quiet_cpu: float | None = None
     paused_s = 0.0
+    started_run: float | None = None  # when a poll first saw the batch in_progress
+    drained: float | None = None  # when a poll first saw every line closed
     start = time.perf_counter()
     try:
         response = client.post("/v1/batches", json={
@@ -203,8 +213,15 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         deadline = time.monotonic() + config.timeout_s
         while True:
             poll, batch = poll_batch(client, batch["id"])
+            seen = time.perf_counter() - paused_s
             if batch["status"] in LIVE:
                 polls.append(poll)
+            if started_run is None and batch["status"] != "validating":
+                started_run = seen
+            counts = batch["request_counts"]
+            if drained is None and (batch["status"] in ("finalizing", *TERMINAL) or (
+                    counts["total"] and counts["completed"] + counts["failed"] >= counts["total"])):
+                drained = seen
             if batch["status"] in TERMINAL:
                 break
             if (config.quiet_polls and not quiet and batch["status"] == "in_progress"
@@ -217,7 +234,8 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
                 raise TimeoutError(f"the batch is still {batch['status']} after "
                                    f"{config.timeout_s:.0f} s: {batch['request_counts']}")
             time.sleep(POLL_INTERVAL_S)
-        elapsed = time.perf_counter() - start - paused_s  # lines/s without the pause
+        end = time.perf_counter() - paused_s
+        elapsed = end - start  # lines/s without the pause
     finally:
         activity = sampler.stop()
     cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
@@ -260,7 +278,21 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         quiet_poll_server_ms_median=_median(p.server_ms for p in quiet),
         num_quiet_polls=len(quiet), quiet_machine_cpu_busy=quiet_cpu,
         num_cpus=os.cpu_count() or 1,
+        **phases(start, started_run, drained, end, config.num_lines, ideal),
     )
+
+
+def phases(start: float, started_run: float | None, drained: float | None, end: float,
+           num_lines: int, ideal: float | None) -> dict[str, float | None]:
+    """Prepare, run and finalize seconds from the poll times; the run's lines/s and efficiency.
+    One-worker stages (prepare, finalize) do not scale with workers: the end-to-end lines/s
+    includes them, the run's does not."""
+    if started_run is None or drained is None or drained <= started_run:
+        return {}
+    run_s = drained - started_run
+    return {"prepare_s": started_run - start, "run_s": run_s, "finalize_s": end - drained,
+            "run_lines_per_s": num_lines / run_s,
+            "run_efficiency": num_lines / run_s / ideal if ideal else None}
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,11 @@ def targets(sweep: Sequence[Any], big: Any | None) -> list[Target]:
             status = "CPU-limited"
         room = (f"; the target's {target_lines_per_s:,.0f} lines/s need {needed:.2f} of "
                 f"{cpus} CPUs at {cpu_ms_per_line(high):.2f} ms a line" if cpus else "")
+        low_run, high_run = (getattr(r, "run_lines_per_s", None) for r in (low, high))
+        if low_run is not None and high_run is not None:
+            # The same step over the runs alone, without the one-worker prepare and finalize.
+            room += (f"; run phase alone +{high_run - low_run:,.0f} "
+                     f"({(high_run - low_run) / ideal_added:.0%} of ideal)")
         found.append(Target(
             f"paced {low.num_workers}->{high.num_workers} workers adds >= 60% of ideal", share,
             status, f"+{high.lines_per_s - low.lines_per_s:,.0f} of +{ideal_added:,.0f} lines/s; "
@@ -156,6 +161,12 @@ def format_report(sweep: Sequence[Any], big: Any | None, found: list[Target]) ->
         waits = getattr(r, "waits", None) or []
         lines += [f"    {100 * w['share']:5.1f}%  {w['type']}:{w['event']}  {w['statement']}"
                   for w in waits[:MAX_WAITS_SHOWN]] or ["    none"]
+        if getattr(r, "run_s", None) is not None:
+            eff = (f", {100 * r.run_efficiency:.0f}% of ideal" if r.run_efficiency is not None
+                   else "")
+            lines.append(f"    phases: prepare {r.prepare_s:.1f} s, run {r.run_s:.1f} s "
+                         f"({r.run_lines_per_s:,.0f} lines/s{eff}), finalize "
+                         f"{r.finalize_s:.1f} s")
         hot = getattr(r, "line_hot_update_share", None)
         if hot is not None:
             lines.append(f"    request_lines: {100 * hot:.0f}% of row updates HOT; "

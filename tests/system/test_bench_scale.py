@@ -128,7 +128,12 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     assert (result["lock_wait_share"] is None) == no_active_sample
     measured = {k: v for k, v in result.items()
                 if k not in ("engine", "ideal_lines_per_s", "efficiency",
-                             "lines_per_s_per_worker", "exactly_once", "waits")
+                             "lines_per_s_per_worker", "exactly_once", "waits",
+                             # Quiet polls are the --big-lines batch's; 200 instant lines may
+                             # go from validating to completed between two polls (no phases).
+                             "quiet_poll_ms_median", "quiet_poll_server_ms_median",
+                             "quiet_machine_cpu_busy", "prepare_s", "run_s", "finalize_s",
+                             "run_lines_per_s", "run_efficiency")
                 and not (k == "lock_wait_share" and no_active_sample)}
     for name, value in measured.items():
         assert isinstance(value, int | float) and math.isfinite(value), (name, value)
@@ -143,6 +148,9 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     lock_share = sum(w["share"] for w in result["waits"] if w["type"] == "Lock")
     assert no_active_sample or lock_share <= result["lock_wait_share"] + 1e-9
     assert result["line_hot_update_share"] > 0.9  # results written in their lines' pages
+    # The API timed the polls itself (Server-Timing), within what the client saw.
+    assert 0 < result["status_poll_server_ms_median"] <= result["status_poll_ms_median"]
+    assert result["num_quiet_polls"] == 0 and result["num_cpus"] >= 1
     assert {t["name"]: t["status"] for t in report["targets"]}[
         "every custom_id exactly once in every run (runs broken)"] == "met"
     print(f"tiny scale run took {time.monotonic() - started:.1f} s")
@@ -170,3 +178,13 @@ def test_statement_labels_group_executions_of_one_statement() -> None:
     assert statement_label("SELECT shards.id FROM shards WHERE x FOR UPDATE SKIP LOCKED") == \
         "SELECT FROM shards"
     assert statement_label("COMMIT") == "COMMIT" and statement_label(None) == "(none)"
+
+
+def test_phases_split_the_one_worker_stages_from_the_run() -> None:
+    from bench.scale import phases
+
+    found = phases(100.0, 102.0, 112.0, 113.0, 1000, 200.0)
+    assert found == {"prepare_s": 2.0, "run_s": 10.0, "finalize_s": 1.0,
+                     "run_lines_per_s": 100.0, "run_efficiency": 0.5}
+    assert phases(100.0, None, 112.0, 113.0, 1000, 200.0) == {}  # never seen running
+    assert phases(100.0, 105.0, 105.0, 106.0, 1000, None) == {}  # done at the first look
