@@ -15,6 +15,9 @@ status polls made while it ran, shard claim attempts per successful claim (the w
 summed on the API's /metrics), and that every custom_id is in the output file exactly once.
 Then one ``--big-lines`` batch with the instant engine (the status-poll and throughput targets).
 ``bench/scale_report.py`` prints the figures and checks them against issue 17's targets.
+
+``BOXCAR_BENCH_CPU_PROFILE=<folder>`` in the environment profiles every worker's threads on their
+CPU clocks (``bench/cpu_profile.py``; read with ``python -m bench.cpu_profile <folder>``).
 """
 
 from __future__ import annotations
