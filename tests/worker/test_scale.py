@@ -14,9 +14,10 @@ from service import counters
 from service.models import LINE_COMPLETED, LINE_FAILED, BatchCounter, RequestLine, Shard
 from tests.conftest_services import chat_line
 from tests.worker.fake_engine import FakeEngine
-from worker import claims
+from worker import claims, lease_keeper
 from worker import finalize as finalize_module
 from worker.items import LineResult, LineWork
+from worker.lease_keeper import LeaseKeeper
 from worker.prepare import prepare_batch
 from worker.result_writer import write_results
 
@@ -326,19 +327,54 @@ def test_result_writes_are_hot_updates_on_postgresql(make_stack, pg_url):
     assert (updated, hot) == (200, 200)
 
 
+def _keeper(stack, worker) -> LeaseKeeper:
+    """A lease keeper of the worker's shards that no thread runs: the test turns its rounds."""
+    keeper = LeaseKeeper(worker.db, stack.settings, worker_id="k", held=worker.held,
+                         drainer=worker.drainer, announce_shards=lambda ids: None,
+                         on_batches_touched=lambda ids: None)
+    keeper._stop = threading.Event()
+    keeper._last_announce = keeper._last_check = time.monotonic()  # only the claim part runs
+    return keeper
+
+
 def test_a_hungry_engine_does_not_wake_a_claim_loop_that_found_the_queue_dry(make_stack,
                                                                             sqlite_url):
     """The drain loop asks for more at every step that leaves its queue low; after a claim that
     found nothing, those asks wait for the next poll, while a broker message still wakes the
     loop at once."""
     stack = make_stack(sqlite_url)
-    worker = stack.add_worker(FakeEngine())
-    keeper = worker.leases
-    wakes: list[bool] = []
-    keeper.wake = lambda check=False: wakes.append(True)  # what each call would have done
+    keeper = _keeper(stack, stack.add_worker(FakeEngine()))
     assert keeper.claim_some() == 0  # nothing queued: dry
+    keeper._wake.clear()
     keeper.wake_hungry()
-    assert wakes == []
+    assert not keeper._wake.is_set()
+    keeper.wake()  # a new shard's message
+    assert keeper._wake.is_set()
+    keeper._wake.clear()
     keeper._dry_until = 0.0  # a poll interval later
     keeper.wake_hungry()
-    assert wakes == [True]
+    assert keeper._wake.is_set()
+
+
+def test_a_busy_worker_polls_for_jobs_less_often_unless_asked(make_stack, sqlite_url):
+    """With no room for bulk work, a round claims only when woken (a job's or a shard's
+    message) or BUSY_CLAIM_POLL_S after its last claim poll; with room, every round does."""
+    stack = make_stack(sqlite_url)
+    keeper = _keeper(stack, stack.add_worker(FakeEngine()))
+    polls: list[bool] = []
+    keeper.claim_some = lambda: polls.append(True) and False
+    room = [False]
+    keeper.has_room = lambda *, is_job: room[0]
+    keeper.run_round()  # the first round claims
+    keeper.run_round()
+    assert len(polls) == 1
+    keeper.wake()
+    keeper.run_round()
+    assert len(polls) == 2
+    keeper._last_claim_poll -= lease_keeper.BUSY_CLAIM_POLL_S
+    keeper.run_round()
+    assert len(polls) == 3
+    room[0] = True
+    keeper.run_round()
+    keeper.run_round()
+    assert len(polls) == 5
