@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import make_asgi_app
 from starlette.concurrency import run_in_threadpool
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.deps import AppContext
 from api.errors import RETRY_AFTER_SECONDS, error_body, install_error_handlers
 from api.routes import batches, files, health, jobs, models, ui, webhooks
+from api.timing import ServerTiming, time_statements
 from metrics.api_collector import metrics_registry
 from service.db import Database
 from service.queue import TaskQueue, make_queue
@@ -47,28 +49,41 @@ def create_app(
     )
     app.state.context = context
     install_error_handlers(app)
-    _install_schema_gate(app, context)
+    app.add_middleware(SchemaGateMiddleware, context=context)
     for module in (files, batches, jobs, models, webhooks, health, ui):
         app.include_router(module.router)
     app.mount("/metrics", make_asgi_app(metrics_registry(
         context.db, context.settings.worker_metrics_interval)))
+    time_statements(context.db.engine)
+    if context.db.read_engine is not context.db.engine:
+        time_statements(context.db.read_engine)
+    app.add_middleware(ServerTiming)  # added last: the outermost, so it times everything else
     return app
 
 
-def _install_schema_gate(app: FastAPI, context: AppContext) -> None:
+class SchemaGateMiddleware:
     """On a database whose schema is not the code's (``boxcar db upgrade`` has not run), the API
-    answers 503 with the reason instead of failing on a missing table (/readyz says so too)."""
+    answers 503 with the reason instead of failing on a missing table (/readyz says so too).
+    Plain ASGI rather than ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware runs the
+    rest of the app in a task of its own and streams the response through it, a cost every
+    request paid (a status poll too) for a check that passes."""
 
-    @app.middleware("http")
-    async def schema_gate(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and not context.schema.is_current:
+    def __init__(self, app: ASGIApp, context: AppContext) -> None:
+        self.app = app
+        self.context = context
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (scope["type"] == "http" and scope["path"].startswith("/v1/")
+                and not self.context.schema.is_current):
             try:
-                problem = await run_in_threadpool(context.schema.problem)
+                problem = await run_in_threadpool(self.context.schema.problem)
             except Exception:  # the database is down: the route's handlers answer 503 for it
                 problem = None
             if problem is not None:
-                return JSONResponse(
+                response = JSONResponse(
                     error_body(503, f"The service is not ready: {problem}.",
                                code="schema_out_of_date"),
                     status_code=503, headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
-        return await call_next(request)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -15,20 +15,27 @@ status polls made while it ran, shard claim attempts per successful claim (the w
 summed on the API's /metrics), and that every custom_id is in the output file exactly once.
 Then one ``--big-lines`` batch with the instant engine (the status-poll and throughput targets).
 ``bench/scale_report.py`` prints the figures and checks them against issue 17's targets.
+
+``BOXCAR_BENCH_CPU_PROFILE=<folder>`` in the environment profiles every worker's threads on their
+CPU clocks (``bench/cpu_profile.py``; read with ``python -m bench.cpu_profile <folder>``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import httpx
 
+from api.timing import server_timing_ms
 from bench import scale_report
 from bench.scale_probes import (
     PgSampler,
@@ -38,6 +45,7 @@ from bench.scale_probes import (
     free_connections,
     group_cpu_s,
     machine_cpu_ticks,
+    table_stats,
 )
 from bench.scale_stack import ScaleStack
 
@@ -59,6 +67,9 @@ class RunConfig:
     database_url: str
     broker_url: str
     idle_settle_s: float = 0.0
+    # Status polls made with every worker stopped (SIGSTOP) once a fifth of the batch is done:
+    # the poll of a live batch on a machine that is not saturated (0: none).
+    quiet_polls: int = 0
 
 
 @dataclass
@@ -78,13 +89,41 @@ class RunResult:
     idle_commits_per_s_per_worker: float
     pg_cpu_ms_per_line: float
     service_cpu_ms_per_line: float  # the API and worker processes (the bench client excluded)
-    status_poll_ms_median: float | None
+    status_poll_ms_median: float | None  # as the client measured it
     num_status_polls: int
     machine_cpu_busy: float
     peak_connections: int
     exactly_once: bool
     missing: int
     duplicated: int
+    # What active backends waited on, biggest first: wait_event_type, wait_event, statement
+    # (``scale_probes.statement_label``) and the share of all active backend samples.
+    waits: list[dict[str, Any]] = field(default_factory=list)
+    # request_lines after the batch: the share of its row updates (the result writes) that were
+    # HOT (no index entries written, the new version in the old one's page), its heap and
+    # index size per line, and the mean row's bytes.
+    line_hot_update_share: float | None = None
+    line_heap_bytes_per_line: float = 0.0
+    line_index_bytes_per_line: float = 0.0
+    line_row_bytes: float = 0.0
+    # The same polls as the API timed them itself (its Server-Timing header: from the request's
+    # first byte in to the response's headers out), and the quiet polls: client and server
+    # medians with every worker stopped, and the machine's CPU busy share meanwhile.
+    status_poll_server_ms_median: float | None = None
+    status_poll_db_ms_median: float | None = None
+    quiet_poll_ms_median: float | None = None
+    quiet_poll_server_ms_median: float | None = None
+    num_quiet_polls: int = 0
+    quiet_machine_cpu_busy: float | None = None
+    num_cpus: int = 0  # the machine's: what the CPU figures are shares of
+    # The batch's phases as the polls saw them (to a poll interval): prepare (created to
+    # in_progress, one worker), the run (to every line closed: all workers) and finalize (to
+    # completed, one worker); and lines/s over the run alone, against the ideal.
+    prepare_s: float | None = None
+    run_s: float | None = None
+    finalize_s: float | None = None
+    run_lines_per_s: float | None = None
+    run_efficiency: float | None = None
 
 
 def ok(response: httpx.Response) -> httpx.Response:
@@ -161,7 +200,12 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     sampler = PgSampler(config.database_url, stack.name).start()
     cpu_before = machine_cpu_ticks()
     service_before = service_cpu_s(stack)
-    polls: list[float] = []
+    polls: list[Poll] = []
+    quiet: list[Poll] = []
+    quiet_cpu: float | None = None
+    paused_s = 0.0
+    started_run: float | None = None  # when a poll first saw the batch in_progress
+    drained: float | None = None  # when a poll first saw every line closed
     start = time.perf_counter()
     try:
         response = client.post("/v1/batches", json={
@@ -171,21 +215,30 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         batch = response.json()
         deadline = time.monotonic() + config.timeout_s
         while True:
-            poll_start = time.perf_counter()
-            response = client.get(f"/v1/batches/{batch['id']}")
-            took = time.perf_counter() - poll_start
-            ok(response)
-            batch = response.json()
+            poll, batch = poll_batch(client, batch["id"])
+            seen = time.perf_counter() - paused_s
             if batch["status"] in LIVE:
-                polls.append(took)
+                polls.append(poll)
+            if started_run is None and batch["status"] != "validating":
+                started_run = seen
+            counts = batch["request_counts"]
+            if drained is None and (batch["status"] in ("finalizing", *TERMINAL) or (
+                    counts["total"] and counts["completed"] + counts["failed"] >= counts["total"])):
+                drained = seen
             if batch["status"] in TERMINAL:
                 break
+            if (config.quiet_polls and not quiet and batch["status"] == "in_progress"
+                    and batch["request_counts"]["completed"] >= config.num_lines / 5):
+                paused = time.perf_counter()
+                quiet, quiet_cpu = quiet_polls(stack, client, batch["id"], config.quiet_polls)
+                paused_s = time.perf_counter() - paused
             stack.check_workers()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the batch is still {batch['status']} after "
                                    f"{config.timeout_s:.0f} s: {batch['request_counts']}")
             time.sleep(POLL_INTERVAL_S)
-        elapsed = time.perf_counter() - start
+        end = time.perf_counter() - paused_s
+        elapsed = end - start  # lines/s without the pause
     finally:
         activity = sampler.stop()
     cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
@@ -197,6 +250,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     response = client.get("/metrics", follow_redirects=True)  # a mounted app: /metrics/
     ok(response)
     counters = claim_counters(response.text)
+    lines_table = table_stats(stack.database_url, "request_lines")
     attempts, claims = counters if counters is not None else (None, None)
     lines_per_s = config.num_lines / elapsed
     ideal = (config.num_workers * config.lines_per_s
@@ -212,11 +266,96 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         idle_commits_per_s_per_worker=idle_commits,
         pg_cpu_ms_per_line=1000 * activity.backend_cpu_s / config.num_lines,
         service_cpu_ms_per_line=1000 * service_cpu / config.num_lines,
-        status_poll_ms_median=1000 * statistics.median(polls) if polls else None,
+        status_poll_ms_median=_median(p.client_ms for p in polls),
         num_status_polls=len(polls), machine_cpu_busy=cpu_busy,
         peak_connections=activity.peak_connections,
         exactly_once=missing == 0 and duplicated == 0, missing=missing, duplicated=duplicated,
+        waits=wait_breakdown(activity.waits, activity.active),
+        line_hot_update_share=lines_table.hot_share,
+        line_heap_bytes_per_line=lines_table.heap_bytes / config.num_lines,
+        line_index_bytes_per_line=lines_table.index_bytes / config.num_lines,
+        line_row_bytes=lines_table.mean_row_bytes,
+        status_poll_server_ms_median=_median(p.server_ms for p in polls),
+        status_poll_db_ms_median=_median(p.db_ms for p in polls),
+        quiet_poll_ms_median=_median(p.client_ms for p in quiet),
+        quiet_poll_server_ms_median=_median(p.server_ms for p in quiet),
+        num_quiet_polls=len(quiet), quiet_machine_cpu_busy=quiet_cpu,
+        num_cpus=os.cpu_count() or 1,
+        **phases(start, started_run, drained, end, config.num_lines, ideal),
     )
+
+
+def phases(start: float, started_run: float | None, drained: float | None, end: float,
+           num_lines: int, ideal: float | None) -> dict[str, float | None]:
+    """Prepare, run and finalize seconds from the poll times; the run's lines/s and efficiency.
+    One-worker stages (prepare, finalize) do not scale with workers: the end-to-end lines/s
+    includes them, the run's does not."""
+    if started_run is None or drained is None or drained <= started_run:
+        return {}
+    run_s = drained - started_run
+    return {"prepare_s": started_run - start, "run_s": run_s, "finalize_s": end - drained,
+            "run_lines_per_s": num_lines / run_s,
+            "run_efficiency": num_lines / run_s / ideal if ideal else None}
+
+
+@dataclass(frozen=True)
+class Poll:
+    client_ms: float  # the client's, from the request sent to the body read
+    server_ms: float | None  # the API's own (Server-Timing ``app``)
+    db_ms: float | None  # of which in its database statements (Server-Timing ``db``)
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    found = [v for v in values if v is not None]
+    return statistics.median(found) if found else None
+
+
+def poll_batch(client: httpx.Client, batch_id: str) -> tuple[Poll, dict[str, Any]]:
+    start = time.perf_counter()
+    response = client.get(f"/v1/batches/{batch_id}")
+    took = time.perf_counter() - start
+    ok(response)
+    header = response.headers.get("server-timing")
+    return Poll(1000 * took, server_timing_ms(header), server_timing_ms(header, "db")), \
+        response.json()
+
+
+# The quiet polls: a pause after stopping the workers (their last writes land, the CPU they
+# were using goes idle) and between polls (each poll alone, not queued behind the previous).
+QUIET_SETTLE_S = 0.5
+QUIET_INTERVAL_S = 0.05
+
+
+def quiet_polls(stack: ScaleStack, client: httpx.Client, batch_id: str,
+                num_polls: int) -> tuple[list[Poll], float]:
+    """``num_polls`` status polls of the live batch with every worker stopped (SIGSTOP, then
+    SIGCONT: a pause of a few seconds, well inside their leases), and the machine's CPU busy
+    share meanwhile."""
+    stack.pause_workers()
+    try:
+        time.sleep(QUIET_SETTLE_S)
+        cpu_before = machine_cpu_ticks()
+        polls = []
+        for _ in range(num_polls):
+            poll, batch = poll_batch(client, batch_id)
+            if batch["status"] != "in_progress":
+                raise RuntimeError(f"the batch went {batch['status']} with its workers stopped")
+            polls.append(poll)
+            time.sleep(QUIET_INTERVAL_S)
+        return polls, cpu_busy_share(cpu_before, machine_cpu_ticks())
+    finally:
+        stack.resume_workers()
+
+
+# Waits below this share of active samples are left out of a run's breakdown.
+MIN_WAIT_SHARE = 0.002
+
+
+def wait_breakdown(waits: Counter[tuple[str, str, str]], active: int) -> list[dict[str, Any]]:
+    return [{"type": wait_type, "event": event, "statement": statement,
+             "samples": n, "share": n / active}
+            for (wait_type, event, statement), n in waits.most_common()
+            if active and n / active >= MIN_WAIT_SHARE]
 
 
 def check_output(client: httpx.Client, batch: dict, num_lines: int) -> tuple[int, int]:
@@ -260,6 +399,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "status-poll and throughput targets (default 50000; 0: skip)")
     parser.add_argument("--big-workers", type=int, default=4,
                         help="workers for that batch (default 4)")
+    parser.add_argument("--quiet-polls", type=int, default=40,
+                        help="status polls of the --big-lines batch made with every worker "
+                             "stopped for a moment (default 40; 0: none)")
     parser.add_argument("--idle-s", type=float, default=20.0,
                         help="seconds of idle workers to count commits over (default 20: one "
                              "period of the idle polls at their cap)")
@@ -287,6 +429,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{args.big_lines} and {args.big_workers}")
     if args.idle_s <= 0 or args.timeout <= 0:
         parser.error(f"--idle-s and --timeout must be > 0, got {args.idle_s} and {args.timeout}")
+    if args.quiet_polls < 0:
+        parser.error(f"--quiet-polls must be >= 0, got {args.quiet_polls}")
     if args.idle_settle_s < 0:
         parser.error(f"--idle-settle-s must be >= 0, got {args.idle_settle_s}")
     return args
@@ -299,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
     configs = [RunConfig(n, args.lines, args.engine, args.lines_per_s, **common)
                for n in args.workers]
     if args.big_lines:
-        configs.append(RunConfig(args.big_workers, args.big_lines, "instant", None, **common))
+        configs.append(RunConfig(args.big_workers, args.big_lines, "instant", None, **common,
+                                 quiet_polls=args.quiet_polls))
     results = []
     for config in configs:
         if not args.json:

@@ -7,8 +7,10 @@ claim counters on the API's /metrics.
 from __future__ import annotations
 
 import os
+import re
 import threading
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -98,6 +100,34 @@ def claim_counters(metrics_text: str) -> tuple[float, float] | None:
     return sums[CLAIM_ATTEMPTS], sums[CLAIMS]
 
 
+_SPACES = re.compile(r"\s+")
+_VERB = re.compile(r"^(?:WITH\b.*?\)\s*)?(SELECT|INSERT INTO|UPDATE|DELETE FROM|COPY)\s+(\w+)",
+                   re.IGNORECASE)
+_FROM = re.compile(r"\bFROM\s+(\w+)", re.IGNORECASE)
+_SET = re.compile(r"\bSET\s+(\w+)", re.IGNORECASE)
+_CONFLICT = re.compile(r"\bON CONFLICT\b", re.IGNORECASE)
+
+
+def statement_label(query: str | None) -> str:
+    """A short name for a statement that groups its executions: its verb, its table and, for an
+    UPDATE, the first column it sets (``UPDATE shards SET lease_expires_at``), whatever the
+    parameters; the first 40 characters of anything else."""
+    text = _SPACES.sub(" ", query or "").strip()
+    found = _VERB.match(text)
+    if found is None:
+        return text[:40] or "(none)"
+    verb, table = found.group(1).upper(), found.group(2)
+    if verb == "SELECT":
+        source = _FROM.search(text)
+        return f"SELECT FROM {source.group(1) if source else table}"
+    if verb == "UPDATE":
+        column = _SET.search(text)
+        return f"UPDATE {table} SET {column.group(1)}" if column else f"UPDATE {table}"
+    if verb == "INSERT INTO" and _CONFLICT.search(text):
+        return f"INSERT INTO {table} ON CONFLICT"
+    return f"{verb} {table}"
+
+
 @dataclass
 class PgActivity:
     num_samples: int = 0
@@ -105,6 +135,9 @@ class PgActivity:
     lock_waits: int = 0  # of those, waiting on a lock (a row or a relation)
     peak_connections: int = 0
     backend_cpu_s: float = 0.0
+    # Active samples that were waiting, by (wait_event_type, wait_event, statement_label): what
+    # the lock-wait share is made of, and the other waits (I/O, lightweight locks) beside it.
+    waits: Counter[tuple[str, str, str]] = field(default_factory=Counter)
 
     @property
     def lock_wait_share(self) -> float | None:
@@ -170,15 +203,17 @@ class PgSampler:
     def _sample(self) -> list[int]:
         assert self._conn is not None
         rows = self._conn.execute(
-            "SELECT pid, state, wait_event_type FROM pg_stat_activity "
+            "SELECT pid, state, wait_event_type, wait_event, query FROM pg_stat_activity "
             "WHERE datname = %s AND pid <> pg_backend_pid()", (self.database,)).fetchall()
         act = self.activity
         act.num_samples += 1
         act.peak_connections = max(act.peak_connections, len(rows))
-        for _, state, wait in rows:
+        for _, state, wait_type, wait_event, query in rows:
             if state == "active":
                 act.active += 1
-                act.lock_waits += wait == "Lock"
+                act.lock_waits += wait_type == "Lock"
+                if wait_type is not None:
+                    act.waits[(wait_type, wait_event or "", statement_label(query))] += 1
         pids = [int(r[0]) for r in rows]
         for pid in pids:
             self._last_cpu.setdefault(pid, 0.0)  # first seen after start(): born in the run
@@ -190,3 +225,33 @@ class PgSampler:
             if cpu is not None:  # gone: keep its last reading
                 self._last_cpu[pid] = cpu
 
+
+
+@dataclass
+class TableStats:
+    """One table's writes and size (pg_stat_user_tables, pg_relation_size)."""
+
+    num_updates: int
+    num_hot_updates: int  # updates that wrote no index entry: the new version in the same page
+    heap_bytes: int
+    index_bytes: int
+    mean_row_bytes: float
+
+    @property
+    def hot_share(self) -> float | None:
+        return self.num_hot_updates / self.num_updates if self.num_updates else None
+
+
+def table_stats(database_url: str, table: str) -> TableStats:
+    """``table``'s update counts and size in the database of ``database_url``."""
+    with psycopg.connect(libpq_url(database_url), autocommit=True) as conn:
+        conn.execute("SELECT pg_stat_clear_snapshot()")
+        row = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd, pg_relation_size(relid), "
+            "pg_indexes_size(relid) FROM pg_stat_user_tables WHERE relname = %s",
+            (table,)).fetchone()
+        width = conn.execute(
+            f'SELECT coalesce(avg(pg_column_size(t.*)), 0) FROM "{table}" t').fetchone()
+    if row is None or width is None:
+        raise RuntimeError(f"pg_stat_user_tables has no row for {table}")
+    return TableStats(int(row[0]), int(row[1]), int(row[2]), int(row[3]), float(width[0]))

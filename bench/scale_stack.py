@@ -136,6 +136,18 @@ class ScaleStack:
                 raise RuntimeError(f"worker w{i} exited with status {proc.returncode}:\n"
                                    f"{self.log_tail(f'w{i}')}")
 
+    def pause_workers(self) -> None:
+        """Stop every worker process (SIGSTOP to its group); ``resume_workers`` undoes it."""
+        for proc in self.workers:
+            os.killpg(proc.pid, signal.SIGSTOP)
+
+    def resume_workers(self) -> None:
+        for proc in self.workers:
+            try:
+                os.killpg(proc.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
     def wait_workers(self) -> None:
         def all_ready() -> bool:
             self.check_workers()
@@ -167,6 +179,7 @@ class ScaleStack:
                 print(f"bench.scale: cleaning up failed: {exc}", file=sys.stderr)
 
     def _stop_processes(self) -> None:
+        self.resume_workers()  # a stopped process would not see its SIGTERM
         for proc in self.workers:  # all signalled first: they shut down in parallel
             if proc.poll() is None:
                 try:

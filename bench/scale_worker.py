@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Any
 
+from bench.cpu_profile import start_from_env
 from bench.fake_engine import FakeEngine
 
 ENGINES = ("instant", "paced")
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from worker import process
 
     engine = engine_from_env(dict(os.environ))  # a bad setting stops here, before Celery starts
+    start_from_env(dict(os.environ), "worker")
 
     def build_engine(settings: Any) -> FakeEngine:
         return engine

@@ -180,7 +180,7 @@ def _live_batches(session: Session) -> list[_Live]:
     if not batches:
         return []
     # Open lines, finished lines and their usage from the batches' counter rows
-    # (service.counters): at most COUNTER_SLOTS rows a batch, never its lines.
+    # (service.counters): a row per worker that ran a batch, never its lines.
     found = counters.sums(session, [b.id for b in batches])
     live = []
     for b in batches:

@@ -198,22 +198,30 @@ class Shard(Base):
     finished_at: Mapped[dt.datetime | None]
 
 
+# Percent of a request_lines page that prepare fills: the rest is room for its lines' results.
+REQUEST_LINES_FILLFACTOR = 40
+
+
 class RequestLine(Base):
     """One request (a batch input line or a single job's body) and, once final, its result."""
 
     __tablename__ = "request_lines"
+    # No index names a column that a result write changes (status, response, ...), and
+    # prepare leaves half of each page free: a result is a HOT update, written in the line's
+    # page with no new index entries (0006_hot_results).
     __table_args__ = (
         # Lines that run are unique on (batch_id, custom_id), so output files never repeat a
-        # custom_id; a line failed at prepare (a repeated custom_id among them) keeps its
-        # custom_id for its error-file line without taking part.
+        # custom_id; a line failed at prepare (a repeated custom_id among them) has no shard
+        # and keeps its custom_id for its error-file line without taking part.
         Index("uq_request_lines_batch_custom_id", "batch_id", "custom_id", unique=True,
-              postgresql_where=text("status <> 'failed'"),
-              sqlite_where=text("status <> 'failed'")),
-        Index("ix_request_lines_batch_status", "batch_id", "status"),
-        Index("ix_request_lines_shard_status", "shard_id", "status"),
+              postgresql_where=text("shard_id IS NOT NULL"),
+              sqlite_where=text("shard_id IS NOT NULL")),
+        Index("ix_request_lines_shard", "shard_id"),
         Index("ix_request_lines_job", "job_id"),
-        # Finalize streams a batch's lines in input order off this index (no sort).
+        # Finalize streams a batch's lines in input order off this index (no sort); it also
+        # finds a batch's lines for the rarer reads (its open lines at finalize or cancel).
         Index("ix_request_lines_batch_line", "batch_id", "line_no"),
+        {"postgresql_with": {"fillfactor": REQUEST_LINES_FILLFACTOR}},
     )
 
     pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
@@ -245,10 +253,9 @@ class RequestLine(Base):
     finished_at: Mapped[dt.datetime | None]
 
 
-# A batch's live counters are spread over this many rows, one per slot: a worker writes its
-# results into one slot (``service.counters``), so the workers of one big batch do not queue
-# on a single row lock.
-COUNTER_SLOTS = 16
+# A batch's live counters are spread over one row per worker that wrote to it (its slot,
+# ``service.counters.slot_of``) and slot 0 (prepare, recount): two workers never queue on one
+# counter row, and a status read sums as many rows as workers ran the batch, not its lines.
 
 
 class BatchCounter(Base):

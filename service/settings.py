@@ -67,6 +67,10 @@ class Settings(BaseSettings):
     # False (OpenAI's rule): a line's url must be the batch's endpoint; True: either endpoint.
     mixed_endpoints: bool = False
     bootstrap_api_key: str | None = None  # ensured to exist (tenant "default") at start
+    # Seconds an API process trusts a key it has checked before asking the database again (a
+    # status poll then makes no auth query): a revoked key works at most this long in an API
+    # process that saw it just before. 0: every request checks its key in the database.
+    api_key_cache_seconds: float = 5.0
 
     # Work distribution.
     shard_size: int = 256
@@ -106,6 +110,13 @@ class Settings(BaseSettings):
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:
             raise ValueError(f"must be > 0 seconds, got {value}")
+        return value
+
+    @field_validator("api_key_cache_seconds")
+    @classmethod
+    def _seconds_or_zero(cls, value: float) -> float:
+        if value < 0:
+            raise ValueError(f"must be >= 0 seconds (0: no cache), got {value}")
         return value
 
     @field_validator("max_priority")

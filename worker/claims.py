@@ -89,11 +89,13 @@ def find_candidates(
         .order_by(Batch.expires_at, Shard.priority.desc(), Shard.created_at, Shard.id)
         .limit(max_bulk * 8)
     ).all() if max_bulk > 0 else []
+    # Only bulk candidates are spread over tenants: a worker with no room for bulk shards (its
+    # engine's queue is deep: most of its polls) asks for jobs alone, in one statement.
     running = Counter(dict(session.execute(
         select(Shard.tenant_id, func.count()).where(
             Shard.status == SHARD_RUNNING, Shard.lease_expires_at >= now, Shard.job_id.is_(None)
         ).group_by(Shard.tenant_id)
-    ).all()))
+    ).all())) if bulk_rows else Counter()
     # Per tenant, its shards in claim order; a tenant's head decides when it is served.
     by_tenant: dict[str, list[Candidate]] = {}
     for row in bulk_rows:

@@ -212,7 +212,7 @@ class WorkerService:
             max_num_batched_tokens=_engine_limit(self.engine, "max_num_batched_tokens", 512),
             job_collect_window=settings.job_collect_window,
             low_water=max(2 * _engine_limit(self.engine, "max_num_seqs", 128), settings.shard_size),
-            on_hungry=lambda: self.leases.wake(),
+            on_hungry=lambda: self.leases.wake_hungry(),
         )
         forecaster = Forecaster(self.drainer, self.recorder.step_cost,
                                 seats=self.drainer.max_num_seqs,

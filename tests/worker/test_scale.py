@@ -14,9 +14,10 @@ from service import counters
 from service.models import LINE_COMPLETED, LINE_FAILED, BatchCounter, RequestLine, Shard
 from tests.conftest_services import chat_line
 from tests.worker.fake_engine import FakeEngine
-from worker import claims
+from worker import claims, lease_keeper
 from worker import finalize as finalize_module
 from worker.items import LineResult, LineWork
+from worker.lease_keeper import LeaseKeeper
 from worker.prepare import prepare_batch
 from worker.result_writer import write_results
 
@@ -300,3 +301,80 @@ def test_an_idle_workers_claim_poll_is_one_transaction_with_the_reap(make_stack,
     assert reap_poll.count("COMMIT") == 1
     assert statements[0] == "UPDATE" and "SELECT" in statements  # the reap, then the read
     assert check == []
+
+
+def test_result_writes_are_hot_updates_on_postgresql(make_stack, pg_url):
+    """A result write changes no indexed column and finds room in its line's page (fillfactor,
+    0006_hot_results): PostgreSQL counts every one as a HOT update, so results write no index
+    entries and do not extend the table. 200 lines fill several pages, as a real batch does."""
+    stack = make_stack(pg_url)
+    batch_id = prepared(stack, [chat_line(f"r{i}", f"line {i} " + "x" * 200) for i in range(200)],
+                        shard_size=64)
+    with stack.ctx.db.read_session() as session:
+        rows = session.scalars(select(RequestLine).where(RequestLine.batch_id == batch_id)
+                               .order_by(RequestLine.pk)).all()
+    results = [LineResult(_work(row), LINE_COMPLETED if i % 5 else LINE_FAILED,
+                          response={"choices": [{"text": "y" * 300}]} if i % 5 else None,
+                          error=None if i % 5 else {"code": "x", "message": "m"},
+                          prompt_tokens=10, completion_tokens=3)
+               for i, row in enumerate(rows)]
+    with stack.ctx.db.session() as session:
+        assert write_results(session, results, worker_id="w1") == {batch_id}
+        # This transaction's own counts (pg_stat_get_xact_*): no wait for the stats collector.
+        updated, hot = session.execute(text(
+            "SELECT pg_stat_get_xact_tuples_updated('request_lines'::regclass), "
+            "pg_stat_get_xact_tuples_hot_updated('request_lines'::regclass)")).one()
+    assert (updated, hot) == (200, 200)
+
+
+def _keeper(stack, worker) -> LeaseKeeper:
+    """A lease keeper of the worker's shards that no thread runs: the test turns its rounds."""
+    keeper = LeaseKeeper(worker.db, stack.settings, worker_id="k", held=worker.held,
+                         drainer=worker.drainer, announce_shards=lambda ids: None,
+                         on_batches_touched=lambda ids: None)
+    keeper._stop = threading.Event()
+    keeper._last_announce = keeper._last_check = time.monotonic()  # only the claim part runs
+    return keeper
+
+
+def test_a_hungry_engine_does_not_wake_a_claim_loop_that_found_the_queue_dry(make_stack,
+                                                                            sqlite_url):
+    """The drain loop asks for more at every step that leaves its queue low; after a claim that
+    found nothing, those asks wait for the next poll, while a broker message still wakes the
+    loop at once."""
+    stack = make_stack(sqlite_url)
+    keeper = _keeper(stack, stack.add_worker(FakeEngine()))
+    assert keeper.claim_some() == 0  # nothing queued: dry
+    keeper._wake.clear()
+    keeper.wake_hungry()
+    assert not keeper._wake.is_set()
+    keeper.wake()  # a new shard's message
+    assert keeper._wake.is_set()
+    keeper._wake.clear()
+    keeper._dry_until = 0.0  # a poll interval later
+    keeper.wake_hungry()
+    assert keeper._wake.is_set()
+
+
+def test_a_busy_worker_polls_for_jobs_less_often_unless_asked(make_stack, sqlite_url):
+    """With no room for bulk work, a round claims only when woken (a job's or a shard's
+    message) or BUSY_CLAIM_POLL_S after its last claim poll; with room, every round does."""
+    stack = make_stack(sqlite_url)
+    keeper = _keeper(stack, stack.add_worker(FakeEngine()))
+    polls: list[bool] = []
+    keeper.claim_some = lambda: polls.append(True) and False
+    room = [False]
+    keeper.has_room = lambda *, is_job: room[0]
+    keeper.run_round()  # the first round claims
+    keeper.run_round()
+    assert len(polls) == 1
+    keeper.wake()
+    keeper.run_round()
+    assert len(polls) == 2
+    keeper._last_claim_poll -= lease_keeper.BUSY_CLAIM_POLL_S
+    keeper.run_round()
+    assert len(polls) == 3
+    room[0] = True
+    keeper.run_round()
+    keeper.run_round()
+    assert len(polls) == 5
