@@ -125,12 +125,27 @@ class _Body(_Strict):
     def _known_fields(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        names = _field_names(cls)
+        if names.issuperset(data):  # most lines: no unknown, unsupported or neutral field
+            return data
         for name in data:
             if name in UNSUPPORTED_FIELDS:
                 raise _invalid(f"body.{name} is not supported ({UNSUPPORTED_FIELDS[name]})")
-            if name not in cls.model_fields and name not in OUTPUT_NEUTRAL_FIELDS:
+            if name not in names and name not in OUTPUT_NEUTRAL_FIELDS:
                 raise _invalid(f"body.{name} is not a supported parameter")
-        return {k: v for k, v in data.items() if k in cls.model_fields}
+        return {k: v for k, v in data.items() if k in names}
+
+
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
+
+
+def _field_names(cls: type[BaseModel]) -> frozenset[str]:
+    """A model's field names, read once: pydantic's ``model_fields`` on the class goes through
+    a descriptor that costs more than the rest of the check (prepare runs it on every line)."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(cls.model_fields)
+    return names
 
 
 def _logit_bias(value: dict[str, float]) -> dict[str, float]:
@@ -329,6 +344,12 @@ class ChatMessage(_Strict):
     refusal: str | None = None
 
     @property
+    def template_role(self) -> str:
+        """The role for the chat template: ``developer`` becomes ``system``, as OpenAI does for
+        models without a developer role."""
+        return "system" if self.role == "developer" else self.role
+
+    @property
     def text(self) -> str:
         if self.content is None:
             return ""
@@ -368,6 +389,8 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     def _check_tools(self) -> None:
+        if self.tools is None and self.tool_choice is None:
+            return  # most lines: nothing below applies
         tools = self.tools or []
         if len(tools) > MAX_TOOLS:
             raise _invalid(f"body.tools must hold at most {MAX_TOOLS} functions")
@@ -416,13 +439,12 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
     def template_messages(self) -> list[dict[str, Any]]:
-        """Messages as chat-template dicts; ``developer`` becomes ``system``, as OpenAI does for
-        models without a developer role. An assistant's ``tool_calls`` keep OpenAI's shape with
-        the arguments as an object (what Hugging Face chat templates expect)."""
+        """Messages as chat-template dicts (``ChatMessage.template_role``). An assistant's
+        ``tool_calls`` keep OpenAI's shape with the arguments as an object (what Hugging Face
+        chat templates expect)."""
         result = []
         for message in self.messages:
-            role = "system" if message.role == "developer" else message.role
-            entry: dict[str, Any] = {"role": role, "content": message.text}
+            entry: dict[str, Any] = {"role": message.template_role, "content": message.text}
             if message.name is not None:
                 entry["name"] = message.name
             if message.tool_call_id is not None:
