@@ -9,6 +9,7 @@ between 0 and 2").
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -140,6 +141,14 @@ def parse_line(
         return not_an_object(INVALID_JSON, "not valid JSON: nested too deeply")
     if not isinstance(data, dict):
         return not_an_object(INVALID_REQUEST, f"expected a JSON object, got {_json_type(data)}")
+    if _SURROGATE_ESCAPE.search(raw) and _has_lone_surrogate(data):
+        # Valid JSON and a valid Python str, but no Unicode text: no column, tokenizer or
+        # output file can hold it.
+        custom_id = data.get("custom_id")
+        return error(INVALID_REQUEST, "a string holds a lone surrogate escape (\\ud800-\\udfff "
+                     "without its pair): not valid Unicode text",
+                     custom_id if isinstance(custom_id, str) and custom_id
+                     and not _has_lone_surrogate(custom_id) else None)
 
     custom_id = data.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
@@ -189,6 +198,24 @@ def describe_validation_error(exc: ValidationError) -> tuple[str, str]:
         got = _json_type(err["input"])
         return INVALID_REQUEST, f"{path} must be {_TYPE_NAMES[kind]}, got {got}"
     return INVALID_REQUEST, f"{path}: {err['msg']}"
+
+
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # only such lines need the walk below
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string in ``value`` holds a surrogate that json.loads left unpaired."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(k) or _has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    return False
 
 
 _TYPE_NAMES = {

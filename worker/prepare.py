@@ -12,13 +12,12 @@ over.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import logging
 import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pydantic_core import PydanticSerializationError, to_json
+from pydantic_core import to_json
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
@@ -136,14 +135,8 @@ def _json_text(value: dict) -> str:
     no container, so the garbage collector stops walking 40,000 rows of nested dicts again and
     again while they pile up (a quarter of prepare's CPU at 40,000 lines). pydantic-core's
     encoder, not the json module's: a third of the cost (compact, UTF-8 as is; readers parse
-    it)."""
-    try:
-        return to_json(value).decode()
-    except PydanticSerializationError:  # a lone surrogate ("\ud800" in the line): not UTF-8
-        return _escaped_json_text(value)
-
-
-_escaped_json_text = json.JSONEncoder(separators=(", ", ": ")).encode  # as SQLAlchemy's JSON
+    it; a lone surrogate, which it cannot encode, never gets this far: parse_line fails it)."""
+    return to_json(value).decode()
 
 
 def _copies(session: Session) -> bool:

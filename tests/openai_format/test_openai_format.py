@@ -130,6 +130,18 @@ def test_bad_utf8() -> None:
     expect_error(b'{"custom_id": "\xff"}', "invalid_json", "UTF-8")
 
 
+def test_lone_surrogate_fails_the_line_and_a_pair_is_one_character() -> None:
+    line = ('{"custom_id": "%s", "method": "POST", "url": "/v1/chat/completions", '
+            '"body": {"messages": [{"role": "user", "content": "%s"}]}}')
+    for custom_id, content in (("a", "x \\ud800"), ("a", "\\uDFFF y"), ("\\udc00", "hi")):
+        error = parse(line % (custom_id, content))
+        assert isinstance(error, LineError) and error.code == "invalid_request"
+        assert "lone surrogate" in error.detail
+        assert error.custom_id == ("a" if custom_id == "a" else None)  # none that can't be stored
+    ok = parse(line % ("a", "\\ud83d\\ude00"))
+    assert isinstance(ok, BatchLine) and ok.body.messages[0].content == "\U0001f600"
+
+
 @pytest.mark.parametrize("raw", ["{bad", '{"custom_id": "a",}', "", "   ", "[1, 2"])
 def test_bad_json(raw: str) -> None:
     expect_error(raw, "invalid_json")

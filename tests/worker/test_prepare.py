@@ -25,10 +25,15 @@ LINES = [
               "user": "u1", "metadata": {"k": "v"}}},
     chat_line("tools", "Weather?", tools=[WEATHER, ADD], tool_choice="required"),
     chat_line("bias", "bias", logit_bias={"5": 100, "7": -100}, seed=10**20),
-    # A lone surrogate is valid JSON and a valid str, but no UTF-8: stored escaped. (Not in
-    # the prompt's first 200 characters: the sort key, a text column, cannot hold it.)
+    # A lone surrogate is valid JSON and a valid str, but no Unicode text: a failed line (it
+    # used to fail the whole prepare, again and again, in the prompt's sort key), while a
+    # surrogate pair is one character.
     '{"custom_id": "surrogate", "method": "POST", "url": "/v1/chat/completions", '
     '"body": {"messages": [{"role": "user", "content": "Hi"}], "stop": ["a \\ud800 b"]}}',
+    '{"custom_id": "surrogate-prompt", "method": "POST", "url": "/v1/chat/completions", '
+    '"body": {"messages": [{"role": "user", "content": "x \\udc00 y"}]}}',
+    '{"custom_id": "pair", "method": "POST", "url": "/v1/chat/completions", '
+    '"body": {"messages": [{"role": "user", "content": "x \\ud83d\\ude00 y"}]}}',
     '{"custom_id": "broken", "method": "POST"',
     chat_line("dev", "a repeated custom_id"),
     chat_line("bad", "Hi", temperature=3),
@@ -64,9 +69,12 @@ def test_rows_read_back_as_the_lines_parse(make_stack, any_db_url):
         assert row.engine_fields == json.loads(json.dumps(engine_fields(parsed.body)))
         assert row.sort_key == sort_key(parsed)
     by_id = {r.custom_id: r for r in rows if r.status == "pending"}
-    assert set(by_id) == {"dev", "roles", "tools", "bias", "surrogate"}
+    assert set(by_id) == {"dev", "roles", "tools", "bias", "pair"}
     assert by_id["roles"].sort_key.startswith("system\x1eBe brief.\x1fuser\x1eGrüße, 世界")
-    assert by_id["surrogate"].body["stop"] == ["a \ud800 b"]
+    assert by_id["pair"].body["messages"][0]["content"] == "x \U0001f600 y"
+    failed = {r.custom_id: r.error for r in rows if r.status == "failed"}
+    assert "lone surrogate" in failed["surrogate"]["message"]
+    assert "lone surrogate" in failed["surrogate-prompt"]["message"]
     # Shards follow the sort keys: positions 0.. in (sort key, line number) order, 2 a shard.
     ordered = sorted(by_id.values(), key=lambda r: (r.sort_key, r.line_no))
     assert [(r.position, r.shard_id) for r in ordered] == [
