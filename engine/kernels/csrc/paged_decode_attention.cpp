@@ -396,10 +396,13 @@ static const char* isa() {
 #endif
 }
 
+void register_fused_ops(pybind11::module& m);  // cpu_fused_ops.cpp, built into this library
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs, like torch's own ops: other Python threads of the process
   // (an API beside the engine, a result writer) go on meanwhile.
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "the instruction set this build was compiled for");
+  register_fused_ops(m);
 }
