@@ -109,3 +109,30 @@ def rotary_neox_ref(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.T
     sin = sin_cache[positions, :half].unsqueeze(1)
     x1, x2 = x[..., :half].float(), x[..., half:].float()
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def screen_candidates(approx: torch.Tensor, row_bounds: torch.Tensor, weight_norms: torch.Tensor,
+                      output_rounding: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The greedy screen's candidates (``engine/layers/greedy_screen.py``): ``(row_ids,
+    token_ids)``, int64, by row then token, where ``approx + bound`` reaches the row's best
+    ``approx - bound``, ``bound = row_bounds[:, None] * weight_norms + |approx| *
+    output_rounding``. ``approx``: [rows, vocab] bf16; ``row_bounds``: [rows] float32;
+    ``weight_norms``: [vocab] float32."""
+    _check_rows("approx", approx)
+    rows, vocab = approx.shape
+    for name, t, size in (("row_bounds", row_bounds, rows), ("weight_norms", weight_norms, vocab)):
+        if t.shape != (size,) or t.dtype != torch.float32 or not t.is_contiguous():
+            raise ValueError(f"{name} must be a contiguous float32 [{size}], got "
+                             f"{tuple(t.shape)} {t.dtype}")
+    return _module().screen_candidates(approx, row_bounds, weight_norms, output_rounding)
+
+
+def screen_candidates_ref(approx: torch.Tensor, row_bounds: torch.Tensor,
+                          weight_norms: torch.Tensor, output_rounding: float
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch ops the kernel replaces."""
+    approx = approx.float()
+    bound = row_bounds[:, None] * weight_norms
+    bound += approx.abs() * output_rounding
+    best_lower = (approx - bound).amax(dim=1, keepdim=True)
+    return torch.nonzero(approx + bound >= best_lower, as_tuple=True)

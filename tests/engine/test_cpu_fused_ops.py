@@ -121,3 +121,29 @@ def test_bad_inputs_are_rejected():
                                   rotary.sin_cache)
     with pytest.raises(RuntimeError, match="outside"):
         cpu_fused_ops.rotary_neox(qk, torch.tensor([0, 16]), rotary.cos_cache, rotary.sin_cache)
+
+
+@pytest.mark.parametrize("num_rows,vocab,scale", [(1, 49152, 1.0), (5, 3001, 0.05), (33, 500, 8.0)])
+def test_screen_candidates_match_the_torch_ops(num_rows, vocab, scale):
+    g = torch.Generator().manual_seed(7)
+    approx = (torch.randn(num_rows, vocab, generator=g) * scale).to(BF16)
+    weight_norms = torch.rand(vocab, generator=g) + 0.5
+    row_bounds = torch.rand(num_rows, generator=g) * 0.02
+    args = (approx, row_bounds, weight_norms, 2**-8)
+    got_rows, got_tokens = cpu_fused_ops.screen_candidates(*args)
+    want_rows, want_tokens = cpu_fused_ops.screen_candidates_ref(*args)
+    got = set(zip(got_rows.tolist(), got_tokens.tolist(), strict=True))
+    want = set(zip(want_rows.tolist(), want_tokens.tolist(), strict=True))
+    # fp32 rounding in another order may move a token sitting exactly on the line; none here
+    assert got == want
+    assert got_rows.tolist() == sorted(got_rows.tolist())  # by row, as nonzero returns them
+    for r in range(num_rows):  # each row's best screened token is a candidate
+        assert (r, int(approx[r].float().argmax())) in got
+
+
+def test_screen_candidates_reject_bad_inputs():
+    approx = rows(2, 10)
+    with pytest.raises(ValueError, match="row_bounds"):
+        cpu_fused_ops.screen_candidates(approx, torch.zeros(3), torch.ones(10), 0.01)
+    with pytest.raises(ValueError, match="weight_norms"):
+        cpu_fused_ops.screen_candidates(approx, torch.zeros(2), torch.ones(10).double(), 0.01)

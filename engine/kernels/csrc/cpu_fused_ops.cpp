@@ -11,6 +11,10 @@
 // silu_and_mul:       out = bf16(silu(gate) * up) for gate_up = [gate | up] along the last dim.
 // rotary_neox:        in place, each head's halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
 //                     with fp32 cos/sin tables indexed by position.
+// screen_candidates:  the greedy screen's candidate tokens (engine/layers/greedy_screen.py): per
+//                     row, bound = h_r * w_norm[v] + |y~| * u', and the tokens whose y~ + bound
+//                     reaches the row's best y~ - bound; two passes over the bf16 screen instead
+//                     of ten torch ops over an fp32 copy of it.
 //
 // Every tensor here is bf16 except the tables (fp32) and positions (int64); rows may be strided
 // (a row stride is passed), the last dim is contiguous. The launchers in
@@ -21,6 +25,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
+#include <tuple>
+#include <vector>
 
 namespace {
 
@@ -137,12 +144,57 @@ void rotary_neox(torch::Tensor& x, const torch::Tensor& positions, const torch::
   });
 }
 
+std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& approx,
+                                                           const torch::Tensor& row_bounds,
+                                                           const torch::Tensor& weight_norms,
+                                                           double output_rounding) {
+  const int64_t rows = approx.size(0), vocab = approx.size(1), stride = approx.stride(0);
+  const uint16_t* y_ptr = bits(approx);
+  const float* h_ptr = row_bounds.data_ptr<float>();
+  const float* w_ptr = weight_norms.data_ptr<float>();
+  const float u = static_cast<float>(output_rounding);
+  std::vector<std::vector<int64_t>> found(rows);
+  // A row is ~50k values: one row a work item.
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* y = y_ptr + r * stride;
+      const float h = h_ptr[r];
+      float best_lower = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : best_lower)
+      for (int64_t v = 0; v < vocab; ++v) {
+        const float a = bf16_to_float(y[v]);
+        best_lower = std::max(best_lower, a - (h * w_ptr[v] + std::fabs(a) * u));
+      }
+      std::vector<int64_t>& tokens = found[r];
+      for (int64_t v = 0; v < vocab; ++v) {
+        const float a = bf16_to_float(y[v]);
+        if (a + (h * w_ptr[v] + std::fabs(a) * u) >= best_lower) tokens.push_back(v);
+      }
+    }
+  });
+  int64_t total = 0;
+  for (const auto& tokens : found) total += static_cast<int64_t>(tokens.size());
+  auto row_ids = torch::empty({total}, torch::kInt64);
+  auto token_ids = torch::empty({total}, torch::kInt64);
+  int64_t* row_out = row_ids.data_ptr<int64_t>();
+  int64_t* token_out = token_ids.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (const int64_t v : found[r]) {
+      *row_out++ = r;
+      *token_out++ = v;
+    }
+  }
+  return {row_ids, token_ids};
+}
+
 // Called from the extension's one PYBIND11_MODULE (paged_decode_attention.cpp).
 void register_fused_ops(pybind11::module& m) {
   // Without the GIL while they run, like torch's own ops.
   m.def("fused_add_rms_norm", &fused_add_rms_norm, "residual += x; x = rms_norm(residual) (bf16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (bf16)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("screen_candidates", &screen_candidates, "the greedy screen's candidates (bf16 screen)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rotary_neox", &rotary_neox, "rotary embedding in place, neox halves (bf16)",
         py::call_guard<py::gil_scoped_release>());
