@@ -135,4 +135,5 @@ def screen_candidates_ref(approx: torch.Tensor, row_bounds: torch.Tensor,
     bound = row_bounds[:, None] * weight_norms
     bound += approx.abs() * output_rounding
     best_lower = (approx - bound).amax(dim=1, keepdim=True)
-    return torch.nonzero(approx + bound >= best_lower, as_tuple=True)
+    row_ids, token_ids = torch.nonzero(approx + bound >= best_lower, as_tuple=True)
+    return row_ids, token_ids
