@@ -216,11 +216,13 @@ def paged_decode_attention(
     scale: float,
     *,
     variant: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's one query over its cached context, in ``q``'s dtype.
+    """Attention of each sequence's one query over its cached context, in ``q``'s dtype, into
+    ``out`` (contiguous, ``q``'s shape and dtype) when given.
 
     ``q`` and the cache are float32 or bfloat16 (the cache both K and V alike); a bf16 ``q`` is
-    widened to fp32 (exact) for the kernel and the fp32 result rounded back once.
+    widened to fp32 (exact) inside the kernel and the fp32 result rounded back once.
     """
     module = load(variant)
     if module is None:
@@ -239,12 +241,17 @@ def paged_decode_attention(
             raise ValueError(f"{name} must be a CPU {wanted} tensor, got {t.dtype} on {t.device}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    q32 = q.float().contiguous()
-    out = torch.empty_like(q32)
+    if q.dtype == torch.float32:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {tuple(q.shape)} {q.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     module.paged_decode_attention(
-        q32, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out
+        q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out
     )
-    return out.to(q.dtype)
+    return out
 
 
 def kernel_isa(variant: str | None = None) -> str | None:

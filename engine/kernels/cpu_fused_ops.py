@@ -137,3 +137,23 @@ def screen_candidates_ref(approx: torch.Tensor, row_bounds: torch.Tensor,
     best_lower = (approx - bound).amax(dim=1, keepdim=True)
     row_ids, token_ids = torch.nonzero(approx + bound >= best_lower, as_tuple=True)
     return row_ids, token_ids
+
+
+def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """``k``, ``v`` [num_tokens, num_kv_heads, head_dim] (each token's heads one contiguous run,
+    like views of a fused qkv row) into the bf16 caches [num_blocks, block_size, num_kv_heads,
+    head_dim] at ``slot_mapping`` [num_tokens] int64."""
+    for name, t in (("k", k), ("v", v)):
+        if (t.dim() != 3 or t.dtype != torch.bfloat16 or t.shape[1:] != k_cache.shape[2:]
+                or t.stride(2) != 1 or t.stride(1) != t.shape[2] or t.shape[0] != k.shape[0]):
+            raise ValueError(f"{name} must be bfloat16 [num_tokens, {k_cache.shape[2]}, "
+                             f"{k_cache.shape[3]}] with each token's heads contiguous, got "
+                             f"{tuple(t.shape)} {t.dtype}, strides {t.stride()}")
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if (cache.dtype != torch.bfloat16 or cache.shape != k_cache.shape
+                or not cache.is_contiguous()):
+            raise ValueError(f"{name} must be a contiguous bfloat16 cache like k_cache")
+    if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != torch.int64:
+        raise ValueError(f"slot_mapping must be int64 [{k.shape[0]}]")
+    _module().store_kvcache(k, v, k_cache, v_cache, slot_mapping.contiguous())

@@ -147,3 +147,23 @@ def test_screen_candidates_reject_bad_inputs():
         cpu_fused_ops.screen_candidates(approx, torch.zeros(3), torch.ones(10), 0.01)
     with pytest.raises(ValueError, match="weight_norms"):
         cpu_fused_ops.screen_candidates(approx, torch.zeros(2), torch.ones(10).double(), 0.01)
+
+
+def test_store_kvcache_writes_the_slots_like_index_copy():
+    from engine.layers.torch_attention import store_kvcache as store_ref
+
+    num_kv_heads, head_dim, block_size = 3, 64, 16
+    qkv = rows(5, (9 + 2 * num_kv_heads) * head_dim)
+    k = qkv[:, 9 * 64: 12 * 64].view(5, num_kv_heads, head_dim)  # views of qkv, as the model has
+    v = qkv[:, 12 * 64:].view(5, num_kv_heads, head_dim)
+    slots = torch.tensor([0, 17, 18, 63, 40])
+    caches = [torch.zeros(4, block_size, num_kv_heads, head_dim, dtype=BF16) for _ in range(4)]
+    cpu_fused_ops.store_kvcache(k, v, caches[0], caches[1], slots)
+    store_ref(k, v, caches[2], caches[3], slots)
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_fused_ops.store_kvcache(k, v, caches[0], caches[1], torch.tensor([0, 1, 2, 3, 64]))
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_fused_ops.store_kvcache(k.transpose(1, 2), v, caches[0], caches[1], slots)
+    with pytest.raises(ValueError, match="int64"):
+        cpu_fused_ops.store_kvcache(k, v, caches[0], caches[1], slots.int())

@@ -11,6 +11,8 @@
 // silu_and_mul:       out = bf16(silu(gate) * up) for gate_up = [gate | up] along the last dim.
 // rotary_neox:        in place, each head's halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
 //                     with fp32 cos/sin tables indexed by position.
+// store_kvcache:      k and v rows (each token's heads one contiguous run) into the paged caches'
+//                     slots: one memcpy a row instead of two index_copy_ calls.
 // screen_candidates:  the greedy screen's candidate tokens (engine/layers/greedy_screen.py): per
 //                     row, bound = h_r * w_norm[v] + |y~| * u', and the tokens whose y~ + bound
 //                     reaches the row's best y~ - bound; two passes over the bf16 screen instead
@@ -187,6 +189,26 @@ std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& 
   return {row_ids, token_ids};
 }
 
+void store_kvcache(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+                   torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  const int64_t tokens = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t k_stride = k.stride(0), v_stride = v.stride(0);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the ",
+                "cache's [0, ", num_slots, ")");
+  }
+  const uint16_t* k_ptr = bits(k);
+  const uint16_t* v_ptr = bits(v);
+  uint16_t* kc = mutable_bits(k_cache);
+  uint16_t* vc = mutable_bits(v_cache);
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(kc + slots[t] * row, k_ptr + t * k_stride, row * sizeof(uint16_t));
+    std::memcpy(vc + slots[t] * row, v_ptr + t * v_stride, row * sizeof(uint16_t));
+  }
+}
+
 // Called from the extension's one PYBIND11_MODULE (paged_decode_attention.cpp).
 void register_fused_ops(pybind11::module& m) {
   // Without the GIL while they run, like torch's own ops.
@@ -195,6 +217,8 @@ void register_fused_ops(pybind11::module& m) {
   m.def("silu_and_mul", &silu_and_mul, "out = silu(gate) * up (bf16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("screen_candidates", &screen_candidates, "the greedy screen's candidates (bf16 screen)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("store_kvcache", &store_kvcache, "k and v rows into their cache slots (bf16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("rotary_neox", &rotary_neox, "rotary embedding in place, neox halves (bf16)",
         py::call_guard<py::gil_scoped_release>());
