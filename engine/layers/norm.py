@@ -36,6 +36,6 @@ class RMSNorm(nn.Module):
         """``(norm(x + residual), x + residual)``; may overwrite ``x`` and ``residual``."""
         if (x.dim() == 2 and self.weight.dtype == torch.bfloat16
                 and cpu_fused_ops.available(x) and residual.dtype == x.dtype):
-            return cpu_fused_ops.fused_add_rms_norm(x, residual, self.weight.detach(), self.eps)
+            return cpu_fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual
