@@ -1,5 +1,8 @@
 """Paged decode attention on the CPU: a small C++ kernel, built once per machine, and its reference.
 
+The same library carries the bf16 layer's fused elementwise ops (``cpu_fused_ops.py``): one
+build, one cache entry, one import for the CPU kernels.
+
 The kernel reads K/V straight from the paged cache, so a decode step costs one pass over each
 sequence's context instead of a gather copy plus an attention pass over a padded batch.
 
@@ -44,7 +47,10 @@ from engine.kernels.checks import check_query_and_cache
 log = logging.getLogger(__name__)
 
 _NAME = "boxcar_paged_decode_attention"
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode_attention.cpp"
+# One library for the CPU kernels: the decode attention and the bf16 layer's fused elementwise
+# ops (``cpu_fused_ops.py``), one build, one cache entry, one import.
+_SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                 for name in ("paged_decode_attention.cpp", "cpu_fused_ops.cpp"))
 # -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension then binds to
 # torch's own libgomp (same soname, already loaded): one thread pool.
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -88,7 +94,8 @@ def build_key(variant: str = "native") -> str:
     Python, CPU."""
     _check_variant(variant)
     digest = hashlib.sha256()
-    digest.update(_SOURCE.read_bytes())
+    for source in _SOURCES:
+        digest.update(source.read_bytes())
     digest.update(repr((variant, _cflags(variant), _LDFLAGS, torch.__version__, sys.version,
                         platform.machine())).encode())
     digest.update(_compiler_version().encode())
@@ -122,9 +129,9 @@ def build(*, quiet: bool = False, variant: str = "native") -> Path:
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as build_dir:
         try:
             load_extension(
-                name=name, sources=[str(_SOURCE)], extra_cflags=_cflags(variant),
-                extra_ldflags=list(_LDFLAGS), build_directory=build_dir, verbose=False,
-                is_python_module=True,
+                name=name, sources=[str(source) for source in _SOURCES],
+                extra_cflags=_cflags(variant), extra_ldflags=list(_LDFLAGS),
+                build_directory=build_dir, verbose=False, is_python_module=True,
             )
         except Exception as exc:
             raise RuntimeError(f"cannot build the CPU decode-attention kernel: {exc}") from exc
@@ -209,11 +216,13 @@ def paged_decode_attention(
     scale: float,
     *,
     variant: str | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's one query over its cached context, in ``q``'s dtype.
+    """Attention of each sequence's one query over its cached context, in ``q``'s dtype, into
+    ``out`` (contiguous, ``q``'s shape and dtype) when given.
 
     ``q`` and the cache are float32 or bfloat16 (the cache both K and V alike); a bf16 ``q`` is
-    widened to fp32 (exact) for the kernel and the fp32 result rounded back once.
+    widened to fp32 (exact) inside the kernel and the fp32 result rounded back once.
     """
     module = load(variant)
     if module is None:
@@ -232,12 +241,17 @@ def paged_decode_attention(
             raise ValueError(f"{name} must be a CPU {wanted} tensor, got {t.dtype} on {t.device}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    q32 = q.float().contiguous()
-    out = torch.empty_like(q32)
+    if q.dtype == torch.float32:
+        q = q.contiguous()
+    if out is None:
+        out = torch.empty(q.shape, dtype=q.dtype)
+    elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous {tuple(q.shape)} {q.dtype}, got "
+                         f"{tuple(out.shape)} {out.dtype}")
     module.paged_decode_attention(
-        q32, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out
+        q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out
     )
-    return out.to(q.dtype)
+    return out
 
 
 def kernel_isa(variant: str | None = None) -> str | None:

@@ -2,6 +2,10 @@
 
 ``F.rms_norm`` is one fused kernel and gives the same bits as the textbook
 ``weight * (x * rsqrt(mean(x^2) + eps))`` in fp32, at a fraction of the memory traffic.
+
+Given the residual stream too, the norm adds it first and returns the sum as the next residual
+(vLLM's ``fused_add_rms_norm``): in fp32 the same two torch ops as before, so the same bits; in
+bf16 on the CPU one pass of a C++ kernel, in place (``engine/kernels/cpu_fused_ops.py``).
 """
 
 from __future__ import annotations
@@ -9,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.kernels import cpu_fused_ops
 
 
 class RMSNorm(nn.Module):
@@ -24,3 +30,12 @@ class RMSNorm(nn.Module):
         # Lower precision: normalize in fp32, round to the input dtype, then scale (as HF does).
         normed = F.rms_norm(x.float(), self.shape, None, self.eps)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``; may overwrite ``x`` and ``residual``."""
+        if (x.dim() == 2 and self.weight.dtype == torch.bfloat16
+                and cpu_fused_ops.available(x) and residual.dtype == x.dtype):
+            return cpu_fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+        residual = x + residual
+        return self(residual), residual

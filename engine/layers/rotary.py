@@ -8,6 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from engine.kernels import cpu_fused_ops
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -80,3 +82,10 @@ class RotaryEmbedding(nn.Module):
         torch.sub(x1 * cos, x2 * sin, out=out[..., :half])
         torch.add(x2 * cos, x1 * sin, out=out[..., half:])
         return out
+
+    def rotate_(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``rotate``, in place where a kernel does it in one pass (bf16 on the CPU: in fp32,
+        rounded once); use the result, which may be ``x`` itself or a new tensor."""
+        if cpu_fused_ops.available(x) and positions.dtype == torch.int64:
+            return cpu_fused_ops.rotary_neox(x, positions, self.cos_cache, self.sin_cache)
+        return self.rotate(positions, x)

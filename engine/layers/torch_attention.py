@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import cpu_decode_attention
+from engine.kernels import cpu_decode_attention, cpu_fused_ops
 from engine.layers.attention_metadata import AttentionMetadata
 
 
@@ -63,10 +63,18 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
-        out = torch.empty_like(q)
+        if self._kernel_fits(q, k_cache) and q.dtype == k_cache.dtype == torch.bfloat16:
+            cpu_fused_ops.store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        else:
+            store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = metadata.num_decodes
-        if num_decodes:
+        if num_decodes and self._kernel_fits(q, k_cache):
+            cpu_decode_attention.paged_decode_attention(
+                q[:num_decodes], k_cache, v_cache, metadata.decode_block_tables,
+                metadata.decode_context_lens, scale, out=out[:num_decodes],
+            )
+        elif num_decodes:
             out[:num_decodes] = self._decode(q[:num_decodes], k_cache, v_cache, metadata, scale)
         if metadata.num_prefills:
             self._prefill(q, k, v, k_cache, v_cache, metadata, scale, out)
@@ -76,11 +84,7 @@ class TorchAttentionBackend:
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         metadata: AttentionMetadata, scale: float,
     ) -> torch.Tensor:
-        if self._kernel_fits(q, k_cache):
-            return cpu_decode_attention.paged_decode_attention(
-                q, k_cache, v_cache, metadata.decode_block_tables,
-                metadata.decode_context_lens, scale,
-            )
+        """The gather path (``forward`` calls the C++ kernel itself where it fits)."""
         if "decode_blocks" not in metadata.extra:
             self._prepare_gather(metadata)
         num_decodes, num_heads, head_dim = q.shape

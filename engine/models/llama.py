@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import cpu_fused_ops
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
@@ -58,11 +59,12 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(num_tokens, self.num_heads, self.head_dim))
             k = self.k_norm(k.reshape(num_tokens, self.num_kv_heads, self.head_dim))
-            q, k = rotary(positions, q, k)
+            q, k = rotary.rotate_(positions, q), rotary.rotate_(positions, k)
         else:
             # q and k side by side in qkv: rotate both in one pass.
             qk = qkv[:, : self.q_size + self.kv_size].unflatten(-1, (-1, self.head_dim))
-            qk = rotary.rotate(positions, qk)  # [num_tokens, num_heads + num_kv_heads, head_dim]
+            # [num_tokens, num_heads + num_kv_heads, head_dim]; qkv is this call's own tensor
+            qk = rotary.rotate_(positions, qk)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         o = attn.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale)
         return self.o_proj(o.reshape(num_tokens, self.q_size))
@@ -76,7 +78,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)  # [num_tokens, 2 * intermediate_size]
+        if gate_up.dim() == 2 and cpu_fused_ops.available(gate_up):
+            return self.down_proj(cpu_fused_ops.silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -96,15 +101,19 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
         metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(
-            positions, self.input_layernorm(hidden_states), rotary, kv_cache, attn, metadata
-        )
-        hidden_states = residual + hidden_states
-        residual = hidden_states
-        hidden_states = self.mlp(self.post_attention_layernorm(hidden_states))
-        return residual + hidden_states
+        residual: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns the MLP's output and the residual stream before it: the next layer (or the
+        final norm) adds them, fused with its norm (``RMSNorm.add_and_norm``)."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, rotary, kv_cache, attn, metadata)
+        hidden_states, residual = self.post_attention_layernorm.add_and_norm(
+            hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class LlamaModel(nn.Module):
@@ -132,11 +141,14 @@ class LlamaModel(nn.Module):
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(
-                positions, hidden_states, self.rotary_emb, kv_cache, attn, metadata
+            hidden_states, residual = layer(
+                positions, hidden_states, self.rotary_emb, kv_cache, attn, metadata, residual
             )
-        return self.norm(hidden_states)
+        if residual is None:  # no layers
+            return self.norm(hidden_states)
+        return self.norm.add_and_norm(hidden_states, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

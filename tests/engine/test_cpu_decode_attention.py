@@ -128,3 +128,23 @@ def test_mixed_cache_dtypes_are_rejected():
         kernel.paged_decode_attention(q, k.bfloat16(), v, tables, ctx, 1.0)
     with pytest.raises(ValueError, match="k_cache"):
         kernel.paged_decode_attention(q, k.half(), v.half(), tables, ctx, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_writes_into_out_from_a_strided_query(dtype):
+    """The engine's call: q a view of the fused qkv rows, the result written into the first
+    rows of the layer's output."""
+    q, k, v, tables, ctx = make_case(3, 9, 3, 64, 16, [5, 17, 40])
+    k, v = k.to(dtype), v.to(dtype)
+    qkv = torch.randn(3, 15 * 64).to(dtype)
+    qkv[:, : 9 * 64] = q.reshape(3, -1).to(dtype)
+    q_view = qkv[:, : 9 * 64].view(3, 9, 64)
+    assert not q_view.is_contiguous()
+    want = kernel.paged_decode_attention(q_view.contiguous(), k, v, tables, ctx, 0.125)
+    layer_out = torch.full((5, 9, 64), 7.0, dtype=dtype)
+    got = kernel.paged_decode_attention(q_view, k, v, tables, ctx, 0.125, out=layer_out[:3])
+    assert got.data_ptr() == layer_out.data_ptr()
+    assert torch.equal(layer_out[:3], want)
+    assert (layer_out[3:] == 7.0).all()
+    with pytest.raises(ValueError, match="out must be"):
+        kernel.paged_decode_attention(q_view, k, v, tables, ctx, 0.125, out=layer_out[:2])

@@ -54,7 +54,7 @@ def test_the_error_bound_holds():
     weight = torch.randn(2000, 576, generator=g) * 0.1
     hidden = torch.randn(32, 576, generator=g) * 4
     screen = GreedyScreen(weight)
-    approx = screen._screen(hidden.bfloat16())
+    approx = screen._screen_bf16(hidden.bfloat16()).float()
     exact = hidden.double() @ weight.double().T
     bound = hidden.norm(dim=1, keepdim=True) * screen.relative * screen.row_norms
     bound = bound + approx.abs() * screen.output_rounding
@@ -94,10 +94,13 @@ def test_engine_uses_the_screen_for_greedy_rows_only(tiny_model_dir):
     assert calls == {"screen": 0, "full": 3}
 
 
-def test_bf16_weights_give_the_fp32_argmax_of_their_values():
-    """A bf16 model's screen: the argmax of the fp32 products of its bf16 values."""
+@pytest.mark.parametrize("scale", [0.02, 0.3, 30.0])
+def test_bf16_weights_give_the_fp32_argmax_of_their_values(scale):
+    """A bf16 model's screen (the C++ candidate pass where it is built): the argmax of the fp32
+    products of its bf16 values."""
     g = torch.Generator().manual_seed(5)
-    weight = (torch.randn(3000, 96, generator=g) * 0.3).bfloat16()
+    weight = (torch.randn(3001, 96, generator=g) * scale).bfloat16()
     hidden = (torch.randn(40, 96, generator=g) * 4).bfloat16()
     got = GreedyScreen(weight).argmax(hidden)
     assert torch.equal(got, dot_argmax(hidden.float(), weight.float()))
+

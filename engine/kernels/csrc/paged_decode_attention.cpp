@@ -1,12 +1,12 @@
 // Paged decode attention for the CPU: one query token per sequence, reading K/V straight from
 // the paged cache (no gather copy), GQA heads of one KV head processed together.
 //
-// q:            [num_seqs, num_heads, head_dim]                      float32, contiguous
+// q:            [num_seqs, num_heads, head_dim]                      float32, contiguous, or bf16
 // k_cache:      [num_blocks, block_size, num_kv_heads, head_dim]     float32 or bfloat16, contiguous
 // v_cache:      same as k_cache
 // block_tables: [num_seqs, max_blocks]                               int32, contiguous
 // context_lens: [num_seqs]                                           int32
-// out:          [num_seqs, num_heads, head_dim]                      float32, contiguous
+// out:          [num_seqs, num_heads, head_dim]                      q's dtype, contiguous
 //
 // A bf16 cache is read as bf16 (half the bytes of a decode step, which is bound by memory
 // bandwidth) and widened to fp32 in registers: scores, softmax and the weighted sum of values are
@@ -361,9 +361,16 @@ void attend_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int3
 
 }  // namespace
 
-void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+void paged_decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                            const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+                            const torch::Tensor& context_lens, double scale,
+                            torch::Tensor& out_in) {
+  // A bf16 query is widened here (exact) and the fp32 result rounded into the bf16 output once:
+  // as torch ops called from Python, the two conversions and a copy cost more than the kernel
+  // at a few decode rows.
+  const bool bf16_io = q_in.scalar_type() == at::kBFloat16;
+  const torch::Tensor q = bf16_io ? q_in.to(at::kFloat).contiguous() : q_in;
+  torch::Tensor out = bf16_io ? torch::empty(q.sizes(), q.options()) : out_in;
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t max_blocks = block_tables.size(1);
@@ -383,6 +390,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache
                out_ptr, num_seqs, num_heads, head_dim, block_size, num_kv_heads, max_blocks,
                fscale);
   }
+  if (bf16_io) out_in.copy_(out);
 }
 
 // Which code path this build runs, for tests and reports.
@@ -396,10 +404,13 @@ static const char* isa() {
 #endif
 }
 
+void register_fused_ops(pybind11::module& m);  // cpu_fused_ops.cpp, built into this library
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs, like torch's own ops: other Python threads of the process
   // (an API beside the engine, a result writer) go on meanwhile.
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "the instruction set this build was compiled for");
+  register_fused_ops(m);
 }
