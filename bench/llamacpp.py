@@ -36,6 +36,8 @@ class Run:
     seconds: float
     outputs: list[list[int]]
     version: str
+    # False when ggml's extra CPU weight layouts were turned off after a crash with them.
+    extra_buffer_types: bool = True
 
 
 def venv_python(venv: Path) -> Path:
@@ -84,9 +86,34 @@ def ensure_venv(venv: Path, *, allow_build: bool) -> Skipped | None:
 
 def run(venv: Path, *, model: Path, prompts: list[list[int]], max_tokens: list[int],
         parallel: int, threads: int, timeout: float | None = None) -> Run | Skipped:
-    """Generate greedily with llama.cpp in ``venv``; the reason instead if it cannot."""
+    """Generate greedily with llama.cpp in ``venv``; the reason instead if it cannot.
+
+    If llama.cpp dies of a signal, it runs once more without ggml's extra CPU weight layouts
+    (``use_extra_bufts``): llama-cpp-python 0.3.36 built on an AMX Xeon segfaulted in its first
+    ``llama_decode`` of the Q4_1 model with them and ran without them. ``Run`` says which."""
+    first = _run_once(venv, model=model, prompts=prompts, max_tokens=max_tokens,
+                      parallel=parallel, threads=threads, timeout=timeout,
+                      extra_buffer_types=True)
+    if not isinstance(first, _Crashed):
+        return first
+    again = _run_once(venv, model=model, prompts=prompts, max_tokens=max_tokens,
+                      parallel=parallel, threads=threads, timeout=timeout,
+                      extra_buffer_types=False)
+    if isinstance(again, _Crashed):
+        return Skipped(f"{again.reason} (and with ggml's extra buffer types: {first.reason})")
+    return again
+
+
+@dataclass(frozen=True)
+class _Crashed(Skipped):
+    """llama.cpp was killed by a signal."""
+
+
+def _run_once(venv: Path, *, model: Path, prompts: list[list[int]], max_tokens: list[int],
+              parallel: int, threads: int, timeout: float | None,
+              extra_buffer_types: bool) -> Run | Skipped:
     spec = {"model": str(model), "prompts": prompts, "max_tokens": max_tokens,
-            "parallel": parallel, "threads": threads}
+            "parallel": parallel, "threads": threads, "extra_buffer_types": extra_buffer_types}
     with tempfile.NamedTemporaryFile("w", suffix=".json", prefix="llamacpp-") as f:
         json.dump(spec, f)
         f.flush()
@@ -100,10 +127,11 @@ def run(venv: Path, *, model: Path, prompts: list[list[int]], max_tokens: list[i
             return Skipped(f"llama.cpp could not start: {exc}")
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-        return Skipped(f"llama.cpp failed (exit {done.returncode}) after "
-                       f"{time.perf_counter() - started:.0f}s: {' | '.join(tail)}")
+        failed = _Crashed if done.returncode < 0 else Skipped
+        return failed(f"llama.cpp failed (exit {done.returncode}) after "
+                      f"{time.perf_counter() - started:.0f}s: {' | '.join(tail)}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return Run(result["seconds"], result["outputs"], result["version"])
+    return Run(result["seconds"], result["outputs"], result["version"], extra_buffer_types)
 
 
 def gguf_file(checkpoint_path: Path) -> Path | None:

@@ -55,8 +55,11 @@ def generate(spec: dict) -> dict:
 
     llama.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p())
     llama.llama_backend_init()
-    model = llama.llama_model_load_from_file(spec["model"].encode(),
-                                             llama.llama_model_default_params())
+    model_params = llama.llama_model_default_params()
+    if not spec.get("extra_buffer_types", True):
+        # ggml's extra CPU weight layouts (AMX, repacked quants); see bench/llamacpp.py.
+        model_params.use_extra_bufts = False
+    model = llama.llama_model_load_from_file(spec["model"].encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {spec['model']}")
     n_vocab = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model))

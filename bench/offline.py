@@ -131,7 +131,9 @@ def run_llamacpp(args: argparse.Namespace, checkpoint_path: Path, workload: Work
     return Result(f"llama.cpp {args.llamacpp_parallel} in flight", len(workload.prompts),
                   workload.num_prompt_tokens, sum(len(o) for o in run.outputs), run.seconds,
                   dict(enumerate(run.outputs)),
-                  f"llama-cpp-python {run.version}, {gguf.name}, batched llama_decode, argmax")
+                  f"llama-cpp-python {run.version}, {gguf.name}, batched llama_decode, argmax"
+                  + ("" if run.extra_buffer_types else
+                     "; without ggml's extra CPU weight layouts (it crashed with them)"))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -106,6 +106,16 @@ def test_run_in_a_venv_returns_outputs_and_a_failure_is_a_skip(
     assert run.outputs == expected(prompts, max_tokens) and run.version == "fake"
     assert run.seconds >= 0
 
+    assert run.extra_buffer_types
+
+    # Killed by a signal with ggml's extra buffer types: run again without them, and say so.
+    monkeypatch.setenv("FAKE_LLAMA_CRASH_WITH_EXTRA_BUFTS", "1")
+    again = llamacpp.run(venv, model=model, prompts=prompts, max_tokens=max_tokens,
+                         parallel=16, threads=1)
+    assert isinstance(again, llamacpp.Run) and not again.extra_buffer_types
+    assert again.outputs == run.outputs
+    monkeypatch.delenv("FAKE_LLAMA_CRASH_WITH_EXTRA_BUFTS")
+
     failed = llamacpp.run(venv, model=tmp_path / "missing.gguf", prompts=prompts,
                           max_tokens=max_tokens, parallel=16, threads=1)
     assert isinstance(failed, llamacpp.Skipped)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
 from types import SimpleNamespace
 
 __version__ = "fake"
@@ -29,6 +30,9 @@ def llama_model_default_params() -> SimpleNamespace:
 
 
 def llama_model_load_from_file(path: bytes, params) -> SimpleNamespace | None:
+    if os.environ.get("FAKE_LLAMA_CRASH_WITH_EXTRA_BUFTS") and getattr(
+            params, "use_extra_bufts", True):
+        os.kill(os.getpid(), signal.SIGSEGV)  # as llama.cpp's AMX path did on a Xeon
     return SimpleNamespace(path=path) if os.path.isfile(path) else None
 
 
