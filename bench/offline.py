@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> int:
 
     skipped: dict[str, str] = {}
     if args.llamacpp:
-        done = run_llamacpp(args, checkpoint.path, workload)
+        # A GGUF model runs from its converted folder; llama.cpp reads the .gguf it came from.
+        done = run_llamacpp(args, checkpoint.source or checkpoint.path, workload)
         if isinstance(done, llamacpp.Skipped):
             skipped["llama.cpp"] = done.reason
             print(f"llama.cpp skipped: {done.reason}", flush=True)

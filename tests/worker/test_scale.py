@@ -378,3 +378,26 @@ def test_a_busy_worker_polls_for_jobs_less_often_unless_asked(make_stack, sqlite
     keeper.run_round()
     keeper.run_round()
     assert len(polls) == 5
+
+
+def test_a_claim_takes_only_the_shards_that_fill_the_engines_queue(make_stack, sqlite_url,
+                                                                    monkeypatch):
+    """A worker asks for as many bulk shards as bring its engine's queue up to its low water
+    (at least one, at most BULK_PER_CLAIM): lines held beyond that are lines no idle worker can
+    run at a batch's end."""
+    stack = make_stack(sqlite_url)
+    keeper = _keeper(stack, stack.add_worker(FakeEngine()))
+    shard_size = stack.settings.shard_size
+    asked: list[int] = []
+
+    def find_candidates(session, *, now, max_bulk, max_jobs, model=None):
+        asked.append(max_bulk // lease_keeper.CANDIDATES_PER_WANT)
+        return []
+
+    monkeypatch.setattr(claims, "find_candidates", find_candidates)
+    for low_water, queued in ((shard_size, 0), (shard_size, shard_size - 1),
+                              (2 * shard_size, 0), (2 * shard_size, shard_size + 1),
+                              (5 * shard_size, 0)):
+        keeper.drainer = type("Drainer", (), {"low_water": low_water, "num_queued": queued})()
+        keeper.claim_some()
+    assert asked == [1, 1, 2, 1, lease_keeper.BULK_PER_CLAIM]
