@@ -77,7 +77,8 @@ class AppContext:
         self.keys = KeyCache(self.settings.api_key_cache_seconds)
 
 
-def get_context(request: Request) -> AppContext:
+async def get_context(request: Request) -> AppContext:
+    # async: a plain function dependency would cost every request a hop to a worker thread.
     return request.app.state.context
 
 

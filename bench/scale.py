@@ -230,7 +230,9 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
             if (config.quiet_polls and not quiet and batch["status"] == "in_progress"
                     and batch["request_counts"]["completed"] >= config.num_lines / 5):
                 paused = time.perf_counter()
-                quiet, quiet_cpu = quiet_polls(stack, client, batch["id"], config.quiet_polls)
+                with sampler.paused():
+                    quiet, quiet_cpu = quiet_polls(stack, client, batch["id"],
+                                                   config.quiet_polls)
                 paused_s = time.perf_counter() - paused
             stack.check_workers()
             if time.monotonic() > deadline:

@@ -10,6 +10,8 @@ import os
 import re
 import threading
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
@@ -160,9 +162,20 @@ class PgSampler:
         self._baseline: dict[int, float] = {}
         self._last_cpu: dict[int, float] = {}
         self._stop = threading.Event()
+        self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
         self.error: BaseException | None = None
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No samples meanwhile: the quiet status polls share this process's interpreter, and
+        a sample every 50 ms (a query, its rows, /proc reads) delayed the client's own polls."""
+        self._paused.set()
+        try:
+            yield
+        finally:
+            self._paused.clear()
 
     def start(self) -> PgSampler:
         self._conn = psycopg.connect(self.url, autocommit=True)
@@ -193,6 +206,8 @@ class PgSampler:
         try:
             n = 0
             while not self._stop.wait(self.interval):
+                if self._paused.is_set():
+                    continue
                 pids = self._sample()
                 n += 1
                 if n % self.cpu_every == 0:

@@ -7,7 +7,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import select, update
+from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
 from api.deps import AppContext, ContextDep, TenantDep
@@ -79,10 +79,13 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
                            param="metadata", code="invalid_metadata")
 
 
+# Built once (every status poll runs it): bound per call.
+_GET_BATCH = select(Batch).where(Batch.id == bindparam("batch_id"),
+                                 Batch.tenant_id == bindparam("tenant_id"))
+
+
 def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
-    row = session.scalars(
-        select(Batch).where(Batch.id == batch_id, Batch.tenant_id == tenant_id)
-    ).first()
+    row = session.scalars(_GET_BATCH, {"batch_id": batch_id, "tenant_id": tenant_id}).first()
     if row is None:
         raise not_found("batch", batch_id)
     return row
