@@ -44,7 +44,9 @@ def alembic_config(url: str) -> Config:
 
 def upgrade(db: Database, revision: str = "head") -> None:
     """Bring the database to ``revision`` (idempotent)."""
-    with _lock, db.engine.begin() as connection:
+    # Alembic owns the transaction (migrations/env.py): a migration may step out of it for
+    # statements PostgreSQL runs only outside one (CREATE INDEX CONCURRENTLY, 0006).
+    with _lock, db.engine.connect() as connection:
         config = alembic_config(db.url)
         config.attributes["connection"] = connection
         command.upgrade(config, revision)

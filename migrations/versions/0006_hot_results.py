@@ -37,30 +37,56 @@ branch_labels = None
 depends_on = None
 
 FILLFACTOR = 40
+UNIQUE = "uq_request_lines_batch_custom_id"
 
 
 def upgrade() -> None:
-    op.drop_index("ix_request_lines_batch_status", table_name="request_lines")
-    op.drop_index("ix_request_lines_shard_status", table_name="request_lines")
-    op.create_index("ix_request_lines_shard", "request_lines", ["shard_id"])
-    op.drop_index("uq_request_lines_batch_custom_id", table_name="request_lines")
     has_shard = sa.text("shard_id IS NOT NULL")
-    op.create_index("uq_request_lines_batch_custom_id", "request_lines",
-                    ["batch_id", "custom_id"], unique=True,
-                    postgresql_where=has_shard, sqlite_where=has_shard)
-    if op.get_bind().dialect.name == "postgresql":
+    if op.get_bind().dialect.name != "postgresql":
+        op.drop_index("ix_request_lines_batch_status", table_name="request_lines")
+        op.drop_index("ix_request_lines_shard_status", table_name="request_lines")
+        op.create_index("ix_request_lines_shard", "request_lines", ["shard_id"])
+        op.drop_index(UNIQUE, table_name="request_lines")
+        op.create_index(UNIQUE, "request_lines", ["batch_id", "custom_id"], unique=True,
+                        sqlite_where=has_shard)
+        return
+    # PostgreSQL: built and dropped CONCURRENTLY (outside a transaction), so a large table
+    # keeps taking writes while this runs; the new unique index is built beside the old one
+    # and renamed, so uniqueness holds throughout.
+    with op.get_context().autocommit_block():
+        op.create_index("ix_request_lines_shard", "request_lines", ["shard_id"],
+                        postgresql_concurrently=True)
+        op.create_index(f"{UNIQUE}_new", "request_lines", ["batch_id", "custom_id"],
+                        unique=True, postgresql_where=has_shard, postgresql_concurrently=True)
+        op.drop_index(UNIQUE, table_name="request_lines", postgresql_concurrently=True)
+        op.execute(f"ALTER INDEX {UNIQUE}_new RENAME TO {UNIQUE}")
+        op.drop_index("ix_request_lines_batch_status", table_name="request_lines",
+                      postgresql_concurrently=True)
+        op.drop_index("ix_request_lines_shard_status", table_name="request_lines",
+                      postgresql_concurrently=True)
         # Pages written from now on (existing ones are left as they are until rewritten).
         op.execute(f"ALTER TABLE request_lines SET (fillfactor = {FILLFACTOR})")
 
 
 def downgrade() -> None:
-    if op.get_bind().dialect.name == "postgresql":
-        op.execute("ALTER TABLE request_lines RESET (fillfactor)")
-    op.drop_index("uq_request_lines_batch_custom_id", table_name="request_lines")
     not_failed = sa.text("status <> 'failed'")
-    op.create_index("uq_request_lines_batch_custom_id", "request_lines",
-                    ["batch_id", "custom_id"], unique=True,
-                    postgresql_where=not_failed, sqlite_where=not_failed)
-    op.drop_index("ix_request_lines_shard", table_name="request_lines")
-    op.create_index("ix_request_lines_shard_status", "request_lines", ["shard_id", "status"])
-    op.create_index("ix_request_lines_batch_status", "request_lines", ["batch_id", "status"])
+    if op.get_bind().dialect.name != "postgresql":
+        op.drop_index(UNIQUE, table_name="request_lines")
+        op.create_index(UNIQUE, "request_lines", ["batch_id", "custom_id"], unique=True,
+                        sqlite_where=not_failed)
+        op.drop_index("ix_request_lines_shard", table_name="request_lines")
+        op.create_index("ix_request_lines_shard_status", "request_lines", ["shard_id", "status"])
+        op.create_index("ix_request_lines_batch_status", "request_lines", ["batch_id", "status"])
+        return
+    with op.get_context().autocommit_block():
+        op.execute("ALTER TABLE request_lines RESET (fillfactor)")
+        op.create_index("ix_request_lines_batch_status", "request_lines", ["batch_id", "status"],
+                        postgresql_concurrently=True)
+        op.create_index("ix_request_lines_shard_status", "request_lines", ["shard_id", "status"],
+                        postgresql_concurrently=True)
+        op.create_index(f"{UNIQUE}_old", "request_lines", ["batch_id", "custom_id"],
+                        unique=True, postgresql_where=not_failed, postgresql_concurrently=True)
+        op.drop_index(UNIQUE, table_name="request_lines", postgresql_concurrently=True)
+        op.execute(f"ALTER INDEX {UNIQUE}_old RENAME TO {UNIQUE}")
+        op.drop_index("ix_request_lines_shard", table_name="request_lines",
+                      postgresql_concurrently=True)

@@ -7,8 +7,10 @@ from __future__ import annotations
 import datetime as dt
 import json
 
+import pytest
 from alembic import command
 from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from service.db import Database
 from service.migrate import alembic_config
@@ -82,4 +84,20 @@ def test_scale_migration_up_and_down(any_db_url):
 
     command.upgrade(config, "head")  # and up again
     assert _lines(db)[4] == ("a", "failed")
+
+    # 0006 down and up (on PostgreSQL its indexes change CONCURRENTLY, outside a transaction).
+    command.downgrade(config, "0005_scale")
+    names = {i["name"] for i in inspect(db.engine).get_indexes("request_lines")}
+    assert {"ix_request_lines_batch_status", "ix_request_lines_shard_status",
+            "uq_request_lines_batch_custom_id"} <= names
+    assert not {n for n in names if n.endswith(("_new", "_old"))}
+    command.upgrade(config, "head")
+    indexes = {i["name"]: i for i in inspect(db.engine).get_indexes("request_lines")}
+    assert "ix_request_lines_shard" in indexes and "ix_request_lines_batch_status" not in indexes
+    assert indexes["uq_request_lines_batch_custom_id"]["unique"]
+    with db.engine.begin() as conn, pytest.raises(IntegrityError):  # uniqueness still holds
+        conn.execute(text(
+            "INSERT INTO request_lines (tenant_id, batch_id, line_no, custom_id, endpoint, "
+            "sort_key, status, shard_id) VALUES ('t', 'batch_1', 9, 'c', "
+            "'/v1/chat/completions', '', 'pending', 'batch_1:0')"))
     db.dispose()
