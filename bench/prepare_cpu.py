@@ -20,7 +20,6 @@ import gc
 import statistics
 import tempfile
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,22 +27,6 @@ from typing import Any
 from bench.scale import request_lines
 
 PG_BASE = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-
-
-@contextmanager
-def _pg_schema() -> Iterator[str]:
-    from sqlalchemy import create_engine, text
-
-    schema = f"bx_bench_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_BASE, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{PG_BASE}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
 
 
 def _cpu_ms_per_line(fn: Callable[[], Any], num_lines: int) -> float:
@@ -95,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from sqlalchemy import event
 
     from api.app import build_context, create_app
-    from service.db import Database
+    from service.db import Database, temporary_schema
     from service.keys import create_key
     from service.migrate import upgrade
     from service.queue import EmbeddedQueue
@@ -106,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     data = request_lines(args.lines)
     endpoint = "/v1/chat/completions"
     with tempfile.TemporaryDirectory() as tmp, (
-            _pg_schema() if args.db == "postgresql"
+            temporary_schema(PG_BASE, "bx_bench_") if args.db == "postgresql"
             else _nullcontext(f"sqlite:///{tmp}/boxcar.db")) as db_url:
         settings = Settings(database_url=db_url, storage_url=f"{tmp}/storage",
                             max_file_lines=max(args.lines, 50000))

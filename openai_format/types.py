@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from functools import cache
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -136,16 +137,11 @@ class _Body(_Strict):
         return {k: v for k, v in data.items() if k in names}
 
 
-_FIELD_NAMES: dict[type, frozenset[str]] = {}
-
-
+@cache
 def _field_names(cls: type[BaseModel]) -> frozenset[str]:
     """A model's field names, read once: pydantic's ``model_fields`` on the class goes through
     a descriptor that costs more than the rest of the check (prepare runs it on every line)."""
-    names = _FIELD_NAMES.get(cls)
-    if names is None:
-        names = _FIELD_NAMES[cls] = frozenset(cls.model_fields)
-    return names
+    return frozenset(cls.model_fields)
 
 
 def _logit_bias(value: dict[str, float]) -> dict[str, float]:

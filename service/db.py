@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -111,3 +112,19 @@ class Database:
         self.engine.dispose()
         if self.read_engine is not self.engine:
             self.read_engine.dispose()
+
+
+@contextmanager
+def temporary_schema(server_url: str, prefix: str = "bx_") -> Iterator[str]:
+    """The URL of a fresh schema in ``server_url``'s PostgreSQL database (its tables apart from
+    everyone else's), dropped with everything in it afterwards: tests and benchmarks."""
+    schema = f"{prefix}{uuid.uuid4().hex[:12]}"
+    admin = create_engine(server_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{server_url}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
+        admin.dispose()

@@ -71,18 +71,10 @@ def pg_schema() -> Iterator[str]:
     """The URL of a fresh schema in the ``test`` database, dropped afterwards."""
     if not _pg_reachable():
         pytest.skip("PostgreSQL is not running on 127.0.0.1:5432")
-    from sqlalchemy import create_engine, text
+    from service.db import temporary_schema
 
-    schema = f"bx_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_BASE, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{PG_BASE}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP SCHEMA {schema} CASCADE"))
-        admin.dispose()
+    with temporary_schema(PG_BASE) as url:
+        yield url
 
 
 @pytest.fixture

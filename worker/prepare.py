@@ -94,22 +94,28 @@ def _line_rows(
                                "line": line_no})
             # A failed line keeps its custom_id (a repeated one too: the unique index leaves
             # failed lines out), for its error-file line.
-            yield {"tenant_id": tenant_id, "batch_id": batch_id, "line_no": line_no,
-                   "endpoint": batch.endpoint, "status": LINE_FAILED, "sort_key": "",
-                   "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-                   "custom_id": parsed.custom_id, "body": None, "engine_fields": None,
-                   "error": json_value({"code": parsed.code, "message": parsed.message}),
-                   "finished_at": utcnow(), "position": None, "shard_id": None}
+            yield _row(tenant_id, batch_id, line_no, batch.endpoint, LINE_FAILED, "",
+                       parsed.custom_id, None, None,
+                       json_value({"code": parsed.code, "message": parsed.message}), utcnow())
             continue
         prompt_tokens, output_tokens = estimate_tokens(parsed)
         estimates[0] += prompt_tokens
         estimates[1] += output_tokens
-        yield {"tenant_id": tenant_id, "batch_id": batch_id, "line_no": line_no,
-               "endpoint": parsed.url, "status": LINE_PENDING, "sort_key": sort_key(parsed),
-               "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
-               "custom_id": parsed.custom_id, "body": json_value(stored_body(parsed)),
-               "engine_fields": json_value(engine_fields(parsed.body)), "error": None,
-               "finished_at": None, "position": None, "shard_id": None}
+        yield _row(tenant_id, batch_id, line_no, parsed.url, LINE_PENDING, sort_key(parsed),
+                   parsed.custom_id, json_value(stored_body(parsed)),
+                   json_value(engine_fields(parsed.body)), None, None)
+
+
+def _row(tenant_id: str, batch_id: str, line_no: int, endpoint: str, status: str,
+         key: str, custom_id: str | None, body: Any, fields: Any, error: Any,
+         finished_at: dt.datetime | None) -> dict:
+    """A line's row with every column prepare fills (``_COPY_COLUMNS``); ``_assign_shards``
+    sets ``position`` and ``shard_id`` of the valid ones."""
+    return {"tenant_id": tenant_id, "batch_id": batch_id, "line_no": line_no,
+            "endpoint": endpoint, "status": status, "sort_key": key,
+            "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
+            "custom_id": custom_id, "body": body, "engine_fields": fields,
+            "error": error, "finished_at": finished_at, "position": None, "shard_id": None}
 
 
 def _assign_shards(rows: list[dict], *, batch_id: str, shard_size: int) -> int:

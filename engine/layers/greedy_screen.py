@@ -73,20 +73,16 @@ class GreedyScreen:
         if rows == 0:
             return torch.empty(0, dtype=torch.int64)
         hidden_bf16 = hidden.to(torch.bfloat16)
+        approx = self._screen_bf16(hidden_bf16)  # [rows, vocab] bf16
+        row_bounds = hidden.norm(dim=1) * self.relative  # [rows]
         if self.weight.dtype == torch.bfloat16 and cpu_fused_ops.available(hidden_bf16):
             # One C++ pass pair over the bf16 screen instead of ten torch ops over an fp32 copy
             # (~7% of a bf16 step). fp32 models keep the torch ops: same candidates up to
             # rounding in the bound, so the same tokens, but not yet measured there.
-            row_bounds = hidden.norm(dim=1) * self.relative  # [rows]
-            row_ids, token_ids = cpu_fused_ops.screen_candidates(
-                self._screen_bf16(hidden_bf16), row_bounds, self.row_norms,
-                self.output_rounding)
+            candidates = cpu_fused_ops.screen_candidates
         else:
-            approx = self._screen_bf16(hidden_bf16).float()  # [rows, vocab]
-            bound = (hidden.norm(dim=1, keepdim=True) * self.relative) * self.row_norms
-            bound += approx.abs() * self.output_rounding
-            best_lower = (approx - bound).amax(dim=1, keepdim=True)
-            row_ids, token_ids = torch.nonzero(approx + bound >= best_lower, as_tuple=True)
+            candidates = cpu_fused_ops.screen_candidates_ref
+        row_ids, token_ids = candidates(approx, row_bounds, self.row_norms, self.output_rounding)
         exact = (hidden[row_ids] * self.weight[token_ids].float()).sum(dim=1)
         best = torch.full((rows,), float("-inf")).scatter_reduce(
             0, row_ids, exact, reduce="amax")

@@ -63,13 +63,14 @@ class TorchAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        if self._kernel_fits(q, k_cache) and q.dtype == k_cache.dtype == torch.bfloat16:
+        kernel = self._kernel_fits(q, k_cache)
+        if kernel and q.dtype == k_cache.dtype == torch.bfloat16:
             cpu_fused_ops.store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
         else:
             store_kvcache(k, v, k_cache, v_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         num_decodes = metadata.num_decodes
-        if num_decodes and self._kernel_fits(q, k_cache):
+        if num_decodes and kernel:
             cpu_decode_attention.paged_decode_attention(
                 q[:num_decodes], k_cache, v_cache, metadata.decode_block_tables,
                 metadata.decode_context_lens, scale, out=out[:num_decodes],
