@@ -1,4 +1,4 @@
-"""``boxcar`` with the scale benchmark's fake engine (``bench.fake_engine``) in place of the model:
+"""``boxcar`` with the scale benchmark's fake engine (``engine.fake_engine``) in place of the model:
 ``python -m bench.scale_worker worker ...`` runs the normal worker entry point (Celery, leases,
 result writer, finalize) on an engine that costs nothing but the pace it is given.
 
@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from bench.cpu_profile import start_from_env
-from bench.fake_engine import FakeEngine
+from engine.fake_engine import FakeEngine
 
 ENGINES = ("instant", "paced")
 
@@ -26,13 +26,13 @@ def engine_from_env(env: dict[str, str]) -> FakeEngine:
     if kind == "instant":
         if "BOXCAR_BENCH_LINES_PER_S" in env:
             raise ValueError("BOXCAR_BENCH_LINES_PER_S is for the paced engine only")
-        return FakeEngine(lines_per_s=None)
+        return FakeEngine.paced(None)
     raw = env.get("BOXCAR_BENCH_LINES_PER_S", "")
     try:
         lines_per_s = float(raw)
     except ValueError:
         raise ValueError(f"BOXCAR_BENCH_LINES_PER_S must be a number > 0, got {raw!r}") from None
-    return FakeEngine(lines_per_s=lines_per_s)
+    return FakeEngine.paced(lines_per_s)
 
 
 def main(argv: list[str] | None = None) -> int:

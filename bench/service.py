@@ -28,6 +28,7 @@ from typing import Any
 from cli.demo import _free_port, submit_and_wait
 from cli.embedded import EmbeddedServer
 from cli.engine_options import DEFAULT_MODEL
+from engine.protocol import Engine
 from service.settings import Settings
 
 
@@ -66,7 +67,7 @@ def write_workload(path: str, *, num_lines: int = 64, seed: int = 0) -> str:
     return path
 
 
-def _engine(model: str, options: dict[str, Any]) -> Any:
+def _engine(model: str, options: dict[str, Any]) -> Engine:
     from engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model=model, **options))

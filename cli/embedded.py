@@ -12,12 +12,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import uvicorn
 from sqlalchemy.engine import make_url
 
 from api.app import build_context, create_app
+from engine.protocol import Engine
 from service.db import Database
 from service.keys import create_key, ensure_key
 from service.migrate import upgrade
@@ -68,7 +68,7 @@ class EmbeddedServer:
         *,
         host: str = "127.0.0.1",
         port: int = 8000,
-        engine: Any | None = None,
+        engine: Engine | None = None,
         log_level: str = "warning",
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:

@@ -23,10 +23,10 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
-from engine.outputs import EngineStats, RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import RequestOutput
+from engine.protocol import Engine
 from openai_format.ids import new_id
 from openai_format.parse import BatchLine, CustomIdTracker, LineError, parse_line
 from openai_format.responses import output_line
@@ -36,23 +36,6 @@ from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, respon
 IN_FLIGHT_PER_SEQ = 4
 MAX_LINE_ERRORS = 100
 PROGRESS_INTERVAL_S = 0.5
-
-
-class BatchEngine(Protocol):
-    """What this module needs of ``engine.LLMEngine``."""
-
-    tokenizer: Any
-    max_model_len: int
-    model_name: str
-
-    def encode(self, prompt: str) -> list[int]: ...
-    def apply_chat_template(self, messages: list[dict], *,
-                            tools: list[dict] | None = None) -> list[int]: ...
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        ...
-    def step(self) -> list[RequestOutput]: ...
-    def has_unfinished_requests(self) -> bool: ...
-    def get_stats(self) -> EngineStats: ...
 
 
 @dataclass
@@ -150,7 +133,7 @@ def _read_lines(f: IO[bytes]) -> Iterator[tuple[int, bytes]]:
 
 
 def run_batch_file(
-    engine: BatchEngine,
+    engine: Engine,
     input_path: str | Path,
     output_path: str | Path,
     *,
@@ -167,8 +150,7 @@ def run_batch_file(
     ``endpoint``: the url every line must name (as a batch's endpoint); None takes the first
     valid line's."""
     if max_in_flight is None:
-        config = getattr(engine, "config", None)
-        max_in_flight = IN_FLIGHT_PER_SEQ * getattr(config, "max_num_seqs", 64)
+        max_in_flight = IN_FLIGHT_PER_SEQ * engine.config.max_num_seqs
     if max_in_flight < 1:
         raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
     runner = _Runner(engine, model_name or engine.model_name, max_in_flight, endpoint)
@@ -193,22 +175,20 @@ def _progress_bar(total: int | None, enabled: bool) -> Any:
     )
 
 
-def _served_names(engine: BatchEngine, model_name: str) -> set[str]:
+def _served_names(engine: Engine, model_name: str) -> set[str]:
     """The names a line's ``model`` may use in this run: the reported name, the engine's, and
     the model setting with and without its folder and ``.gguf`` suffix (the ids and aliases the
     service gives the same setting)."""
-    names = {model_name, getattr(engine, "model_name", None)}
-    setting = getattr(getattr(engine, "config", None), "model", None)
-    if isinstance(setting, str):
-        base = os.path.basename(setting.rstrip("/")) or setting
-        names |= {setting, base, base.removesuffix(".gguf")}
-    return {name for name in names if isinstance(name, str) and name}
+    setting = engine.config.model
+    base = os.path.basename(setting.rstrip("/")) or setting
+    names = {model_name, engine.model_name, setting, base, base.removesuffix(".gguf")}
+    return {name for name in names if name}
 
 
 class _Runner:
     """The drain loop's state: in-flight requests, counters, latency samples."""
 
-    def __init__(self, engine: BatchEngine, model_name: str, max_in_flight: int,
+    def __init__(self, engine: Engine, model_name: str, max_in_flight: int,
                  endpoint: str | None) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -306,7 +286,7 @@ class _Runner:
         metrics = request_output.metrics
         body, usage = response_body(
             request_output, endpoint=entry.line.url, model=self.model_name,
-            tokenizer=self.engine.tokenizer, hex_id=new_id(), tool_mode=entry.tool_mode,
+            engine=self.engine, hex_id=new_id(), tool_mode=entry.tool_mode,
         )
         _write(f, output_line(entry.line.custom_id, body, request_id=f"req_{entry.request_id}"))
         self.result.num_ok += 1

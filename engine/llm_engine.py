@@ -1,45 +1,33 @@
-"""LLMEngine: add_request / abort_request / step, the loop the worker drives."""
+"""LLMEngine: add_request / abort_request / step, the loop the worker drives.
+
+It satisfies ``engine.protocol.Engine``, the contract every caller sees. Its parts, one job a
+file: ``engine.startup`` builds it (and times the start-up), ``engine.parallel_sampling`` fans a
+request out to its n sequences and assembles their output, ``engine.stop_strings`` finds stop
+strings; the scheduler, the model runner and the sampler do a step.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import TypeVar
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.allocator import keep_step_buffers_on_heap
 from engine.config import EngineConfig
-from engine.kernels import cpu_decode_attention
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_checkpoint
-from engine.outputs import (
-    CompletionOutput,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-    RequestProgress,
-)
-from engine.request import Request, RequestStatus
+from engine.outputs import EngineStats, RequestOutput, RequestProgress
+from engine.parallel_sampling import ParentRequest
+from engine.protocol import ChatTemplate
+from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.startup import eos_token_ids, start
+from engine.stop_strings import match_stop_string
 from engine.structured_output import StructuredOutputManager, accept_token
 
-T = TypeVar("T")
-
-
-@dataclass
-class _UserRequest:
-    """A request as the caller sees it: its n sequences and what they produced."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    metrics: RequestMetrics
-    num_finished: int = 0
+if TYPE_CHECKING:
+    from engine.protocol import Engine
 
 
 class LLMEngine:
@@ -47,42 +35,21 @@ class LLMEngine:
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        start = time.perf_counter()
-        # a GGUF model is converted once to a cached folder; later starts read that instead
-        checkpoint = load_checkpoint(config.model, config.tokenizer, convert_gguf=True)
-        self.model_name = _model_name(config.model, checkpoint)
-        loaded = time.perf_counter()
-        # The tokenizer (with the transformers import it needs) loads on a thread while this one
-        # builds the model: reading and packing the weights is C code that releases the GIL, so
-        # on two or more cores the two overlap (the start-up pays the longer, not the sum).
-        with ThreadPoolExecutor(1, thread_name_prefix="boxcar-tokenizer") as pool:
-            tokenizer_future = pool.submit(_timed, checkpoint.load_tokenizer)
-            try:
-                model_len, kernel_seconds, runner_seconds = self._build_runner(config, checkpoint)
-            except BaseException:
-                tokenizer_future.cancel()
-                raise
-            self.tokenizer, tokenizer_seconds = tokenizer_future.result()
-        kv_seconds = self.model_runner.kv_cache_seconds
-        # where start-up time went (bench/startup.py prints it; a service can log it). The
-        # tokenizer ran beside the model, so the parts add up to more than the total.
-        self.startup_seconds = {
-            "checkpoint": loaded - start,
-            "tokenizer": tokenizer_seconds,
-            "model": runner_seconds - kv_seconds - kernel_seconds,  # build, weights, packing
-            "kv_cache": kv_seconds,
-            "kernel": kernel_seconds,
-            "total": time.perf_counter() - start,
-        }
+        started = start(config)
+        self.model_name = started.model_name
+        self.tokenizer = started.tokenizer
+        self.model_runner = started.model_runner
+        # where start-up time went (bench/startup.py prints it; a worker logs it)
+        self.startup_seconds = started.startup_seconds
         num_blocks = self.model_runner.num_kv_blocks
         # A request must always fit in the cache on its own, or it could never run.
-        self.max_model_len = min(model_len, num_blocks * config.block_size)
+        self.max_model_len = min(started.model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        self.eos_token_ids = _eos_token_ids(checkpoint.config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(started.hf_config, self.tokenizer)
         # Built on the first structured request (reading the vocabulary takes a moment).
         self._structured_output: StructuredOutputManager | None = None
-        self._user_requests: dict[str, _UserRequest] = {}
-        self._child_to_user: dict[str, str] = {}
+        self._parents: dict[str, ParentRequest] = {}
+        self._child_to_parent: dict[str, str] = {}
         self.num_prompt_tokens = 0
         self.num_generated_tokens = 0
         self.prefill_time = 0.0
@@ -92,34 +59,25 @@ class LLMEngine:
             # large, once-only buffers go back to the kernel when freed)
             keep_step_buffers_on_heap()
 
-    def _build_runner(self, config: EngineConfig, checkpoint) -> tuple[int, float, float]:
-        """Build the ModelRunner (weights, KV cache, kernel); returns the model's context
-        length, the seconds spent loading the kernel and the seconds of the whole build."""
-        start = time.perf_counter()
-        hf_config = checkpoint.config
-        model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            # Attention here is full attention: stay inside the window where the two agree.
-            model_len = min(model_len, int(window))
-        if config.max_model_len is not None:
-            if config.max_model_len > model_len:
-                raise ValueError(
-                    f"max_model_len={config.max_model_len} exceeds the model's {model_len}"
-                )
-            model_len = config.max_model_len
-        kernel_seconds = cpu_decode_attention.load_seconds
-        self.model_runner = ModelRunner(config, checkpoint, max_position=model_len)
-        kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
-        return model_len, kernel_seconds, time.perf_counter() - start
+    @property
+    def vocab_size(self) -> int:
+        return self.model_runner.vocab_size
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self.tokenizer.chat_template or None
 
     # ---- tokenization -------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
         return list(self.tokenizer(prompt).input_ids)
 
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text if isinstance(text, str) else "".join(text)
+
     def apply_chat_template(
-        self, messages: list[dict], *, tools: list[dict] | None = None
+        self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None
     ) -> list[int]:
         """The prompt's token ids: ``messages`` (and ``tools``, OpenAI's function shape, for
         templates that describe them) rendered by the model's chat template."""
@@ -157,7 +115,7 @@ class LLMEngine:
         """
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        if request_id in self._user_requests:
+        if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -169,33 +127,15 @@ class LLMEngine:
             matchers = self.structured_output.matchers(params.structured_output, params.n)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        metrics = RequestMetrics(
+        parent = ParentRequest.fan_out(
+            request_id, text, prompt_ids, params, max_tokens=max_tokens,
+            eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            num_prompt_tokens=len(prompt_ids),
-        )
-        user = _UserRequest(request_id, text, prompt_ids, [], metrics)
-        for index in range(params.n):
-            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + index)
-            child = Request(
-                request_id=child_id,
-                prompt_token_ids=prompt_ids,
-                sampling_params=params,
-                max_tokens=max_tokens,
-                eos_token_ids=self.eos_token_ids,
-                metrics=RequestMetrics(metrics.arrival_time, num_prompt_tokens=len(prompt_ids)),
-                parent_id=request_id,
-                index=index,
-                priority=priority,
-                generator=generator,
-                grammar=None if matchers is None else matchers[index],
-            )
-            user.children.append(child)
-            self._child_to_user[child_id] = request_id
-        self._user_requests[request_id] = user
-        for child in user.children:
+            priority=priority, grammars=matchers)
+        self._parents[request_id] = parent
+        for child in parent.children:
+            self._child_to_parent[child.request_id] = request_id
+        for child in parent.children:
             self.scheduler.add_request(child)
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
@@ -230,20 +170,20 @@ class LLMEngine:
             request_ids = [request_ids]
         outputs = []
         for request_id in request_ids:
-            user = self._user_requests.get(request_id)
-            if user is None:
+            parent = self._parents.get(request_id)
+            if parent is None:
                 continue
-            child_ids = [c.request_id for c in user.children if not c.is_finished]
+            child_ids = [c.request_id for c in parent.children if not c.is_finished]
             self.scheduler.finish_requests(child_ids, RequestStatus.FINISHED_ABORTED)
-            outputs.append(self._finish_user_request(user))
+            outputs.append(self._finish(parent))
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._user_requests)
+        return bool(self._parents)
 
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self._user_requests)
+        return len(self._parents)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -270,81 +210,22 @@ class LLMEngine:
                 # the request through the scheduler's EOS check.
                 accept_token(request, request.token_ids[-1])
             if not request.is_finished and request.sampling_params.stop:
-                stop = self._match_stop_string(request)
+                stop = match_stop_string(request, self.decode)
                 if stop is not None:
                     self.scheduler.finish_stopped(request, stop)
                     finished.append(request)
         outputs = []
         for request in finished:
-            user = self._user_requests.get(self._child_to_user[request.request_id])
-            if user is None:
-                continue
-            user.num_finished += 1
-            if user.num_finished == len(user.children):
-                outputs.append(self._finish_user_request(user))
+            parent = self._parents.get(self._child_to_parent[request.request_id])
+            if parent is not None and parent.child_finished():
+                outputs.append(self._finish(parent))
         return outputs
 
-    def _match_stop_string(self, request: Request) -> str | None:
-        params = request.sampling_params
-        text = self._decode(request.output_token_ids, params.skip_special_tokens)
-        # Only the tail can hold a new match: the text before it was checked last step.
-        longest = max(len(s) for s in params.stop)
-        search_from = max(0, len(request.text) - longest)
-        request.text = text
-        best: tuple[int, str] | None = None
-        for stop in params.stop:
-            at = text.find(stop, search_from)
-            if at >= 0 and (best is None or at < best[0]):
-                best = (at, stop)
-        if best is None:
-            return None
-        at, stop = best
-        request.text = text[: at + len(stop)] if params.include_stop_str_in_output else text[:at]
-        return stop
-
-    def _decode(self, token_ids: list[int], skip_special_tokens: bool) -> str:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
-        return text if isinstance(text, str) else "".join(text)
-
-    def _finish_user_request(self, user: _UserRequest) -> RequestOutput:
-        del self._user_requests[user.request_id]
-        completions = []
-        for child in user.children:
-            del self._child_to_user[child.request_id]
-            params = child.sampling_params
-            if child.stop_reason is not None and isinstance(child.stop_reason, str):
-                text = child.text
-            else:
-                text = self._decode(child.output_token_ids, params.skip_special_tokens)
-            completions.append(
-                CompletionOutput(
-                    index=child.index,
-                    text=text,
-                    token_ids=child.output_token_ids,
-                    finish_reason=child.status.finish_reason,
-                    stop_reason=child.stop_reason,
-                    logprobs=child.logprobs,
-                    metrics=child.metrics,
-                )
-            )
-        metrics = user.metrics
-        child_metrics = [c.metrics for c in user.children]
-        scheduled = [m.first_scheduled_time for m in child_metrics if m.first_scheduled_time]
-        first_tokens = [m.first_token_time for m in child_metrics if m.first_token_time]
-        metrics.first_scheduled_time = min(scheduled) if scheduled else None
-        metrics.first_token_time = min(first_tokens) if first_tokens else None
-        metrics.finished_time = max(m.finished_time or time.monotonic() for m in child_metrics)
-        metrics.num_cached_tokens = user.children[0].metrics.num_cached_tokens
-        metrics.num_generated_tokens = sum(m.num_generated_tokens for m in child_metrics)
-        metrics.num_preemptions = sum(m.num_preemptions for m in child_metrics)
-        return RequestOutput(
-            request_id=user.request_id,
-            prompt=user.prompt,
-            prompt_token_ids=user.prompt_token_ids,
-            outputs=completions,
-            finished=True,
-            metrics=metrics,
-        )
+    def _finish(self, parent: ParentRequest) -> RequestOutput:
+        del self._parents[parent.request_id]
+        for child in parent.children:
+            del self._child_to_parent[child.request_id]
+        return parent.output(self.decode)
 
     # ---- stats --------------------------------------------------------------------------------
 
@@ -388,21 +269,7 @@ class LLMEngine:
         )
 
 
-def _timed(function: Callable[[], T]) -> tuple[T, float]:
-    start = time.perf_counter()
-    return function(), time.perf_counter() - start
 
-
-def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
-    ids: list[int] = []
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(source, int):
-            ids.append(source)
-        elif isinstance(source, list | tuple):
-            ids.extend(int(x) for x in source)
-    return tuple(dict.fromkeys(ids))
-
-
-def _model_name(model: str, checkpoint) -> str:
-    path = checkpoint.source or checkpoint.path
-    return path.stem if path.suffix == ".gguf" else path.name or model
+if TYPE_CHECKING:
+    def _is_an_engine(engine: LLMEngine) -> Engine:
+        return engine  # mypy: LLMEngine satisfies the Protocol

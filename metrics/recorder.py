@@ -17,11 +17,18 @@ import bisect
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
 
 from metrics.catalog import ForwardCollector, empty_snapshot, families_from_snapshots
 from metrics.forecast import StepCost
+
+if TYPE_CHECKING:  # the engine's contracts, for the types only: importing engine costs nothing
+    from engine.config import EngineConfig
+    from engine.outputs import EngineStats, RequestOutput, RequestProgress
+    from engine.protocol import ChatTemplate, Engine
+    from engine.sampling_params import SamplingParams
 
 # Timeline points: one a second, five minutes of them (the dashboard's charts, doctor rule 7).
 TIMELINE_INTERVAL_S = 1.0
@@ -33,15 +40,11 @@ CONFIG_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable
                  "enable_prefix_caching", "watermark", "device", "enforce_eager")
 
 
-def engine_config(engine: Any) -> dict[str, Any]:
+def engine_config(engine: Engine) -> dict[str, Any]:
     """The settings of ``engine`` that the doctor's rules look at."""
-    config = getattr(engine, "config", None)
-    values = {name: getattr(config, name) for name in CONFIG_FIELDS if hasattr(config, name)}
-    for name in ("model_name", "max_model_len"):
-        value = getattr(engine, name, None)
-        if isinstance(value, str | int):
-            values[name] = value
-    return values
+    config = asdict(engine.config)
+    return {**{name: config[name] for name in CONFIG_FIELDS},
+            "model_name": engine.model_name, "max_model_len": engine.max_model_len}
 
 
 def _observe(hist: dict[str, Any], value: float, weight: float = 1.0) -> None:
@@ -59,7 +62,7 @@ class EngineRecorder:
         self._snap = empty_snapshot()
         self._snap["config"] = dict(config or {})
         self._config = self._snap["config"]
-        self._prev: Any = None
+        self._prev: EngineStats | None = None
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._timeline: deque[dict[str, Any]] = deque(maxlen=TIMELINE_LEN)
         self._timeline_interval = timeline_interval
@@ -72,9 +75,9 @@ class EngineRecorder:
 
     # -- the engine thread --------------------------------------------------------------------
 
-    def observe_step(self, *, duration: float, gap: float | None, stats: Any) -> None:
+    def observe_step(self, *, duration: float, gap: float | None, stats: EngineStats) -> None:
         """One ``step()`` that took ``duration`` s, ``gap`` s after the previous one ended (None
-        after idleness), followed by ``stats`` (an ``EngineStats``, or None for a fake)."""
+        after idleness), followed by ``stats``."""
         with self._lock:
             snap = self._snap
             counters, gauges, hists = snap["counters"], snap["gauges"], snap["histograms"]
@@ -82,11 +85,6 @@ class EngineRecorder:
             counters["busy_s"] += cycle
             if gap is not None:
                 _observe(hists["step_gap_s"], gap)
-            if stats is None:
-                _observe(hists["decode_step_s"], duration)
-                self._tick_steps += 1
-                self._maybe_tick()
-                return
             prev = self._prev
             self._prev = stats
 
@@ -138,9 +136,9 @@ class EngineRecorder:
                 total += value * added
         return total
 
-    def observe_request(self, output: Any) -> None:
+    def observe_request(self, output: RequestOutput) -> None:
         """A finished ``RequestOutput`` (aborted ones are left out)."""
-        if not getattr(output, "finished", True) or output.finish_reason == "abort":
+        if not output.finished or output.finish_reason == "abort":
             return
         metrics = output.metrics
         num_prompt = metrics.num_prompt_tokens or len(output.prompt_token_ids)
@@ -236,36 +234,87 @@ class EngineRecorder:
 
 
 class MeteredEngine:
-    """``engine`` with its steps, finished requests and refusals reported to ``recorder``;
-    every other attribute is the engine's own."""
+    """``engine`` with its steps, finished requests and refusals reported to ``recorder``; an
+    ``Engine`` itself, every other member the engine's own."""
 
-    def __init__(self, engine: Any, recorder: EngineRecorder) -> None:
+    def __init__(self, engine: Engine, recorder: EngineRecorder) -> None:
         self._engine = engine
         self.recorder = recorder
-        self._has_stats = callable(getattr(engine, "get_stats", None))
         self._last_end: float | None = None  # when the last step ended with work left
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)
+    # -- metered ------------------------------------------------------------------------------
 
-    def add_request(self, *args: Any, **kwargs: Any) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         try:
-            self._engine.add_request(*args, **kwargs)
+            self._engine.add_request(request_id, prompt, params, arrival_time=arrival_time,
+                                     priority=priority)
         except ValueError:
             self.recorder.observe_rejected()
             raise
 
-    def step(self) -> list[Any]:
+    def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         gap = start - self._last_end if self._last_end is not None else None
         outputs = self._engine.step()
         duration = time.perf_counter() - start
-        stats = self._engine.get_stats() if self._has_stats else None
-        self.recorder.observe_step(duration=duration, gap=gap, stats=stats)
+        self.recorder.observe_step(duration=duration, gap=gap, stats=self._engine.get_stats())
         for output in outputs:
             self.recorder.observe_request(output)
         self._last_end = time.perf_counter() if self._engine.has_unfinished_requests() else None
         return outputs
+
+    # -- the engine's own ---------------------------------------------------------------------
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    @property
+    def model_name(self) -> str:
+        return self._engine.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine.vocab_size
+
+    @property
+    def chat_template(self) -> ChatTemplate | None:
+        return self._engine.chat_template
+
+    @property
+    def startup_seconds(self) -> dict[str, float]:
+        return self._engine.startup_seconds
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self._engine.num_unfinished_requests
+
+    def encode(self, prompt: str) -> list[int]:
+        return self._engine.encode(prompt)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._engine.decode(token_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], *,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        return self._engine.apply_chat_template(messages, tools=tools)
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        return self._engine.abort_request(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def progress(self) -> list[RequestProgress]:
+        return self._engine.progress()
+
+    def get_stats(self) -> EngineStats:
+        return self._engine.get_stats()
 
 
 def worker_registry(recorder: EngineRecorder) -> Any:

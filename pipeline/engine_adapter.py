@@ -22,7 +22,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from engine.structured_output import StructuredOutputError
 from openai_format.parse import (
@@ -84,7 +85,8 @@ def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareErro
         return PrepareError(code, message)
 
 
-def prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+def prepare(engine: Engine, endpoint: str,
+            body: dict[str, Any] | Body) -> EngineInput | PrepareError:
     """The engine input for one line, or its error. Never raises: whatever goes wrong while
     one line is prepared fails that line (``server_error`` for what no check foresaw)."""
     try:
@@ -94,14 +96,15 @@ def prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineIn
         return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
 
 
-def _prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+def _prepare(engine: Engine, endpoint: str,
+             body: dict[str, Any] | Body) -> EngineInput | PrepareError:
     request = parse_body(endpoint, body)
     if isinstance(request, PrepareError):
         return request
     return _prepare_fields(engine, engine_fields(request))
 
 
-def prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | PrepareError:
+def prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | PrepareError:
     """``prepare`` for a line whose body was validated when it was stored: its
     ``engine_fields`` (``openai_format.sampling``) become the engine input, with no parsing."""
     try:
@@ -111,12 +114,12 @@ def prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | Prepare
         return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
 
 
-def _prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | PrepareError:
+def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | PrepareError:
     tool_mode: ToolCallMode | None = None
     format_field = fields.get("format_field")
     mode = fields.get("tool_mode")
     if mode == "auto":
-        syntax = template_supports_tools(getattr(engine.tokenizer, "chat_template", None))
+        syntax = template_supports_tools(engine.chat_template)
         if syntax is None:
             return PrepareError(
                 INVALID_VALUE,
@@ -135,16 +138,15 @@ def _prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | Prepar
     too_long = _context_overflow(engine, prompt, kwargs["max_tokens"])
     if too_long is not None:
         return PrepareError(CONTEXT_LENGTH_EXCEEDED, too_long)
-    vocab = _vocab_size(engine)
-    if vocab is not None:
-        if max(prompt) >= vocab:
-            return PrepareError(INVALID_VALUE, f"body.prompt: token id {max(prompt)} is outside "
-                                f"the model's vocabulary (ids 0 to {vocab - 1})", "prompt")
-        outside = sorted(t for t in kwargs["logit_bias"] or {} if t >= vocab)
-        if outside:
-            return PrepareError(INVALID_VALUE, f"body.logit_bias: token id {outside[0]} is "
-                                f"outside the model's vocabulary (ids 0 to {vocab - 1})",
-                                "logit_bias")
+    vocab = engine.vocab_size
+    if max(prompt) >= vocab:
+        return PrepareError(INVALID_VALUE, f"body.prompt: token id {max(prompt)} is outside "
+                            f"the model's vocabulary (ids 0 to {vocab - 1})", "prompt")
+    outside = sorted(t for t in kwargs["logit_bias"] or {} if t >= vocab)
+    if outside:
+        return PrepareError(INVALID_VALUE, f"body.logit_bias: token id {outside[0]} is "
+                            f"outside the model's vocabulary (ids 0 to {vocab - 1})",
+                            "logit_bias")
     try:
         structured = kwargs.pop("structured_output")
         params = SamplingParams(
@@ -156,12 +158,13 @@ def _prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | Prepar
     return EngineInput(prompt, params, format_field, tool_mode)
 
 
-def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
-                  **kwargs: Any) -> PrepareError | None:
+def add_to_engine(engine: Engine, request_id: str, engine_input: EngineInput, *,
+                  priority: int = 0) -> PrepareError | None:
     """``engine.add_request``; a request the engine refuses (a schema its grammar compiler
     cannot take) becomes the line's error."""
     try:
-        engine.add_request(request_id, engine_input.prompt, engine_input.params, **kwargs)
+        engine.add_request(request_id, engine_input.prompt, engine_input.params,
+                           priority=priority)
     except StructuredOutputError as exc:
         return PrepareError(INVALID_VALUE, f"{engine_input.format_field or 'body'}: {exc}",
                             engine_input.format_field)
@@ -173,15 +176,11 @@ def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
     return None
 
 
-def _prompt(engine: Any, fields: dict[str, Any]) -> list[int] | PrepareError:
+def _prompt(engine: Engine, fields: dict[str, Any]) -> list[int] | PrepareError:
     chat = "messages" in fields
     try:
         if chat:
-            tools = fields.get("tools")
-            if tools is None:
-                prompt_ids = engine.apply_chat_template(fields["messages"])
-            else:
-                prompt_ids = engine.apply_chat_template(fields["messages"], tools=tools)
+            prompt_ids = engine.apply_chat_template(fields["messages"], tools=fields.get("tools"))
         else:
             prompt = fields["prompt"]
             prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
@@ -196,18 +195,10 @@ def _prompt(engine: Any, fields: dict[str, Any]) -> list[int] | PrepareError:
     return list(prompt_ids)
 
 
-def _vocab_size(engine: Any) -> int | None:
-    runner = getattr(engine, "model_runner", None)
-    vocab = getattr(runner, "vocab_size", None)
-    return vocab if isinstance(vocab, int) else None
-
-
-def _context_overflow(engine: Any, prompt: list[int], max_tokens: int | None) -> str | None:
+def _context_overflow(engine: Engine, prompt: list[int], max_tokens: int | None) -> str | None:
     """Why the prompt, with an explicit max_tokens, cannot fit in the model's context (the
     engine would silently cut the completion short), or None."""
-    max_model_len = getattr(engine, "max_model_len", None)
-    if not isinstance(max_model_len, int):
-        return None
+    max_model_len = engine.max_model_len
     if len(prompt) >= max_model_len:
         return (f"the prompt is {len(prompt)} tokens; the model's context is {max_model_len} "
                 "tokens, including the completion")
@@ -218,20 +209,16 @@ def _context_overflow(engine: Any, prompt: list[int], max_tokens: int | None) ->
             f"{max_tokens} in max_tokens); lower max_tokens or shorten the prompt.")
 
 
-def _token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id]) if tokenizer is not None else str(token_id)
-
-
 def _logprobs(
-    tokenizer: Any, entries: list[TokenLogprob] | None
+    engine: Engine, entries: list[TokenLogprob] | None
 ) -> list[TokenLogprobResult] | None:
     if entries is None:
         return None
     return [
         TokenLogprobResult(
-            token=_token_text(tokenizer, e.token_id),
+            token=engine.decode([e.token_id]),
             logprob=e.logprob,
-            top=[(_token_text(tokenizer, tid), lp) for tid, lp in e.top],
+            top=[(engine.decode([tid]), lp) for tid, lp in e.top],
         )
         for e in entries
     ]
@@ -244,25 +231,27 @@ class Usage:
     cached_tokens: int
 
 
-def _choice(c: Any, tokenizer: Any, tool_mode: ToolCallMode | None) -> ChoiceResult:
-    text, tool_calls = c.text, []
+def _choice(c: CompletionOutput, engine: Engine,
+            tool_mode: ToolCallMode | None) -> ChoiceResult:
+    text = c.text
+    tool_calls: list[dict[str, Any]] = []
     if tool_mode is not None and c.finish_reason != "length":
         content, tool_calls = tool_calls_from_text(tool_mode, c.text)
         text = content or ""
     return ChoiceResult(
         index=c.index, text=text, num_tokens=len(c.token_ids),
-        finish_reason=c.finish_reason, logprobs=_logprobs(tokenizer, c.logprobs),
+        finish_reason=c.finish_reason, logprobs=_logprobs(engine, c.logprobs),
         tool_calls=tool_calls,
     )
 
 
 def response_body(
-    output: RequestOutput, *, endpoint: str, model: str, tokenizer: Any, hex_id: str,
+    output: RequestOutput, *, endpoint: str, model: str, engine: Engine, hex_id: str,
     tool_mode: ToolCallMode | None = None,
 ) -> tuple[dict[str, Any], Usage]:
     """The chat.completion or text_completion object for a finished request, and its usage;
-    ``hex_id`` (random hex) makes the object's id."""
-    choices = [_choice(c, tokenizer, tool_mode) for c in output.outputs]
+    ``engine`` decodes logprobs' tokens, ``hex_id`` (random hex) makes the object's id."""
+    choices = [_choice(c, engine, tool_mode) for c in output.outputs]
     prompt_tokens = output.metrics.num_prompt_tokens or len(output.prompt_token_ids)
     cached_tokens = output.metrics.num_cached_tokens
     build = chat_completion_body if endpoint == CHAT_URL else text_completion_body

@@ -22,8 +22,9 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
+from engine.outputs import RequestOutput
+from engine.protocol import Engine
 from metrics.counters import ENGINE_STEPS, LINES_FINISHED
 from metrics.forecast import OutputLengths
 from openai_format.ids import new_id
@@ -50,7 +51,7 @@ class EngineFailed(RuntimeError):
 class Drainer:
     def __init__(
         self,
-        engine: Any,
+        engine: Engine,
         *,
         submit: Callable[[LineResult], None],
         model_name: str,
@@ -196,7 +197,7 @@ class Drainer:
         num_tokens = len(engine_input.prompt)
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
 
-    def _finish(self, output: Any) -> None:
+    def _finish(self, output: RequestOutput) -> None:
         work = self._in_engine.pop(output.request_id, None)
         tool_mode = self._tool_modes.pop(output.request_id, None)
         if work is None:
@@ -207,7 +208,7 @@ class Drainer:
         try:
             body, usage = response_body(
                 output, endpoint=work.endpoint, model=self.model_name,
-                tokenizer=getattr(self.engine, "tokenizer", None), hex_id=hex_id,
+                engine=self.engine, hex_id=hex_id,
                 tool_mode=tool_mode,
             )
         except Exception as exc:

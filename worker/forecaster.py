@@ -42,13 +42,10 @@ class Forecaster:
             return
         self._gathered_at = now
         drainer = self.drainer
-        progress = getattr(drainer.engine, "progress", None)
-        if not callable(progress):  # an engine that cannot say (a test's fake): no forecast
-            return
         in_engine = drainer.in_engine
         lines = []
         seen: set[str] = set()
-        for seq in progress():
+        for seq in drainer.engine.progress():
             work = in_engine.get(seq.request_id)
             first = seq.request_id not in seen
             seen.add(seq.request_id)

@@ -31,6 +31,7 @@ from typing import Any
 
 from sqlalchemy import select
 
+from engine.protocol import Engine
 from metrics.publisher import MetricsPublisher
 from metrics.recorder import EngineRecorder, MeteredEngine, engine_config, worker_registry
 from openai_format.ids import new_id
@@ -68,23 +69,11 @@ def new_worker_id() -> str:
     return new_id(f"{socket.gethostname()}:{os.getpid()}:", nbytes=3)
 
 
-def build_engine(settings: Settings) -> Any:
+def build_engine(settings: Settings) -> Engine:
     """The engine the settings describe (imported here: torch is heavy)."""
     from engine import EngineConfig, LLMEngine
 
     return LLMEngine(EngineConfig(model=settings.model, **settings.engine_options))
-
-
-def _engine_limit(engine: Any, name: str, default: int) -> int:
-    config = getattr(engine, "config", None)
-    value = getattr(config, name, None) if config is not None else None
-    return int(value) if isinstance(value, int) else default
-
-
-def _max_model_len(engine: Any) -> int:
-    """The engine's context (what a line with no max_tokens may fill), else its config's."""
-    value = getattr(engine, "max_model_len", None)
-    return value if isinstance(value, int) else _engine_limit(engine, "max_model_len", 2048)
 
 
 class _EngineThread(threading.Thread):
@@ -139,7 +128,7 @@ class WorkerService:
         self,
         settings: Settings,
         *,
-        engine: Any | None = None,
+        engine: Engine | None = None,
         db: Database | None = None,
         storage: ObjectStorage | None = None,
         queue: TaskQueue | None = None,
@@ -186,6 +175,7 @@ class WorkerService:
             except BaseException:
                 self._engine_thread.finish()
                 raise
+        engine: Engine = self.engine
         self.webhooks = WebhookSender(
             self.db, allow_private=settings.webhook_allow_private,
             retry_delays=settings.webhook_retry_delays, timeout=settings.webhook_timeout,
@@ -201,22 +191,21 @@ class WorkerService:
         # Answers carry the model's id, the name /v1/models lists and requests are routed by.
         model_name = self.model_id
         aliases = setting_aliases(settings.model, settings.served_model_name)
-        engine_name = getattr(self.engine, "model_name", None)  # e.g. the GGUF file's stem
-        if isinstance(engine_name, str) and engine_name != model_name:
-            aliases.append(engine_name)
-        self.recorder = EngineRecorder(engine_config(self.engine))
+        if engine.model_name != model_name:  # e.g. the GGUF file's stem
+            aliases.append(engine.model_name)
+        self.recorder = EngineRecorder(engine_config(engine))
         self.drainer = Drainer(
-            MeteredEngine(self.engine, self.recorder), submit=self.writer.submit,
+            MeteredEngine(engine, self.recorder), submit=self.writer.submit,
             model_name=model_name,
-            max_num_seqs=_engine_limit(self.engine, "max_num_seqs", 128),
-            max_num_batched_tokens=_engine_limit(self.engine, "max_num_batched_tokens", 512),
+            max_num_seqs=engine.config.max_num_seqs,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
             job_collect_window=settings.job_collect_window,
-            low_water=max(2 * _engine_limit(self.engine, "max_num_seqs", 128), settings.shard_size),
+            low_water=max(2 * engine.config.max_num_seqs, settings.shard_size),
             on_hungry=lambda: self.leases.wake_hungry(),
         )
         forecaster = Forecaster(self.drainer, self.recorder.step_cost,
                                 seats=self.drainer.max_num_seqs,
-                                max_model_len=_max_model_len(self.engine),
+                                max_model_len=engine.max_model_len,
                                 interval=min(settings.worker_metrics_interval / 2, 0.5))
         self.drainer.on_step = forecaster.gather
         self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
@@ -251,10 +240,9 @@ class WorkerService:
             self.queue.subscribe(self.wake)
         self._started.set()
         log.info("worker %s started (model %s)", self.worker_id, model_name)
-        breakdown = getattr(self.engine, "startup_seconds", None)
-        if isinstance(breakdown, dict) and breakdown:
+        if engine.startup_seconds:
             log.info("engine start-up: %s", ", ".join(
-                f"{phase} {seconds:.2f} s" for phase, seconds in breakdown.items()))
+                f"{phase} {seconds:.2f} s" for phase, seconds in engine.startup_seconds.items()))
         return self
 
     def _drain(self) -> None:

@@ -1,9 +1,8 @@
-"""cli.offline.run_batch_file end to end: a fake engine first, then the real one."""
+"""cli.offline.run_batch_file end to end: the fake engine first, then the real one."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
@@ -11,87 +10,37 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from cli.offline import count_lines, run_batch_file, sample_percentiles, write_metrics_json
-from engine.outputs import (
-    CompletionOutput,
-    EngineStats,
-    RequestMetrics,
-    RequestOutput,
-    TokenLogprob,
-)
+from engine.fake_engine import FakeEngine
+from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 
 
-class FakeTokenizer:
-    """One token per character (id = code point % 256)."""
-
-    def __len__(self) -> int:
-        return 256
-
-    def decode(self, token_ids: list[int], **_: object) -> str:
-        return "".join(chr(t) for t in token_ids)
-
-
-class FakeConfig:
-    max_num_seqs = 2
-
-
-class FakeEngine:
-    """Generates ``max_tokens`` copies of 'x', serving ``max_num_seqs`` requests per step."""
+class OfflineEngine(FakeEngine):
+    """The shared fake with a 256-token vocabulary (id = code point % 256), answers of 'x', a
+    chat template without a tool role, and fixed stats."""
 
     def __init__(self, max_model_len: int = 64) -> None:
-        self.tokenizer = FakeTokenizer()
-        self.config = FakeConfig()
-        self.max_model_len = max_model_len
-        self.model_name = "fake-model"
-        self.requests: dict[str, tuple[list[int], SamplingParams, RequestMetrics, list[int]]] = {}
+        super().__init__(max_num_seqs=2, max_model_len=max_model_len, answer="x")
+        self.vocab_size = 256
         self.max_seen = 0
-        self.num_added = 0
+
+    @property
+    def num_added(self) -> int:
+        return len(self.added)
 
     def encode(self, prompt: str) -> list[int]:
         return [ord(c) % 256 for c in prompt]
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], *,
+                            tools: list[dict] | None = None) -> list[int]:
         if any(m["role"] == "tool" for m in messages):
             raise ValueError("this template has no tool role")
-        text = "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
-        return self.encode(text)
+        return super().apply_chat_template(messages, tools=tools)
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
-        ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        if max(ids) >= 256:
-            raise ValueError("prompt token ids must be in [0, 256)")
-        assert len(ids) < self.max_model_len
-        metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(ids))
-        self.requests[request_id] = (ids, params, metrics, [])
-        self.num_added += 1
-        self.max_seen = max(self.max_seen, len(self.requests))
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    def step(self) -> list[RequestOutput]:
-        finished = []
-        for request_id in list(self.requests)[: self.config.max_num_seqs]:
-            ids, params, metrics, out = self.requests[request_id]
-            out.append(ord("x"))
-            now = time.monotonic()
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            limit = min(params.max_tokens or 4, self.max_model_len - len(ids))
-            if len(out) >= limit:
-                metrics.finished_time = now
-                metrics.num_generated_tokens = len(out) * params.n
-                del self.requests[request_id]
-                logprobs = None
-                if params.logprobs is not None:
-                    top = [(ord("x"), -0.5), (ord("y"), -1.5)][: params.logprobs]
-                    logprobs = [TokenLogprob(ord("x"), -0.5, top) for _ in out]
-                completions = [
-                    CompletionOutput(i, "x" * len(out), list(out), "length", None, logprobs)
-                    for i in range(params.n)
-                ]
-                finished.append(RequestOutput(request_id, None, ids, completions, True, metrics))
-        return finished
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                    **kwargs: object) -> None:
+        super().add_request(request_id, prompt, params, **kwargs)  # type: ignore[arg-type]
+        self.max_seen = max(self.max_seen, self.num_unfinished_requests)
 
     def get_stats(self) -> EngineStats:
         return EngineStats(
@@ -173,7 +122,7 @@ def check_failed_line(line: dict) -> str:
 
 
 def test_run_batch_file_mixed(tmp_path: Path) -> None:
-    engine = FakeEngine()
+    engine = OfflineEngine()
     output = tmp_path / "out.jsonl"
     summary = run_batch_file(engine, write_input(tmp_path, MIXED), output, progress=False)
 
@@ -209,7 +158,7 @@ def test_run_batch_file_mixed(tmp_path: Path) -> None:
 
 def test_run_batch_file_completions(tmp_path: Path) -> None:
     output = tmp_path / "out.jsonl"
-    summary = run_batch_file(FakeEngine(), write_input(tmp_path, COMPLETIONS), output,
+    summary = run_batch_file(OfflineEngine(), write_input(tmp_path, COMPLETIONS), output,
                              progress=False)
     by_id = {line["custom_id"]: line for line in read_lines(output)}
     assert check_failed_line(by_id["bad-ids"]) == "invalid_value"
@@ -226,7 +175,7 @@ def test_run_batch_file_completions(tmp_path: Path) -> None:
 def test_errors_go_to_separate_file(tmp_path: Path) -> None:
     output, errors = tmp_path / "out.jsonl", tmp_path / "errors.jsonl"
     run_batch_file(
-        FakeEngine(), write_input(tmp_path, MIXED), output, errors_path=errors, progress=False
+        OfflineEngine(), write_input(tmp_path, MIXED), output, errors_path=errors, progress=False
     )
     assert {line["custom_id"] for line in read_lines(output)} == EXPECTED_OK
     assert all(line["error"] is None for line in read_lines(output))
@@ -236,7 +185,7 @@ def test_errors_go_to_separate_file(tmp_path: Path) -> None:
 
 
 def test_window_is_bounded_and_every_id_once(tmp_path: Path) -> None:
-    engine = FakeEngine()
+    engine = OfflineEngine()
     lines = [completion_line(f"r{i}", max_tokens=1 + i % 4) for i in range(50)]
     output = tmp_path / "out.jsonl"
     summary = run_batch_file(
@@ -250,12 +199,12 @@ def test_window_is_bounded_and_every_id_once(tmp_path: Path) -> None:
 
 
 def test_default_window_is_a_few_times_max_num_seqs(tmp_path: Path) -> None:
-    engine = FakeEngine()
+    engine = OfflineEngine()
     lines = [completion_line(f"r{i}", max_tokens=2) for i in range(30)]
     summary = run_batch_file(
         engine, write_input(tmp_path, lines), tmp_path / "out.jsonl", progress=False
     )
-    assert summary.max_in_flight == 4 * FakeConfig.max_num_seqs
+    assert summary.max_in_flight == 4 * engine.config.max_num_seqs
     assert engine.max_seen == summary.max_in_flight
 
 
@@ -274,13 +223,13 @@ def test_input_is_read_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
             yield item
 
     monkeypatch.setattr(offline, "_read_lines", spy)
-    engine = FakeEngine()
+    engine = OfflineEngine()
     added_when: list[int] = []
     original_add = engine.add_request
 
-    def add(request_id, prompt, params):  # noqa: ANN001, ANN202
+    def add(request_id, prompt, params, **kwargs):  # noqa: ANN001, ANN202
         added_when.append(len(read))
-        original_add(request_id, prompt, params)
+        original_add(request_id, prompt, params, **kwargs)
 
     engine.add_request = add  # type: ignore[method-assign]
     run_batch_file(engine, path, tmp_path / "out.jsonl", max_in_flight=2, progress=False)
@@ -291,14 +240,14 @@ def test_input_is_read_lazily(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 def test_empty_input(tmp_path: Path) -> None:
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n", encoding="utf-8")
-    summary = run_batch_file(FakeEngine(), path, tmp_path / "out.jsonl", progress=False)
+    summary = run_batch_file(OfflineEngine(), path, tmp_path / "out.jsonl", progress=False)
     assert summary.num_lines == 0 and (tmp_path / "out.jsonl").read_text() == ""
 
 
 def test_metrics_json_and_helpers(tmp_path: Path) -> None:
     path = write_input(tmp_path, MIXED)
     assert count_lines(path) == len(MIXED) - 1
-    summary = run_batch_file(FakeEngine(), path, tmp_path / "out.jsonl", progress=True)
+    summary = run_batch_file(OfflineEngine(), path, tmp_path / "out.jsonl", progress=True)
     metrics = tmp_path / "metrics.json"
     write_metrics_json(metrics, summary, model="fake-model")
     data = json.loads(metrics.read_text())
@@ -393,7 +342,7 @@ def test_real_engine_completions(tmp_path: Path, real_engine) -> None:  # noqa: 
 def test_a_line_naming_another_model_fails_alone(tmp_path: Path) -> None:
     """A run serves one model: a line naming another is refused (as the service refuses a batch
     naming a model it does not serve); a line naming this one, or none, runs."""
-    engine = FakeEngine()
+    engine = OfflineEngine()
     output = tmp_path / "out.jsonl"
     lines = [chat_line("named", model="fake-model"), chat_line("other", model="gpt-4o-mini"),
              chat_line("none")]

@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.fake_engine import FakeEngine
 from bench.scale_probes import claim_counters
 from bench.scale_report import targets
 from bench.scale_worker import engine_from_env
+from engine.fake_engine import FakeEngine
 from engine.sampling_params import SamplingParams
 from tests.conftest_services import REPO, _pg_reachable, _redis_reachable
 
@@ -34,10 +34,10 @@ def drain(engine: FakeEngine, num_requests: int) -> tuple[float, int]:
 
 
 def test_instant_engine_finishes_a_full_batch_each_step() -> None:
-    engine = FakeEngine(lines_per_s=None, max_num_seqs=8)
+    engine = FakeEngine.paced(None, max_num_seqs=8)
     _, steps = drain(engine, 20)
     assert steps == 3  # 8 + 8 + 4
-    outputs = FakeEngine(lines_per_s=None)
+    outputs = FakeEngine.paced(None)
     outputs.add_request("a", [1, 2, 3], SamplingParams(max_tokens=8))
     (out,) = outputs.step()
     assert (out.request_id, out.finish_reason, out.metrics.num_prompt_tokens) == ("a", "stop", 3)
@@ -45,7 +45,7 @@ def test_instant_engine_finishes_a_full_batch_each_step() -> None:
 
 def test_paced_engine_holds_its_pace_when_kept_full() -> None:
     # 16 seats, 4 steps a request, 800 lines/s: a step every 5 ms; 160 lines take 0.2 s.
-    engine = FakeEngine(lines_per_s=800, max_num_seqs=16, steps_per_request=4)
+    engine = FakeEngine.paced(800, max_num_seqs=16, steps_per_request=4)
     assert engine.step_time == pytest.approx(0.005)
     elapsed, steps = drain(engine, 160)
     assert steps == 40

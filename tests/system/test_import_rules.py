@@ -16,7 +16,7 @@ ALLOWED = {
     "openai_format": set(),
     "pipeline": {"engine", "openai_format"},
     "service": {"openai_format"},
-    "metrics": {"service"},
+    "metrics": {"engine", "service"},  # engine: its contracts (protocol, outputs), for types
     "api": {"service", "openai_format", "metrics"},
     "worker": {"engine", "pipeline", "service", "openai_format", "metrics"},
     "cli": {"engine", "pipeline", "service", "openai_format", "metrics", "api", "worker"},

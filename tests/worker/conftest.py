@@ -9,11 +9,11 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import build_context, create_app
+from engine.fake_engine import FakeEngine
 from service.queue import EmbeddedQueue
 from service.settings import Settings
 from tests.conftest_services import *  # noqa: F403
 from tests.conftest_services import jsonl, make_key, migrated, wait_for
-from tests.worker.fake_engine import FakeEngine
 from worker.process import WorkerService
 
 

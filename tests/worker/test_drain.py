@@ -9,9 +9,9 @@ import time
 from fastapi.testclient import TestClient
 from openai.types import Batch
 
+from engine.fake_engine import FakeEngine
 from tests.conftest_services import chat_line, make_key, wait_for
 from tests.openai_shapes import check_line, error_of, strict
-from tests.worker.fake_engine import FakeEngine
 
 
 def custom_ids(lines: list[dict]) -> list[str]:

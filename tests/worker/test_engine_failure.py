@@ -9,10 +9,10 @@ import threading
 
 from sqlalchemy import select
 
+from engine.fake_engine import FakeEngine
 from service.models import LINE_PENDING, RequestLine, Shard
 from tests.conftest_services import chat_line
 from tests.openai_shapes import error_of
-from tests.worker.fake_engine import FakeEngine
 from worker.drain import EngineFailed
 from worker.lease_keeper import LeaseKeeper
 
@@ -35,10 +35,11 @@ class TemplateError(Exception):
 
 
 class PickyTemplateEngine(FakeEngine):
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], *,
+                            tools: list[dict] | None = None) -> list[int]:
         if any("BOOM" in str(m.get("content")) for m in messages):
             raise TemplateError("Conversation roles must alternate user/assistant/user/...")
-        return super().apply_chat_template(messages)
+        return super().apply_chat_template(messages, tools=tools)
 
 
 def test_broken_engine_stops_the_worker_and_hands_its_shards_back(make_stack, any_db_url):

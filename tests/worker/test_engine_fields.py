@@ -9,12 +9,12 @@ import json
 import pytest
 from sqlalchemy import select
 
+from engine.fake_engine import FakeEngine
 from openai_format.sampling import engine_fields
 from pipeline import engine_adapter
 from pipeline.engine_adapter import parse_body, prepare, prepare_fields
 from service.models import RequestLine
 from tests.conftest_services import chat_line, wait_for
-from tests.worker.fake_engine import FakeEngine
 from tests.worker.test_request_pipeline import ADD, WEATHER, make_engine
 from worker.prepare import prepare_batch
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import threading
 
+from engine.fake_engine import FakeEngine
 from tests.conftest_services import chat_line
-from tests.worker.fake_engine import FakeEngine
 from worker import process as service_module
 from worker.process import WorkerService
 

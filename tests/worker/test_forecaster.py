@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from engine.fake_engine import FakeEngine
 from metrics.forecast import StepCost
-from tests.worker.fake_engine import FakeEngine
 from worker.drain import Drainer
 from worker.forecaster import Forecaster, line_max_tokens
 from worker.items import LineWork
@@ -44,16 +44,6 @@ def test_the_forecast_covers_lines_in_the_engine_and_in_the_queue():
     while drainer.turn():
         pass
     assert forecaster.snapshot()["batches"] == {}
-
-
-def test_an_engine_that_cannot_report_progress_publishes_no_forecast():
-    class Silent(FakeEngine):
-        progress = None
-
-    drainer, forecaster = make(Silent(max_num_seqs=2))
-    drainer.add([line(1, "x", 4)], is_job=False)
-    assert drainer.turn()
-    assert forecaster.snapshot() is None
 
 
 def test_line_max_tokens_reads_either_field():

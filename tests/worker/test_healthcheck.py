@@ -9,9 +9,9 @@ import socket
 from sqlalchemy import update
 
 from cli.main import main
+from engine.fake_engine import FakeEngine
 from service.models import WorkerStatus
 from tests.conftest_services import wait_for
-from tests.worker.fake_engine import FakeEngine
 
 
 def test_worker_healthcheck_follows_the_heartbeat(make_stack, sqlite_url, monkeypatch, capsys):

@@ -7,10 +7,10 @@ import time
 
 from sqlalchemy import select, update
 
+from engine.fake_engine import FakeEngine
 from service.models import LINE_COMPLETED, RequestLine, Shard
 from tests.conftest_services import chat_line, wait_for
 from tests.openai_shapes import error_of
-from tests.worker.fake_engine import FakeEngine
 from worker.items import LineResult, LineWork
 from worker.prepare import prepare_batch
 from worker.result_writer import write_results

@@ -11,12 +11,12 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cli.doctor_commands import parse_exposition, window_snapshot
+from engine.fake_engine import FakeEngine
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
 from metrics.catalog import ENGINE_METRICS, empty_snapshot, families_from_snapshots
 from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
 from metrics.snapshot import delta_snapshot, merge_snapshots, quantile
 from tests.conftest_services import chat_line, wait_for
-from tests.worker.fake_engine import FakeEngine
 
 CONFIG = {"max_num_seqs": 4, "max_num_batched_tokens": 64, "block_size": 4,
           "enable_prefix_caching": True}
@@ -157,7 +157,11 @@ def test_metered_fake_engine_passes_through() -> None:
     snap = metered.recorder.snapshot()
     assert snap["counters"]["requests_finished"] == 3
     assert snap["counters"]["requests_rejected"] == 1
-    assert snap["histograms"]["decode_step_s"]["count"] == engine.num_steps
+    hists, stats = snap["histograms"], engine.get_stats()
+    # The fake's stats are read after every step, as the real engine's are.
+    steps = hists["prefill_step_s"]["count"] + hists["decode_step_s"]["count"]
+    assert steps == engine.num_steps == stats.num_steps == hists["step_requests"]["count"]
+    assert snap["counters"]["generation_tokens"] == stats.num_generated_tokens == 3 * 2
 
 
 def test_metered_real_engine_matches_its_stats(tiny_model_dir) -> None:

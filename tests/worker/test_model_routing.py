@@ -8,11 +8,11 @@ import time
 
 from sqlalchemy import select, update
 
+from engine.fake_engine import FakeEngine
 from service.db import utcnow
 from service.models import RequestLine, Shard
 from tests.conftest_services import chat_line, completion_line, wait_for
 from tests.openai_shapes import error_of
-from tests.worker.fake_engine import FakeEngine
 from worker import claims
 from worker.prepare import prepare_batch
 

@@ -9,9 +9,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from engine.fake_engine import FakeEngine
 from tests.conftest_services import chat_line, wait_for
 from tests.openai_shapes import error_of
-from tests.worker.fake_engine import FakeEngine
 
 
 class FlakyStorage:

@@ -3,9 +3,9 @@ deadline, then batch priority, then tenants round-robin; and what the engine is 
 
 from __future__ import annotations
 
+from engine.fake_engine import FakeEngine
 from service.queue_order import DEADLINE_BUCKET_S, bulk_rank, engine_priority
 from tests.conftest_services import chat_line, wait_for
-from tests.worker.fake_engine import FakeEngine
 from worker.items import LineWork
 from worker.line_queue import LineQueue
 

@@ -10,10 +10,10 @@ from contextlib import contextmanager
 
 from sqlalchemy import event, select, text
 
+from engine.fake_engine import FakeEngine
 from service import counters
 from service.models import LINE_COMPLETED, LINE_FAILED, BatchCounter, RequestLine, Shard
 from tests.conftest_services import chat_line
-from tests.worker.fake_engine import FakeEngine
 from worker import claims, lease_keeper
 from worker import finalize as finalize_module
 from worker.items import LineResult, LineWork

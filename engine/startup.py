@@ -1,0 +1,108 @@
+"""An engine's start-up: the checkpoint, the tokenizer and the model runner built, and where the
+seconds went (``startup_seconds``: bench/startup.py prints it, a worker logs it)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from engine.config import EngineConfig
+from engine.kernels import cpu_decode_attention
+from engine.model_runner import ModelRunner
+from engine.models.loader import Checkpoint, load_checkpoint
+
+if TYPE_CHECKING:  # transformers is imported on the tokenizer's thread (see ``start``)
+    from transformers import PreTrainedTokenizerBase
+
+T = TypeVar("T")
+
+
+@dataclass
+class Started:
+    """What ``start`` built for an ``LLMEngine``."""
+
+    model_name: str
+    hf_config: Any  # the checkpoint's transformers config
+    tokenizer: PreTrainedTokenizerBase
+    model_runner: ModelRunner
+    model_len: int  # the model's context, capped by the config's (not yet by the KV cache)
+    startup_seconds: dict[str, float]
+
+
+def start(config: EngineConfig) -> Started:
+    """Load the checkpoint, then build the model runner while the tokenizer loads beside it."""
+    start_at = time.perf_counter()
+    # a GGUF model is converted once to a cached folder; later starts read that instead
+    checkpoint = load_checkpoint(config.model, config.tokenizer, convert_gguf=True)
+    loaded = time.perf_counter()
+    # The tokenizer (with the transformers import it needs) loads on a thread while this one
+    # builds the model: reading and packing the weights is C code that releases the GIL, so
+    # on two or more cores the two overlap (the start-up pays the longer, not the sum).
+    with ThreadPoolExecutor(1, thread_name_prefix="boxcar-tokenizer") as pool:
+        tokenizer_future = pool.submit(timed, checkpoint.load_tokenizer)
+        try:
+            model_runner, model_len, kernel_seconds, runner_seconds = _build_runner(
+                config, checkpoint)
+        except BaseException:
+            tokenizer_future.cancel()
+            raise
+        tokenizer, tokenizer_seconds = tokenizer_future.result()
+    kv_seconds = model_runner.kv_cache_seconds
+    # The tokenizer ran beside the model, so the parts add up to more than the total.
+    startup_seconds = {
+        "checkpoint": loaded - start_at,
+        "tokenizer": tokenizer_seconds,
+        "model": runner_seconds - kv_seconds - kernel_seconds,  # build, weights, packing
+        "kv_cache": kv_seconds,
+        "kernel": kernel_seconds,
+        "total": time.perf_counter() - start_at,
+    }
+    return Started(_model_name(config.model, checkpoint), checkpoint.config, tokenizer,
+                   model_runner, model_len, startup_seconds)
+
+
+def _build_runner(config: EngineConfig,
+                  checkpoint: Checkpoint) -> tuple[ModelRunner, int, float, float]:
+    """Build the ModelRunner (weights, KV cache, kernel); returns it, the model's context
+    length, the seconds spent loading the kernel and the seconds of the whole build."""
+    start_at = time.perf_counter()
+    hf_config = checkpoint.config
+    model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        # Attention here is full attention: stay inside the window where the two agree.
+        model_len = min(model_len, int(window))
+    if config.max_model_len is not None:
+        if config.max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} exceeds the model's {model_len}"
+            )
+        model_len = config.max_model_len
+    kernel_seconds = cpu_decode_attention.load_seconds
+    model_runner = ModelRunner(config, checkpoint, max_position=model_len)
+    kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
+    return model_runner, model_len, kernel_seconds, time.perf_counter() - start_at
+
+
+def timed(function: Callable[[], T]) -> tuple[T, float]:
+    start_at = time.perf_counter()
+    return function(), time.perf_counter() - start_at
+
+
+def eos_token_ids(hf_config: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
+    """Every id that ends a sequence: the model config's (one or several) and the tokenizer's."""
+    ids: list[int] = []
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.append(source)
+        elif isinstance(source, list | tuple):
+            ids.extend(int(x) for x in source)
+    return tuple(dict.fromkeys(ids))
+
+
+def _model_name(model: str, checkpoint: Checkpoint) -> str:
+    path = checkpoint.source or checkpoint.path
+    return path.stem if path.suffix == ".gguf" else path.name or model
