@@ -59,7 +59,7 @@ def prefix_groups(w: Workload) -> list[int]:
 
 
 def groups_longest_first(w: Workload) -> list[int]:
-    from engine.admission_order import prefix_groups_longest_first
+    from bench.prefix_groups import prefix_groups_longest_first
 
     return prefix_groups_longest_first(w.prompts, w.max_tokens)
 

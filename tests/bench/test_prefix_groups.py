@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.admission_order import prefix_groups_longest_first
+from bench.prefix_groups import prefix_groups_longest_first
 
 
 def test_groups_together_longest_group_first_longest_inside():

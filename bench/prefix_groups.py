@@ -1,4 +1,5 @@
-"""Admission orders for a batch known in advance (``LLM.generate``, a worker's bulk lines).
+"""An admission order for a batch known in advance, measured by ``bench.admission_order``
+(only the benchmark uses it: neither ``LLM.generate`` nor the worker reorders its requests).
 
 The engine admits waiting requests of one priority in arrival order, so the order in which a
 caller adds them decides the tail: steps at the end where only a few long requests still run.
