@@ -10,9 +10,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from api.deps import AppContext
 from api.errors import RETRY_AFTER_SECONDS, error_body, install_error_handlers
+from api.metrics import metrics_registry
 from api.routes import batches, files, health, jobs, models, ui, webhooks
 from api.timing import ServerTiming, time_statements
-from metrics.api_collector import metrics_registry
 from service.db import Database
 from service.queue import TaskQueue, make_queue
 from service.settings import Settings, get_settings

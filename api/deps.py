@@ -12,7 +12,7 @@ from fastapi import Depends, Request
 from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
-from metrics.eta import EtaCache
+from api.eta import EtaCache
 from service.db import Database
 from service.keys import authenticate, hash_key
 from service.migrate import SchemaGate

@@ -34,7 +34,7 @@ def parse_exposition(text: str) -> dict[str, Any]:
     """A snapshot from Prometheus text (workers summed)."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    from metrics.api_collector import BATCHES_AT_RISK
+    from api.metrics import BATCHES_AT_RISK
     from metrics.catalog import snapshot_from_families
 
     families = list(text_string_to_metric_families(text))

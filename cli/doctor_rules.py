@@ -313,7 +313,7 @@ def uneven_decode(v: View) -> Finding | None:
 
 
 def deadline_at_risk(v: View) -> Finding | None:
-    """9. Live batches whose estimated completion passes their deadline (``metrics.eta``)."""
+    """9. Live batches whose estimated completion passes their deadline (``api.eta``)."""
     service = v.snapshot.get("service")
     if not service:
         raise NotEnoughData("no service gauges: point doctor at the API's /metrics")

@@ -11,9 +11,10 @@ from typing import Any
 
 from sqlalchemy import func, select
 
-from metrics.api_collector import live_workers, queue_depth
-from metrics.eta import estimate
+from api.eta import estimate
+from api.metrics import queue_depth
 from service.db import Database, utcnow
+from service.liveness import live_workers
 from service.models import (
     BATCH_TERMINAL,
     Batch,

@@ -1,4 +1,4 @@
-"""A worker's forecast of when the lines it holds finish, per batch (``metrics.eta`` reads it).
+"""A worker's forecast of when the lines it holds finish, per batch (``api.eta`` reads it).
 
 The worker knows what the API cannot: which lines are in its engine, how many tokens each has
 computed and generated, which wait in its line queue and in what order, and how long its own

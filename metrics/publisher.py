@@ -3,8 +3,8 @@
 Why the database: it is the one thing every process of every mode shares (SQLite embedded,
 PostgreSQL in production), so the API aggregates all workers' engines for /metrics and the
 dashboard without knowing where workers run, and ``boxcar status`` lists them. A row whose
-heartbeat is older than ``stale_after`` is a dead worker: readers skip it, the next worker to
-start deletes it. While nothing changes (an idle engine), the heartbeat backs off from
+heartbeat is older than ``service.liveness.stale_after`` is a dead worker: readers skip it, the
+next worker to start deletes it. While nothing changes (an idle engine), the heartbeat backs off from
 ``interval`` to a third of that staleness limit, so an idle worker stays listed at a fraction of
 the writes.
 """
@@ -19,9 +19,9 @@ from typing import Any
 
 from sqlalchemy import delete, update
 
-from metrics.api_collector import WORKER_STALE_INTERVALS, WORKER_STALE_MIN_S
 from metrics.recorder import EngineRecorder
 from service.db import Database, utcnow
+from service.liveness import stale_after
 from service.loop import RoundLoop
 from service.models import WorkerStatus
 
@@ -38,8 +38,7 @@ class MetricsPublisher(RoundLoop):
     def __init__(self, db: Database, recorder: EngineRecorder, *, worker_id: str,
                  model: str | None, interval: float,
                  forecast: Callable[[], dict[str, Any] | None] | None = None) -> None:
-        stale = max(WORKER_STALE_MIN_S, WORKER_STALE_INTERVALS * interval)
-        super().__init__(interval, idle_interval=stale / 3)
+        super().__init__(interval, idle_interval=stale_after(interval) / 3)
         self.db = db
         self.recorder = recorder
         self.worker_id = worker_id

@@ -36,7 +36,7 @@ def stored_body(line: BatchLine) -> dict[str, Any]:
 
 def estimate_tokens(line: BatchLine) -> tuple[int, int]:
     """(prompt tokens, output tokens) of a line before it runs, without a tokenizer: what the
-    ETA of its batch starts from (``metrics.eta``)."""
+    ETA of its batch starts from (``api.eta``)."""
     body = line.body
     if isinstance(body, ChatCompletionRequest):
         chars = sum(len(m.text) for m in body.messages)

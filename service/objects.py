@@ -68,7 +68,7 @@ def batch_object(row: Batch, totals: LineTotals | None = None, *,
     """``totals``: live totals of a running batch (``live_totals``); the stored ones once it
     is final.
     ``estimated_completion_at`` (unix seconds) and ``deadline_at_risk`` (the estimate passes
-    ``expires_at``): ``metrics.eta``'s figures for a live batch."""
+    ``expires_at``): ``api.eta``'s figures for a live batch."""
     if totals is None or row.status in BATCH_TERMINAL:
         totals = stored_totals(row)
     errors = None

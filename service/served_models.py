@@ -25,13 +25,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
+from service.liveness import is_live
 from service.models import ServedModel, WorkerStatus
 from service.settings import Settings
-
-# A worker whose heartbeat is older than this is not counted as live (metrics.api_collector's
-# rule: five snapshot intervals, at least 15 s).
-_LIVE_MIN_S = 15.0
-_LIVE_INTERVALS = 5
 
 
 def model_id(model: str, served_model_name: str | None = None) -> str:
@@ -101,8 +97,6 @@ def served_models(session: Session, settings: Settings,
     """Every served model (see the module's docstring), configured ones first, then by id."""
     now = now or utcnow()
     seen_since = now - dt.timedelta(seconds=settings.model_ttl)
-    live_since = now - dt.timedelta(
-        seconds=max(_LIVE_MIN_S, _LIVE_INTERVALS * settings.worker_metrics_interval))
     announced = {row.id: row for row in session.scalars(
         select(ServedModel).where(ServedModel.last_seen_at >= seen_since))}
     configured = configured_models(settings)
@@ -110,8 +104,9 @@ def served_models(session: Session, settings: Settings,
     for row in session.scalars(select(ServedModel).where(ServedModel.id.in_(list(configured)))):
         announced.setdefault(row.id, row)
     live = dict(session.execute(
-        select(WorkerStatus.model, func.count()).where(WorkerStatus.heartbeat_at >= live_since,
-                                                        WorkerStatus.model.is_not(None))
+        select(WorkerStatus.model, func.count())
+        .where(is_live(settings.worker_metrics_interval, now=now),
+               WorkerStatus.model.is_not(None))
         .group_by(WorkerStatus.model)).all())
     entries = []
     for model in [*configured, *sorted(set(announced) - set(configured))]:

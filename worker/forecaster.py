@@ -1,5 +1,5 @@
 """What this worker publishes about the lines it holds: per batch, how many and when they will be
-done (``metrics.forecast``), for the API's ``estimated_completion_at`` (``metrics.eta``).
+done (``metrics.forecast``), for the API's ``estimated_completion_at`` (``api.eta``).
 
 ``gather`` runs on the engine thread after a step, at most every ``interval`` seconds: it reads
 the engine's sequences (only that thread may) and the line queue into plain ``LineProgress``

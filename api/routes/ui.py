@@ -18,10 +18,11 @@ from sqlalchemy import select
 
 from api.deps import ContextDep, TenantDep
 from api.errors import not_found
+from api.metrics import JOB_STATUSES, queue_depth
 from api.routes.batches import render
-from metrics.api_collector import JOB_STATUSES, live_workers, queue_depth
 from metrics.snapshot import histogram_percentiles, merge_snapshots
 from service.db import utcnow
+from service.liveness import live_workers
 from service.models import Batch, Job
 
 router = APIRouter(tags=["dashboard"], include_in_schema=False)

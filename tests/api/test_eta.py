@@ -1,4 +1,4 @@
-"""estimated_completion_at (metrics.eta): the workers' forecasts of the lines they hold, the
+"""estimated_completion_at (api.eta): the workers' forecasts of the lines they hold, the
 lines no worker holds after them; without forecasts, work left in tokens over the workers' live
 throughput, with the work queued ahead; deadline_at_risk, its gauge and the status report."""
 
@@ -11,9 +11,9 @@ import pytest
 from prometheus_client import generate_latest
 from sqlalchemy import event, select, update
 
+from api.eta import MIN_LEARNED_LINES, EtaCache, estimate, throughput, work_left
+from api.metrics import metrics_registry
 from cli.status import collect, format_status
-from metrics.api_collector import metrics_registry
-from metrics.eta import MIN_LEARNED_LINES, EtaCache, estimate, throughput, work_left
 from service import counters
 from service.counters import CounterDelta
 from service.db import utcnow

@@ -4,7 +4,7 @@ an unknown key is never kept; 0 turns the cache off."""
 from __future__ import annotations
 
 from api.deps import KeyCache, TenantRef
-from metrics.eta import EtaCache
+from api.eta import EtaCache
 from service.keys import revoke_key
 from tests.api.test_batches import make_batch
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from metrics.eta import throughput, work_left
+from api.eta import throughput, work_left
 from metrics.forecast import (
     BatchForecast,
     Cost,
@@ -179,7 +179,7 @@ class SimulatedEngine:
 
 
 def _old_estimate(engine: SimulatedEngine, num_lines: int) -> float:
-    """What metrics.eta estimated before the workers forecast: the open lines times the
+    """What api.eta estimated before the workers forecast: the open lines times the
     batch's learned tokens a line, over the tokens per second of the last 30 s."""
     done = engine.finished
     left = work_left(remaining=num_lines - len(done), completed=len(done),

@@ -213,7 +213,7 @@ def statements(engine):
 
 def test_status_reads_no_lines(make_stack, any_db_url, monkeypatch):
     """Retrieving or listing live batches reads their counters, never their lines (the ETA,
-    ``metrics.eta``, is left out here: it keeps its own cached read)."""
+    ``api.eta``, is left out here: it keeps its own cached read)."""
     stack = make_stack(any_db_url)
     batch_ids = [prepared(stack, [chat_line(f"s{i}", f"line {i}") for i in range(40)])
                  for _ in range(3)]

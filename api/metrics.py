@@ -9,7 +9,6 @@ run, and ``boxcar serve`` and a production fleet go through the same code.
 
 from __future__ import annotations
 
-import datetime as dt
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -19,8 +18,10 @@ from prometheus_client.core import GaugeMetricFamily
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from api.eta import estimate
 from metrics.catalog import ForwardCollector, families_from_snapshots
-from service.db import Database, utcnow
+from service.db import Database
+from service.liveness import live_workers
 from service.models import (
     CANCELLED,
     CANCELLING,
@@ -40,7 +41,6 @@ from service.models import (
     Batch,
     Job,
     Shard,
-    WorkerStatus,
 )
 
 log = logging.getLogger(__name__)
@@ -50,19 +50,6 @@ BATCH_STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED, FAILED, EXPIRE
 JOB_STATUSES = (JOB_QUEUED, JOB_IN_PROGRESS, JOB_COMPLETED, JOB_FAILED)
 SHARD_STATUSES = (SHARD_PENDING, SHARD_RUNNING, SHARD_DONE)
 BATCHES_AT_RISK = "boxcar_batches_deadline_at_risk"
-# A worker silent for this many snapshot intervals (and at least WORKER_STALE_MIN_S) is gone.
-WORKER_STALE_INTERVALS = 5
-WORKER_STALE_MIN_S = 15.0
-
-
-def live_workers(session: Session, *, interval: float) -> list[WorkerStatus]:
-    """Workers whose heartbeat is recent, oldest first."""
-    stale = max(WORKER_STALE_MIN_S, WORKER_STALE_INTERVALS * interval)
-    since = utcnow() - dt.timedelta(seconds=stale)
-    return list(session.scalars(
-        select(WorkerStatus).where(WorkerStatus.heartbeat_at >= since)
-        .order_by(WorkerStatus.started_at)
-    ).all())
 
 
 def counts_by(session: Session, column: Any, statuses: tuple[str, ...]) -> dict[str, int]:
@@ -92,8 +79,6 @@ class ServiceCollector:
                 depth = queue_depth(session)
                 workers = [(w.id, w.metrics) for w in live_workers(
                     session, interval=self._interval)]
-                from metrics.eta import estimate  # it imports this module
-
                 at_risk = sum(1 for eta in estimate(
                     session, worker_metrics_interval=self._interval).values() if eta.late)
         except Exception:  # a scrape reports what it can; the API's own counters still go out

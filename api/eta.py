@@ -37,10 +37,10 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from metrics.api_collector import live_workers
 from metrics.forecast import Cost
 from service import counters
 from service.counters import CounterDelta
+from service.liveness import live_workers
 from service.models import FINALIZING, IN_PROGRESS, Batch
 from service.queue_order import bulk_rank
 
