@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -231,16 +232,18 @@ def estimate(session: Session, *, worker_metrics_interval: float,
 class EtaCache:
     """``estimate`` at most once per ``CACHE_S`` seconds; every poll in between reads it."""
 
-    def __init__(self, worker_metrics_interval: float, ttl: float = CACHE_S) -> None:
+    def __init__(self, worker_metrics_interval: float, ttl: float = CACHE_S, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._interval = worker_metrics_interval
         self._ttl = ttl
+        self._clock = clock
         self._lock = threading.Lock()
         self._at = -1e18
         self._value: dict[str, BatchEta] = {}
 
     def get(self, session: Session) -> dict[str, BatchEta]:
         with self._lock:
-            if time.monotonic() - self._at >= self._ttl:
+            if self._clock() - self._at >= self._ttl:
                 self._value = estimate(session, worker_metrics_interval=self._interval)
-                self._at = time.monotonic()
+                self._at = self._clock()
             return self._value

@@ -16,7 +16,8 @@ A step takes ``step_time`` seconds of its clock: steps keep to the clock rather 
 fixed time, so the host's work between steps overlaps the "device" time as it does on a GPU (a
 caller that starves its engine falls below the pace, one that keeps it full holds it exactly).
 ``FakeEngine.paced(lines_per_s)`` picks ``step_time`` so a full batch finishes that many
-requests a second; ``clock`` and ``sleep`` may be injected.
+requests a second; ``clock`` and ``sleep`` may be injected. ``before_step`` runs at the start of
+every step: a ``StepGate``'s ``wait`` lets a test decide when each step happens.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ class FakeEngine:
                  step_time: float = 0.0, chat_template: ChatTemplate | None = None,
                  answer: str | None = None, model_name: str = "fake-model",
                  clock: Callable[[], float] = time.monotonic,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] = time.sleep,
+                 before_step: Callable[[], None] | None = None) -> None:
         if steps_per_request is not None and steps_per_request < 1:
             raise ValueError(f"steps_per_request must be >= 1, got {steps_per_request}")
         if step_time < 0:
@@ -81,6 +83,7 @@ class FakeEngine:
         self.lines_per_s: float | None = None  # set by ``paced``
         self._clock = clock
         self._sleep = sleep
+        self._before_step = before_step
         self._next_step_at: float | None = None
         self._requests: dict[str, _Request] = {}
         self._waiting: list[str] = []
@@ -187,6 +190,8 @@ class FakeEngine:
 
     def step(self) -> list[RequestOutput]:
         self.thread_ids.add(threading.get_ident())
+        if self._before_step is not None:
+            self._before_step()
         self._keep_pace()
         now = self._clock()
         self.num_steps += 1
@@ -303,6 +308,59 @@ class FakeEngine:
             batch_size_hist=dict(self._batch_size_hist),
             scheduled_tokens_hist=dict(self._scheduled_tokens_hist))
 
+
+class StepGate:
+    """Steps on demand: pass ``wait`` as a ``FakeEngine``'s ``before_step``; each step then
+    waits until ``allow`` lets one more through (or ``open`` lets all through)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._allowed = 0
+        self._open = False
+        self._blocked = False
+        self.num_passed = 0
+
+    def wait(self) -> None:
+        with self._cond:
+            self._blocked = True
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._open or self._allowed > 0)
+            self._blocked = False
+            if not self._open:
+                self._allowed -= 1
+            self.num_passed += 1
+
+    def allow(self, num_steps: int = 1) -> None:
+        with self._cond:
+            self._allowed += num_steps
+            self._cond.notify_all()
+
+    def open(self) -> None:
+        with self._cond:
+            self._open = True
+            self._cond.notify_all()
+
+    @property
+    def num_allowed(self) -> int:
+        """Steps allowed that have not started yet."""
+        with self._cond:
+            return self._allowed
+
+    def wait_blocked(self, timeout: float, *,
+                     or_when: Callable[[], bool] = lambda: False) -> bool:
+        """Wait until a step waits at the gate with none allowed (the steps allowed so far have
+        run), or until ``or_when()`` (checked every few ms: e.g. the engine has no work left);
+        False if neither came within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not (self._blocked and not self._allowed):
+                if or_when():
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(min(left, 0.005))
+            return True
 
 if TYPE_CHECKING:
     def _is_an_engine(engine: FakeEngine) -> Engine:

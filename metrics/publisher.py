@@ -4,9 +4,9 @@ Why the database: it is the one thing every process of every mode shares (SQLite
 PostgreSQL in production), so the API aggregates all workers' engines for /metrics and the
 dashboard without knowing where workers run, and ``boxcar status`` lists them. A row whose
 heartbeat is older than ``service.liveness.stale_after`` is a dead worker: readers skip it, the
-next worker to start deletes it. While nothing changes (an idle engine), the heartbeat backs off from
-``interval`` to a third of that staleness limit, so an idle worker stays listed at a fraction of
-the writes.
+next worker to start deletes it. While nothing changes (an idle engine), the heartbeat backs off
+from ``interval`` to a third of that staleness limit, so an idle worker stays listed at a
+fraction of the writes.
 """
 
 from __future__ import annotations

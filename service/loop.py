@@ -26,6 +26,7 @@ class RoundLoop:
         self.idle_interval = max(interval, idle_interval if idle_interval is not None
                                  else interval)
         self.sleep = interval  # the next sleep between rounds
+        self.num_rounds = 0  # rounds run, failed ones too (a test waits for a fresh round)
         self._wake = threading.Event()
         self._stop = threading.Event()  # replaced by run()'s event
 
@@ -52,6 +53,7 @@ class RoundLoop:
             except Exception:
                 log.exception("%s failed", self.round_name)
                 again = False
+            self.num_rounds += 1
             if not again:
                 idle = self.is_idle()
                 woken = self._wake.wait(self.sleep if idle else self.interval)

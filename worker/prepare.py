@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from openai_format.sampling import engine_fields
-from service import counters
+from service import counters, ids
 from service.counters import CounterDelta
 from service.db import Database, utcnow
 from service.lines import ModelTracker, estimate_tokens, sort_key, stored_body
@@ -125,7 +125,7 @@ def _assign_shards(rows: list[dict], *, batch_id: str, shard_size: int) -> int:
                    key=lambda r: (r["sort_key"], r["line_no"]))
     for position, row in enumerate(valid):
         row["position"] = position
-        row["shard_id"] = f"{batch_id}:{position // shard_size}"
+        row["shard_id"] = ids.shard_id(batch_id, position // shard_size)
     return -(-len(valid) // shard_size)
 
 
@@ -227,7 +227,7 @@ def _prepare(
                                               "param": None, "line": None}],
                   num_failed=num_failed)
             return []
-        shard_ids = [f"{batch.id}:{k}" for k in range(num_shards)]
+        shard_ids = [ids.shard_id(batch.id, k) for k in range(num_shards)]
         session.execute(insert(Shard), [
             {"id": sid, "tenant_id": batch.tenant_id, "batch_id": batch.id, "job_id": None,
              "model": batch.model, "priority": batch.priority, "status": "pending", "attempts": 0,

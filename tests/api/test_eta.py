@@ -84,7 +84,8 @@ def _worker(ctx, model: str, rate: float, forecast: dict | None = None) -> None:
 
 
 def test_estimates_follow_the_queue_order_and_flag_a_late_batch(client, ctx):
-    ctx.etas = EtaCache(2.0, ttl=0.2)  # polls within 0.2 s share one estimate
+    clock = [0.0]  # the cache's clock, moved by hand past its TTL
+    ctx.etas = EtaCache(2.0, ttl=0.2, clock=lambda: clock[0])  # polls within 0.2 s share one
     created = make_batch(client).json()
     day, model = created["id"], created["model"]
     hour = make_batch(client, completion_window="1h").json()["id"]
@@ -100,7 +101,7 @@ def test_estimates_follow_the_queue_order_and_flag_a_late_batch(client, ctx):
     assert etas[hour].estimated_completion_at == pytest.approx(now + 6.0)
     assert etas[day].estimated_completion_at == pytest.approx(now + 6.0 + 15.0)
     assert not etas[day].late and not etas[hour].late
-    time.sleep(0.25)
+    clock[0] += 0.25
     body = client.get(f"/v1/batches/{day}").json()
     assert body["estimated_completion_at"] == pytest.approx(now + 21.0, abs=3)
     assert body["deadline_at_risk"] is False
@@ -118,7 +119,8 @@ def test_estimates_follow_the_queue_order_and_flag_a_late_batch(client, ctx):
     late = {b["id"]: b["deadline_at_risk"] for b in report["active_batches"]}
     assert late == {day: True, hour: False}
     assert "LATE" in format_status(report) and "eta " in format_status(report)
-    time.sleep(0.25)
+    assert client.get(f"/v1/batches/{day}").json()["deadline_at_risk"] is False  # cached
+    clock[0] += 0.25
     assert client.get(f"/v1/batches/{day}").json()["deadline_at_risk"] is True
     shown = {b["id"]: b for b in client.get("/ui/api/summary").json()["batches"]}
     assert shown[day]["deadline_at_risk"] is True and shown[hour]["deadline_at_risk"] is False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -140,8 +141,11 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     assert result["lines_per_s"] > 0 and result["num_status_polls"] >= 1
     assert result["claims"] >= 1 and result["attempts_per_claim"] >= 1
     # PostgreSQL's share of 200 instant lines is ~10 ms over a few backends, and /proc counts
-    # CPU in 10 ms ticks per process: it may read 0 (the API's and workers' cannot).
-    assert result["peak_connections"] >= 2 and result["pg_cpu_ms_per_line"] >= 0
+    # CPU in whole ticks per process: the figure is a tick count per line, and may be 0 ticks
+    # (the API's and workers' cannot).
+    assert result["peak_connections"] >= 2
+    ticks = result["pg_cpu_ms_per_line"] * result["num_lines"] * os.sysconf("SC_CLK_TCK") / 1000
+    assert ticks == pytest.approx(round(ticks), abs=1e-6) and round(ticks) >= 0
     assert result["service_cpu_ms_per_line"] > 0  # the API and workers ran the batch
     assert 0 < result["machine_cpu_busy"] <= 1
     assert no_active_sample or 0 <= result["lock_wait_share"] <= 1

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import build_context, create_app
-from engine.fake_engine import FakeEngine
+from engine.fake_engine import FakeEngine, StepGate
 from service.queue import EmbeddedQueue
 from service.settings import Settings
 from tests.conftest_services import *  # noqa: F403
@@ -53,6 +53,30 @@ class Stack:
         statuses = {statuses} if isinstance(statuses, str) else set(statuses)
         return wait_for(lambda: (b := self.batch(batch_id))["status"] in statuses and b,
                         timeout, 0.05, f"batch {batch_id} to reach {statuses}")
+
+    def step_settled(self, worker: WorkerService, gate: StepGate, until, *,
+                     max_steps: int = 2000) -> int:
+        """Step ``worker``'s engine (a ``FakeEngine`` gated by ``gate``) one step at a time,
+        letting the worker settle after each, until ``until()``; returns the steps taken.
+
+        Settled: the step and the drain loop's next drops and top-up are done (the engine waits
+        at the gate again, or has no work), its finished lines are written, and a whole lease
+        round ran after that (stopped batches dropped, new shards claimed). What happens between
+        two steps then depends on the steps alone, not on which thread the machine ran first."""
+        engine = worker.engine
+        start = gate.num_passed
+        while not until():
+            if gate.num_passed - start >= max_steps:
+                raise AssertionError(f"not done after {max_steps} steps")
+            if not gate.num_allowed:
+                gate.allow(1)
+            assert gate.wait_blocked(10, or_when=lambda: not engine.has_unfinished_requests())
+            worker.writer.flush()
+            fresh = worker.leases.num_rounds + 2  # the next round may have begun before now
+            worker.leases.wake(check=True)
+            wait_for(lambda: worker.leases.num_rounds >= fresh,  # noqa: B023 - called at once
+                     10, 0.001, "a lease round after the step")
+        return gate.num_passed - start
 
     def lines_of(self, file_id: str | None) -> list[dict]:
         if file_id is None:

@@ -4,12 +4,11 @@ prefix ordering, jobs ahead of bulk, tenant fairness."""
 from __future__ import annotations
 
 import json
-import time
 
 from fastapi.testclient import TestClient
 from openai.types import Batch
 
-from engine.fake_engine import FakeEngine
+from engine.fake_engine import FakeEngine, StepGate
 from tests.conftest_services import chat_line, make_key, wait_for
 from tests.openai_shapes import check_line, error_of, strict
 
@@ -81,26 +80,30 @@ def test_lines_run_in_prefix_order(make_stack, sqlite_url):
 
 def test_cancel_stops_the_batch_and_finalizes_partial_results(make_stack, any_db_url):
     stack = make_stack(any_db_url)
-    engine = FakeEngine(max_num_seqs=2, step_time=0.01)
-    stack.add_worker(engine)
-    lines = [chat_line(f"c{i}", f"text {i}", max_tokens=30) for i in range(40)]
-    batch = stack.create_batch(lines)
-    wait_for(lambda: stack.batch(batch["id"])["request_counts"]["completed"] >= 2, 20, 0.02,
-             "some lines to finish")
-    started = time.monotonic()
-    assert stack.client.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] in (
-        "cancelling", "cancelled")
-    done = stack.wait_status(batch["id"], "cancelled", timeout=10)
-    assert time.monotonic() - started < 5
+    gate = StepGate()  # the engine steps when the test says
+    engine = FakeEngine(max_num_seqs=2, before_step=gate.wait)
+    worker = stack.add_worker(engine)
+    try:
+        lines = [chat_line(f"c{i}", f"text {i}", max_tokens=2) for i in range(40)]
+        batch = stack.create_batch(lines)
+        # Two steps: the first two lines run their two tokens, the next two are admitted.
+        stack.step_settled(worker, gate, lambda: gate.num_passed == 2)
+        assert stack.batch(batch["id"])["request_counts"]["completed"] == 2
+        assert stack.client.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] in (
+            "cancelling", "cancelled")
+        # The step after the cancel was seen gives the two running lines their first token;
+        # the next turn drops them, unfinished: the cancel did not wait for running lines.
+        stack.step_settled(worker, gate, lambda: not engine.has_unfinished_requests())
+        done = stack.wait_status(batch["id"], "cancelled", timeout=10)
+    finally:
+        gate.open()
     output = stack.lines_of(done["output_file_id"])
     errors = stack.lines_of(done["error_file_id"])
     assert sorted(custom_ids(output) + custom_ids(errors)) == sorted(f"c{i}" for i in range(40))
     assert {e["error"]["code"] for e in errors} == {"batch_cancelled"}
-    assert 2 <= done["request_counts"]["completed"] < 40
-    assert done["request_counts"]["failed"] == 40 - done["request_counts"]["completed"]
-    # The engine gave up the cancelled requests, and the worker went quiet.
-    wait_for(lambda: not engine.has_unfinished_requests(), 5, 0.05, "the engine to empty")
-    assert engine.aborted
+    assert done["request_counts"] == {"total": 40, "completed": 2, "failed": 38}
+    # The engine gave up the two cancelled requests it was running.
+    assert len(engine.aborted) == 2 and gate.num_passed == 3
 
 
 def test_expired_batch_reports_batch_expired(make_stack, sqlite_url):
@@ -119,39 +122,59 @@ def test_expired_batch_reports_batch_expired(make_stack, sqlite_url):
 
 def test_single_jobs_run_ahead_of_bulk_lines(make_stack, any_db_url):
     stack = make_stack(any_db_url)
-    engine = FakeEngine(max_num_seqs=2, step_time=0.005)
-    stack.add_worker(engine)
-    batch = stack.create_batch([chat_line(f"b{i}", f"bulk {i}", max_tokens=10)
-                                for i in range(80)])
-    wait_for(lambda: stack.batch(batch["id"])["request_counts"]["completed"] >= 2, 20, 0.02,
-             "the batch to start")
-    job = stack.client.post("/v1/jobs", json={"body": {
-        "messages": [{"role": "user", "content": "urgent"}], "max_tokens": 3}}).json()
-    result = wait_for(lambda: (j := stack.client.get(f"/v1/jobs/{job['id']}").json())[
-        "status"] == "completed" and j, 10, 0.02, "the job")
+    gate = StepGate()
+    engine = FakeEngine(max_num_seqs=2, before_step=gate.wait)
+    worker = stack.add_worker(engine)
+    try:
+        batch = stack.create_batch([chat_line(f"b{i}", f"bulk {i}", max_tokens=10)
+                                    for i in range(80)])
+        stack.step_settled(worker, gate, lambda: gate.num_passed == 10)  # two bulk lines done
+        job = stack.client.post("/v1/jobs", json={"body": {
+            "messages": [{"role": "user", "content": "urgent"}], "max_tokens": 3}}).json()
+
+        def job_done() -> dict | None:
+            j = stack.client.get(f"/v1/jobs/{job['id']}").json()
+            return j if j["status"] == "completed" else None
+
+        steps = stack.step_settled(worker, gate, lambda: job_done() is not None)
+        result = job_done()
+        completed = stack.batch(batch["id"])["request_counts"]["completed"]
+    finally:
+        gate.open()
     assert result["result"]["object"] == "chat.completion"
     assert result["result"]["choices"][0]["finish_reason"] == "length"
     assert result["usage"]["completion_tokens"] == 3
-    # The job did not wait for the batch: most of it was still to run.
-    assert stack.batch(batch["id"])["request_counts"]["completed"] < 60
+    # The job did not wait for the batch: it took the first seat a bulk line freed (within a
+    # bulk line's 10 steps), then its own 3 steps, while 76 bulk lines were still to run.
+    assert steps <= 1 + 10 + 3
+    assert completed <= 2 + 2 * 2
     stack.wait_status(batch["id"], "completed")
 
 
 def test_tenants_share_the_engine_fairly(make_stack, sqlite_url):
     stack = make_stack(sqlite_url, shard_size=2, worker_max_shards=2)
-    engine = FakeEngine(max_num_seqs=2, step_time=0.002)
-    stack.add_worker(engine)
-    big = stack.create_batch([chat_line(f"a{i}", f"tenant a {i}") for i in range(40)])
-    other = TestClient(stack.client.app,
-                       headers={"Authorization": f"Bearer {make_key(stack.ctx.db, 'beta')}"})
-    file_id = other.post("/v1/files", data={"purpose": "batch"}, files={"file": (
-        "b.jsonl", "\n".join(json.dumps(chat_line(f"b{i}", f"tenant b {i}"))
-                             for i in range(6)))}).json()["id"]
-    small = other.post("/v1/batches", json={"input_file_id": file_id,
-                                             "endpoint": "/v1/chat/completions",
-                                             "completion_window": "24h"}).json()
-    wait_for(lambda: other.get(f"/v1/batches/{small['id']}").json()["status"] == "completed",
-             30, 0.02, "the small batch")
-    # Tenant b's six lines did not queue behind all of tenant a's forty.
-    assert stack.batch(big["id"])["request_counts"]["completed"] < 40
+    gate = StepGate()
+    engine = FakeEngine(max_num_seqs=2, before_step=gate.wait)
+    worker = stack.add_worker(engine)
+    try:
+        big = stack.create_batch([chat_line(f"a{i}", f"tenant a {i}") for i in range(40)])
+        stack.wait_status(big["id"], "in_progress")
+        other = TestClient(stack.client.app, headers={
+            "Authorization": f"Bearer {make_key(stack.ctx.db, 'beta')}"})
+        file_id = other.post("/v1/files", data={"purpose": "batch"}, files={"file": (
+            "b.jsonl", "\n".join(json.dumps(chat_line(f"b{i}", f"tenant b {i}"))
+                                 for i in range(6)))}).json()["id"]
+        small = other.post("/v1/batches", json={"input_file_id": file_id,
+                                                 "endpoint": "/v1/chat/completions",
+                                                 "completion_window": "24h"}).json()
+        wait_for(lambda: other.get(f"/v1/batches/{small['id']}").json()["status"]
+                 == "in_progress", 10, 0.02, "the small batch to be prepared")
+        stack.step_settled(worker, gate, lambda: other.get(
+            f"/v1/batches/{small['id']}").json()["status"] == "completed")
+        big_done = stack.batch(big["id"])["request_counts"]["completed"]
+    finally:
+        gate.open()
+    # Tenant b's six lines (three shards) did not queue behind all of tenant a's forty: the
+    # tenants took turns, a shard each, so a finished its first shard and one per b's shard.
+    assert big_done <= 8
     assert stack.wait_status(big["id"], "completed")["request_counts"]["completed"] == 40

@@ -3,9 +3,9 @@ deadline, then batch priority, then tenants round-robin; and what the engine is 
 
 from __future__ import annotations
 
-from engine.fake_engine import FakeEngine
+from engine.fake_engine import FakeEngine, StepGate
 from service.queue_order import DEADLINE_BUCKET_S, bulk_rank, engine_priority
-from tests.conftest_services import chat_line, wait_for
+from tests.conftest_services import chat_line
 from worker.items import LineWork
 from worker.line_queue import LineQueue
 
@@ -59,20 +59,37 @@ def test_line_queue_remove_across_classes():
 def test_a_shorter_window_overtakes_and_a_job_overtakes_both(make_stack, sqlite_url):
     stack = make_stack(sqlite_url, shard_size=4, worker_max_shards=2,
                        completion_windows=["24h", "1h"])
-    engine = FakeEngine(max_num_seqs=2, step_time=0.003)
-    stack.add_worker(engine)
-    slow = stack.create_batch([chat_line(f"d{i}", f"day {i}") for i in range(40)])
-    wait_for(lambda: stack.batch(slow["id"])["request_counts"]["completed"] >= 2, 30, 0.01,
-             "the 24h batch to start")
-    fast = stack.create_batch([chat_line(f"h{i}", f"hour {i}") for i in range(8)],
-                              completion_window="1h", priority=0)
-    job = stack.client.post("/v1/jobs", json={"body": {"prompt": "job", "max_tokens": 3},
-                                              "priority": 4}).json()
-    job_done = wait_for(lambda: (j := stack.client.get(f"/v1/jobs/{job['id']}").json())[
-        "status"] == "completed" and j, 30, 0.01, "the job")
-    fast_done = stack.wait_status(fast["id"], "completed")
-    assert stack.batch(slow["id"])["request_counts"]["completed"] < 40
-    assert job_done["completed_at"] <= fast_done["completed_at"]
+    gate = StepGate()  # one step at a time, the worker settled between steps
+    engine = FakeEngine(max_num_seqs=2, before_step=gate.wait)
+    worker = stack.add_worker(engine)
+    try:
+        slow = stack.create_batch([chat_line(f"d{i}", f"day {i}") for i in range(40)])
+        stack.step_settled(worker, gate, lambda: stack.batch(slow["id"])["request_counts"][
+            "completed"] >= 2)
+        fast = stack.create_batch([chat_line(f"h{i}", f"hour {i}") for i in range(8)],
+                                  completion_window="1h", priority=0)
+        stack.wait_status(fast["id"], "in_progress")
+        job = stack.client.post("/v1/jobs", json={"body": {"prompt": "job", "max_tokens": 3},
+                                                  "priority": 4}).json()
+
+        def job_done() -> dict | None:
+            j = stack.client.get(f"/v1/jobs/{job['id']}").json()
+            return j if j["status"] == "completed" else None
+
+        stack.step_settled(worker, gate, lambda: job_done() is not None)
+        job_finished = job_done()
+        fast_running = stack.batch(fast["id"])["status"]
+        stack.step_settled(worker, gate,
+                           lambda: stack.batch(fast["id"])["status"] == "completed")
+        fast_done = stack.batch(fast["id"])
+        slow_completed = stack.batch(slow["id"])["request_counts"]["completed"]
+    finally:
+        gate.open()
+    # The 1h batch overtook the 24h one: at most the two shards held when it arrived (8 lines)
+    # of the 24h batch finished before it; and the job overtook both.
+    assert slow_completed <= 8
+    assert fast_running == "in_progress" and fast_done["status"] == "completed"
+    assert job_finished["completed_at"] <= fast_done["completed_at"]
     stack.wait_status(slow["id"], "completed")
     # What the engine was told: the job most urgent, every bulk line equal.
     assert sorted(set(engine.priorities.values())) == [
