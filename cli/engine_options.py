@@ -40,7 +40,8 @@ _HELP: dict[str, dict[str, Any]] = {
                       f"(default: {DEFAULT_MODEL})"},
     "tokenizer": {"help": "a tokenizer folder (default: the model's)"},
     "dtype": {"choices": ("auto", "float32", "bfloat16", "float16"),
-              "help": "auto: bfloat16 on a GPU, float32 on a CPU (bfloat16 there is opt-in); "
+              "help": "auto: bfloat16 on a GPU and on a CPU with bf16 units (AMX or "
+                      "AVX512-BF16, with oneDNN's bf16 weight packing), float32 on other CPUs; "
                       "float32 is the exact mode"},
     "device": {"choices": ("auto", "cpu", "cuda")},
     "max_model_len": {"help": "context length (default: the model's)"},

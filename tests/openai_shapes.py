@@ -11,7 +11,7 @@ from openai.types import Batch, Completion, FileObject
 from openai.types.chat import ChatCompletion
 from pydantic import BaseModel, ConfigDict
 
-# Fields boxcar adds to the objects OpenAI defines (documented in the README).
+# Fields boxcar adds to the objects OpenAI defines (docs/openai-compatibility.md).
 BOXCAR_EXTRAS = {
     Batch: {"priority", "prefix_cache_hit_rate", "estimated_completion_at", "deadline_at_risk"},
     FileObject: {"line_count", "error_count", "line_errors"},

@@ -91,7 +91,7 @@ def test_a_1h_batch_overtakes_a_24h_batch_and_the_eta_holds(service):
     # ...names a time after the reading and before the batch's deadline. Its accuracy (the
     # issue's 25%) is not asserted: on a batch of seconds the estimate's 1-2 s lags (worker
     # timelines, the API's cache) dominate, and it counts lines in flight as whole lines of
-    # work, so it runs late near the end (README, "Queue discipline": not met yet).
+    # work, so it runs late near the end (docs/benchmarks.md, "Queue discipline").
     eta = measured["estimated_completion_at"]
     assert posted < eta <= measured["expires_at"], (eta, posted)
     assert finished["completed_at"] <= measured["expires_at"]
