@@ -331,6 +331,7 @@ def test_doctor_command_reads_files_and_urls(tmp_path, capsys) -> None:
     # A URL: samples of a /metrics page become one window with a timeline.
     from prometheus_client import CollectorRegistry, generate_latest
 
+    from engine.outputs import EngineStats
     from metrics.recorder import EngineRecorder
 
     recorder = EngineRecorder({"max_num_seqs": 8})
@@ -340,7 +341,12 @@ def test_doctor_command_reads_files_and_urls(tmp_path, capsys) -> None:
 
     def fetch(url: str) -> str:
         calls.append(url)
-        recorder.observe_step(duration=0.001, gap=None, stats=None)
+        n = len(calls)  # one more decode step of one sequence per scrape
+        recorder.observe_step(duration=0.001, gap=None, stats=EngineStats(
+            num_running=1, num_waiting=0, num_kv_blocks=8, num_free_kv_blocks=7, kv_usage=0.125,
+            num_preemptions=0, prefix_cache_queries=0, prefix_cache_hits=0, num_steps=n,
+            num_prompt_tokens=0, num_generated_tokens=n, batch_size_hist={1: n},
+            scheduled_tokens_hist={1: n}))
         return generate_latest(registry).decode()
 
     window = scrape("http://x/metrics", duration=0.05, interval=0.01, progress=False,
