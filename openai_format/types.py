@@ -16,7 +16,7 @@ import json
 import math
 import re
 from functools import cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -30,7 +30,8 @@ from pydantic_core import PydanticCustomError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+RESPONSES_URL = "/v1/responses"  # openai_format.responses_request
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 
 # Error types raised by the validators below; openai_format.parse maps them to line error codes.
 INVALID_VALUE = "invalid_value"
@@ -121,6 +122,10 @@ class _Body(_Strict):
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
 
+    # Known fields refused with the reason, and fields accepted without effect.
+    unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
+    neutral_fields: ClassVar[frozenset[str]] = OUTPUT_NEUTRAL_FIELDS
+
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
@@ -130,9 +135,9 @@ class _Body(_Strict):
         if names.issuperset(data):  # most lines: no unknown, unsupported or neutral field
             return data
         for name in data:
-            if name in UNSUPPORTED_FIELDS:
-                raise _invalid(f"body.{name} is not supported ({UNSUPPORTED_FIELDS[name]})")
-            if name not in names and name not in OUTPUT_NEUTRAL_FIELDS:
+            if name in cls.unsupported_fields:
+                raise _invalid(f"body.{name} is not supported ({cls.unsupported_fields[name]})")
+            if name not in names and name not in cls.neutral_fields:
                 raise _invalid(f"body.{name} is not a supported parameter")
         return {k: v for k, v in data.items() if k in names}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from openai_format.parse import BatchLine, LineError
+from openai_format.responses_request import ResponsesRequest
 from openai_format.types import ChatCompletionRequest
 
 SORT_KEY_CHARS = 200
@@ -19,6 +20,8 @@ def sort_key(line: BatchLine) -> str:
     """The start of the prompt as text, so lines sharing a prefix (a system prompt, a RAG
     document) sort next to each other and run close together: the prefix cache then hits."""
     body = line.body
+    if isinstance(body, ResponsesRequest):
+        body = body.as_chat  # the messages it runs as
     if isinstance(body, ChatCompletionRequest):
         # The roles and texts of ``template_messages``, without building its dicts (prepare
         # runs this on every line).
@@ -37,7 +40,7 @@ def stored_body(line: BatchLine) -> dict[str, Any]:
 def estimate_tokens(line: BatchLine) -> tuple[int, int]:
     """(prompt tokens, output tokens) of a line before it runs, without a tokenizer: what the
     ETA of its batch starts from (``metrics.eta``)."""
-    body = line.body
+    body = line.body.as_chat if isinstance(line.body, ResponsesRequest) else line.body
     if isinstance(body, ChatCompletionRequest):
         chars = sum(len(m.text) for m in body.messages)
         prompt = chars // CHARS_PER_TOKEN + 4 * len(body.messages) + 1

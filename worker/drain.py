@@ -74,7 +74,8 @@ class Drainer:
         self.on_step = on_step
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
-        self._tool_modes: dict[str, ToolCallMode] = {}  # lines whose output holds tool calls
+        # How a line's output is read back, for lines with tool calls or a Response object.
+        self._read_back: dict[str, tuple[ToolCallMode | None, dict[str, Any] | None]] = {}
         self._drops: list[Callable[[LineWork], bool]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -191,14 +192,15 @@ class Drainer:
             self._fail(work, engine_input.code, engine_input.message, param=engine_input.param)
             return
         self._in_engine[work.engine_request_id] = work
-        if engine_input.tool_mode is not None:
-            self._tool_modes[work.engine_request_id] = engine_input.tool_mode
+        if engine_input.tool_mode is not None or engine_input.response_echo is not None:
+            self._read_back[work.engine_request_id] = (engine_input.tool_mode,
+                                                       engine_input.response_echo)
         num_tokens = len(engine_input.prompt)
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
 
     def _finish(self, output: Any) -> None:
         work = self._in_engine.pop(output.request_id, None)
-        tool_mode = self._tool_modes.pop(output.request_id, None)
+        tool_mode, response_echo = self._read_back.pop(output.request_id, (None, None))
         if work is None:
             return
         if output.finish_reason == "abort":
@@ -208,7 +210,7 @@ class Drainer:
             body, usage = response_body(
                 output, endpoint=work.endpoint, model=self.model_name,
                 tokenizer=getattr(self.engine, "tokenizer", None), hex_id=hex_id,
-                tool_mode=tool_mode,
+                tool_mode=tool_mode, response_echo=response_echo,
             )
         except Exception as exc:
             log.exception("could not build the response of %s", work.engine_request_id)
@@ -247,7 +249,7 @@ class Drainer:
             self.engine.abort_request(ids)
             for rid in ids:
                 self._in_engine.pop(rid, None)
-                self._tool_modes.pop(rid, None)
+                self._read_back.pop(rid, None)
 
     def _abort_all(self) -> None:
         ids = list(self._in_engine)
@@ -257,4 +259,4 @@ class Drainer:
             except Exception:
                 log.exception("aborting %d requests failed", len(ids))
         self._in_engine.clear()
-        self._tool_modes.clear()
+        self._read_back.clear()

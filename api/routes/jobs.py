@@ -17,7 +17,7 @@ from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
 from openai_format.sampling import engine_fields
-from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
+from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, RESPONSES_URL
 from service import ids
 from service.lines import sort_key, stored_body
 from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
@@ -29,8 +29,9 @@ router = APIRouter(tags=["jobs"])
 
 
 class JobCreateRequest(BaseModel):
-    """``body`` is a /v1/chat/completions or /v1/completions request body; ``endpoint`` defaults
-    to chat when the body has ``messages``."""
+    """``body`` is a /v1/chat/completions, /v1/completions or /v1/responses request body;
+    ``endpoint`` defaults to chat when the body has ``messages``, to responses when it has
+    ``input``."""
 
     body: dict[str, Any]
     endpoint: str | None = None
@@ -53,7 +54,9 @@ def job_line(session: Session, job_id: str) -> RequestLine | None:
 
 @router.post("/v1/jobs")
 def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) -> dict:
-    endpoint = request.endpoint or (CHAT_URL if "messages" in request.body else COMPLETIONS_URL)
+    endpoint = request.endpoint or (CHAT_URL if "messages" in request.body
+                                    else RESPONSES_URL if "input" in request.body
+                                    else COMPLETIONS_URL)
     if endpoint not in ENDPOINTS:
         raise ApiError(400, f"Invalid endpoint {endpoint!r}: supported are {', '.join(ENDPOINTS)}.",
                        param="endpoint", code="invalid_endpoint")
