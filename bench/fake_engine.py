@@ -94,7 +94,10 @@ class FakeEngine:
     # -- the engine loop -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    rank: int = 0) -> None:
+        # Arrival order only: the bench's fake measures the control plane, not the engine's
+        # queue order.
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
         token_ids = prompt_token_ids(self, prompt)

@@ -1,7 +1,7 @@
 """Strict checks of what boxcar writes against OpenAI's types: the ``openai`` package's pydantic
-models (Batch, FileObject, ChatCompletion, Completion, Response), validated in strict mode with no field
-they do not declare, and the batch output/error file line, which the package has no type for
-(OpenAI's documented shape: ``BatchRequestOutput`` below)."""
+models (Batch, FileObject, ChatCompletion, Completion, Response), validated in strict mode with
+no field they do not declare, and the batch output/error file line, which the package has no
+type for (OpenAI's documented shape: ``BatchRequestOutput`` below)."""
 
 from __future__ import annotations
 
@@ -74,8 +74,8 @@ class BatchRequestOutput(_Closed):
 
 def check_line(line: dict[str, Any], endpoint: str | None = None) -> BatchRequestOutput:
     """A line of an output or error file, strictly: a 200 holds a ChatCompletion, Completion or
-    Response (as the endpoint says, or by its ``object``), a 4xx/5xx holds ``{error: {...}}``, a line
-    that never ran has ``error`` and no response."""
+    Response (as the endpoint says, or by its ``object``), a 4xx/5xx holds ``{error: {...}}``,
+    a line that never ran has ``error`` and no response."""
     parsed = BatchRequestOutput.model_validate(line)
     assert parsed.id.startswith("batch_req_")
     if parsed.response is None:

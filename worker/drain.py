@@ -60,6 +60,7 @@ class Drainer:
         low_water: int | None = None,
         on_hungry: Callable[[], None] = lambda: None,
         on_step: Callable[[], None] = lambda: None,
+        at_risk: Callable[[str], bool] = lambda batch_id: False,
     ) -> None:
         self.engine = engine
         self._submit = submit
@@ -72,6 +73,9 @@ class Drainer:
         self._on_hungry = on_hungry
         # After each step and each idle turn, on this thread (the forecast's gather).
         self.on_step = on_step
+        # Whether a batch's deadline is at risk (the forecast's word): its lines then enter
+        # the engine more urgent than other bulk lines (``service.queue_order``).
+        self.at_risk = at_risk
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
         # How a line's output is read back, for lines with tool calls or a Response object.
@@ -185,8 +189,10 @@ class Drainer:
         else:
             engine_input = prepare(self.engine, work.endpoint, work.body)
         if not isinstance(engine_input, PrepareError):
+            order = work.engine_order(
+                at_risk=work.batch_id is not None and self.at_risk(work.batch_id))
             engine_input = add_to_engine(self.engine, work.engine_request_id, engine_input,
-                                         priority=work.engine_priority) or (
+                                         priority=order.priority, rank=order.rank) or (
                 engine_input)
         if isinstance(engine_input, PrepareError):
             self._fail(work, engine_input.code, engine_input.message, param=engine_input.param)
