@@ -18,6 +18,8 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service import ids
+from service.db import utcnow
+from service.expiry import expires_at
 from service.lines import ModelTracker
 from service.models import File
 from service.storage import ObjectStorage
@@ -249,8 +251,10 @@ def store_inline_requests(
     requests: Iterable[dict[str, Any]],
     max_bytes: int,
     max_lines: int,
+    expires_after: int | None,
 ) -> File:
-    """Write an inline ``requests`` array as a batch input file, checked like an upload."""
+    """Write an inline ``requests`` array as a batch input file, checked like an upload, that
+    expires ``expires_after`` seconds from now (None: never)."""
     ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines)
     try:
         for request in requests:
@@ -262,6 +266,8 @@ def store_inline_requests(
         ingest.abort()
         raise
     row = ingest.to_file(tenant_id=tenant_id, filename="inline-requests.jsonl", purpose="batch")
+    row.created_at = utcnow()
+    row.expires_at = expires_at(row.created_at, expires_after)
     session.add(row)
     session.flush()
     return row

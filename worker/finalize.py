@@ -30,6 +30,7 @@ from openai_format.responses import error_line, failed_line, output_line, output
 from service import counters, ids
 from service.counters import CounterDelta
 from service.db import Database, utcnow
+from service.expiry import expires_at
 from service.models import (
     CANCELLED,
     CANCELLING,
@@ -245,7 +246,8 @@ def _write_and_close(
             file = File(id=ids.file_id(), tenant_id=batch.tenant_id, purpose="batch_output",
                         filename=f"{batch_id}_{kind}.jsonl", bytes=size,
                         storage_key=f"batches/{batch_id}/{kind}.jsonl",
-                        num_lines=count, num_errors=0)
+                        num_lines=count, num_errors=0, created_at=now,
+                        expires_at=expires_at(now, batch.output_expires_after))
             session.add(file)
             if kind == "output":
                 batch.output_file_id = file.id

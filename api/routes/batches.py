@@ -19,6 +19,7 @@ from metrics.counters import BATCHES_CREATED
 from openai_format.types import ENDPOINTS
 from service import ids
 from service.db import utcnow
+from service.expiry import ExpiresAfterError, parse_expires_after
 from service.models import (
     CANCELLED,
     CANCELLING,
@@ -46,6 +47,15 @@ class InlineRequest(BaseModel):
     url: str | None = None
 
 
+class ExpiresAfterRequest(BaseModel):
+    """OpenAI's ``{anchor: "created_at", seconds}``; checked by ``service.expiry``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Any
+    seconds: Any
+
+
 class BatchCreateRequest(BaseModel):
     """OpenAI's fields, plus boxcar's ``requests`` (instead of a file) and ``webhook_url``."""
 
@@ -53,6 +63,8 @@ class BatchCreateRequest(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+    # When the output and error files expire, counted from their creation.
+    output_expires_after: ExpiresAfterRequest | None = None
     requests: list[InlineRequest] | None = None
     webhook_url: str | None = None
     # Among batches due in the same deadline bucket, higher runs first (service.queue_order).
@@ -117,6 +129,15 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
     window = parse_completion_window(request.completion_window)
     check_priority(request.priority, max_priority=settings.max_priority)
     check_metadata(request.metadata)
+    output_lifetime = settings.output_expires_after
+    if request.output_expires_after is not None:
+        try:
+            output_lifetime = parse_expires_after(
+                request.output_expires_after.anchor, request.output_expires_after.seconds,
+                field="output_expires_after").seconds
+        except ExpiresAfterError as exc:
+            raise ApiError(400, f"{exc}.", param=exc.param,
+                           code="invalid_expires_after") from exc
     if request.webhook_url:
         try:
             check_url_literal(request.webhook_url, allow_private=settings.webhook_allow_private)
@@ -132,13 +153,14 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
         raise ApiError(400, f"requests holds more than {settings.max_inline_requests} items; "
                        "upload a file instead.", param="requests", code="invalid_request")
 
-    body = _create(request, tenant.id, ctx, window)
+    body = _create(request, tenant.id, ctx, window, output_lifetime)
     BATCHES_CREATED.inc()
     ctx.queue.batch_changed(body["id"])
     return body
 
 
-def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window: int) -> dict:
+def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window: int,
+            output_lifetime: int | None) -> dict:
     settings = ctx.settings
     inline_file: File | None = None
     try:
@@ -148,6 +170,7 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
                     session, ctx.storage, tenant_id=tenant_id, endpoint=request.endpoint,
                     requests=(r.model_dump() for r in request.requests),
                     max_bytes=settings.max_file_bytes, max_lines=settings.max_file_lines,
+                    expires_after=settings.file_expires_after,
                 )
             else:
                 file = get_file(session, tenant_id=tenant_id, file_id=request.input_file_id)
@@ -166,6 +189,7 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
                 input_file_id=file.id, completion_window=request.completion_window,
                 status=VALIDATING, metadata_=request.metadata, model=model,
                 webhook_url=request.webhook_url, priority=request.priority, created_at=now,
+                output_expires_after=output_lifetime,
                 expires_at=now + dt.timedelta(seconds=window), num_total=file.num_lines,
             )
             session.add(row)
