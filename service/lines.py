@@ -49,6 +49,14 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
         prompt = len(single) // CHARS_PER_TOKEN + 1 if isinstance(single, str) else len(single)
     max_tokens = body.effective_max_tokens
     return prompt, max_tokens if max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+
+
+def enqueued_tokens(line: BatchLine) -> int:
+    """What a line holds against its tenant's quota (``service.quotas``) until it closes: its
+    prompt and output estimates (a line without max_tokens counts ``DEFAULT_OUTPUT_TOKENS``).
+    The upload, prepare and a job's creation count with this one function."""
+    prompt, output = estimate_tokens(line)
+    return prompt + output
 class ModelTracker:
     """The one model a batch's lines name (OpenAI's rule): the first valid line naming one fixes
     it, unless ``model`` is given; a later line naming another is a line error. Lines naming

@@ -223,7 +223,7 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
     rows = session.execute(
         select(RequestLine.pk, RequestLine.shard_id, RequestLine.tenant_id,
                RequestLine.batch_id, RequestLine.job_id, RequestLine.endpoint, RequestLine.body,
-               RequestLine.engine_fields)
+               RequestLine.engine_fields, RequestLine.enqueued_tokens)
         .where(RequestLine.shard_id.in_([c.id for c in claimed]),
                RequestLine.status.in_(LINE_OPEN))
         .order_by(RequestLine.shard_id, RequestLine.position, RequestLine.pk)
@@ -236,7 +236,7 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
             line_pk=r.pk, shard_id=r.shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
             job_id=r.job_id, endpoint=r.endpoint, body=r.body or {},
             engine_fields=r.engine_fields, priority=shard.priority,
-            deadline=deadlines.get(shard.batch_id or "")))
+            deadline=deadlines.get(shard.batch_id or ""), enqueued_tokens=r.enqueued_tokens))
     return [
         Claim(HeldShard(c.id, c.tenant_id, c.batch_id, c.job_id, c.priority,
                         {w.line_pk for w in lines[c.id]}), lines[c.id], c.attempts)
@@ -272,14 +272,14 @@ def fail_lines(
         .where(RequestLine.pk.in_(line_pks), RequestLine.status.in_(LINE_OPEN))
         .values(status=LINE_FAILED, error={"code": code, "message": message},
                 finished_at=utcnow(), worker_id=worker_id)
-        .returning(RequestLine.batch_id)
+        .returning(RequestLine.batch_id, RequestLine.enqueued_tokens)
         .execution_options(synchronize_session=False)
-    ).scalars().all()
+    ).all()
     deltas: dict[str, CounterDelta] = {}
-    for batch_id in closed:
+    for batch_id, tokens in closed:
         if batch_id is not None:
             deltas[batch_id] = deltas.get(batch_id, CounterDelta()) + CounterDelta.closed(
-                LINE_FAILED)
+                LINE_FAILED, released_tokens=tokens)
     counters.add(session, deltas, slot=counters.slot_of(worker_id))
 
 

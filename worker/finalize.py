@@ -147,16 +147,17 @@ def finalize_batch(
             batch.finalizing_at = now
         if outcome in _CLOSE:
             status, code, message = _CLOSE[outcome]
-            num_closed = len(session.execute(
+            released = session.execute(
                 update(RequestLine)
                 .where(RequestLine.batch_id == batch_id, RequestLine.status.in_(LINE_OPEN))
                 .values(status=status, error={"code": code, "message": message},
                         finished_at=now)
-                .returning(RequestLine.pk)
+                .returning(RequestLine.enqueued_tokens)
                 .execution_options(synchronize_session=False)
-            ).all())
-            counters.add(session, {batch_id: CounterDelta(num_open=-num_closed,
-                                                          num_failed=num_closed)},
+            ).scalars().all()
+            num_closed = len(released)
+            counters.add(session, {batch_id: CounterDelta(
+                num_open=-num_closed, num_failed=num_closed, released_tokens=sum(released))},
                          slot=counters.slot_of(worker_id))
         session.execute(
             update(Shard).where(Shard.batch_id == batch_id, Shard.status != SHARD_DONE)

@@ -92,7 +92,8 @@ def write_results(session: Session, results: list[LineResult], *, worker_id: str
         if batch_id is not None:
             deltas[batch_id] = deltas.get(batch_id, CounterDelta()) + CounterDelta.closed(
                 result.status, prompt_tokens=result.prompt_tokens,
-                completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens)
+                completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
+                released_tokens=result.work.enqueued_tokens)
     counters.add(session, deltas, slot=counters.slot_of(worker_id))
     return set(deltas)
 

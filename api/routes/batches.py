@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
-from api.deps import AppContext, ContextDep, TenantDep
+from api.deps import AppContext, ContextDep, TenantDep, TenantRef
 from api.errors import ApiError, not_found
 from api.pagination import paginate
 from api.routes.files import get_file
@@ -23,6 +23,7 @@ from service.expiry import ExpiresAfterError, parse_expires_after
 from service.models import (
     CANCELLED,
     CANCELLING,
+    FAILED,
     FINALIZING,
     IN_PROGRESS,
     VALIDATING,
@@ -31,9 +32,10 @@ from service.models import (
 )
 from service.objects import batch_object, live_totals
 from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
+from service.quotas import TOKEN_LIMIT_EXCEEDED, QuotaExceeded, limit_for, reserve
 from service.served_models import ModelNotServed, resolve_request_model
 from service.settings import parse_completion_window
-from service.webhooks import check_url_literal
+from service.webhooks import check_url_literal, queue_event
 
 router = APIRouter(tags=["batches"])
 
@@ -153,15 +155,16 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
         raise ApiError(400, f"requests holds more than {settings.max_inline_requests} items; "
                        "upload a file instead.", param="requests", code="invalid_request")
 
-    body = _create(request, tenant.id, ctx, window, output_lifetime)
+    body = _create(request, tenant, ctx, window, output_lifetime)
     BATCHES_CREATED.inc()
     ctx.queue.batch_changed(body["id"])
     return body
 
 
-def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window: int,
+def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, window: int,
             output_lifetime: int | None) -> dict:
     settings = ctx.settings
+    tenant_id = tenant.id
     inline_file: File | None = None
     try:
         with ctx.db.session() as session:
@@ -189,12 +192,26 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
                 input_file_id=file.id, completion_window=request.completion_window,
                 status=VALIDATING, metadata_=request.metadata, model=model,
                 webhook_url=request.webhook_url, priority=request.priority, created_at=now,
-                output_expires_after=output_lifetime,
+                output_expires_after=output_lifetime, enqueued_tokens=file.enqueued_tokens,
                 expires_at=now + dt.timedelta(seconds=window), num_total=file.num_lines,
             )
+            limit = limit_for(key_limit=tenant.max_enqueued_tokens,
+                              default=settings.max_enqueued_tokens)
+            try:
+                reserve(session, tenant_id=tenant_id, model=model,
+                        tokens=file.enqueued_tokens, limit=limit)
+            except QuotaExceeded as exc:
+                # OpenAI's answer: the batch is created and fails its validation.
+                row.status, row.failed_at, row.enqueued_tokens = FAILED, now, 0
+                row.errors = [{"code": TOKEN_LIMIT_EXCEEDED, "message": str(exc),
+                               "param": None, "line": None}]
             session.add(row)
             session.flush()
-            return batch_object(row)
+            body = batch_object(row)
+            if row.status == FAILED:
+                queue_event(session, tenant_id=tenant_id, event_type="batch.failed",
+                            object_id=row.id, data=body, object_url=row.webhook_url)
+            return body
     except Exception:
         if inline_file is not None:  # its row is rolled back: drop its bytes too
             ctx.storage.delete(inline_file.storage_key)
