@@ -33,12 +33,8 @@ from openai_format.types import (
     _invalid,
     _one_of_shapes,
     _Strict,
+    metadata_problem,
 )
-
-# OpenAI's limits on ``metadata`` (also the batch object's).
-MAX_METADATA_PAIRS = 16
-MAX_METADATA_KEY_CHARS = 64
-MAX_METADATA_VALUE_CHARS = 512
 
 # Fields OpenAI's Responses API has that a batch line cannot honour, with the reason.
 RESPONSES_UNSUPPORTED = {
@@ -66,21 +62,10 @@ RESPONSES_NEUTRAL = frozenset({
 
 
 def _metadata(value: dict[str, str]) -> dict[str, str]:
-    check_metadata_pairs(value)
+    problem = metadata_problem(value)
+    if problem is not None:
+        raise _invalid(problem)
     return value
-
-
-def check_metadata_pairs(value: dict[str, str]) -> None:
-    """OpenAI's limits on metadata; ``ValueError``-like custom error naming what is over."""
-    if len(value) > MAX_METADATA_PAIRS:
-        raise _invalid(f"must hold at most {MAX_METADATA_PAIRS} pairs, got {len(value)}")
-    for key, item in value.items():
-        if len(key) > MAX_METADATA_KEY_CHARS:
-            raise _invalid(f"keys must be at most {MAX_METADATA_KEY_CHARS} characters, got "
-                           f"{len(key)} in {key[:20]!r}...")
-        if len(item) > MAX_METADATA_VALUE_CHARS:
-            raise _invalid(f"values must be at most {MAX_METADATA_VALUE_CHARS} characters, got "
-                           f"{len(item)} for key {key!r}")
 
 
 Metadata = Annotated[dict[str, str], WrapValidator(

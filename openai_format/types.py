@@ -42,6 +42,10 @@ MAX_N = 128
 MAX_LOGIT_BIAS = 100  # the same limit as engine.sampling_params.MAX_LOGIT_BIAS
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# OpenAI's limits on ``metadata`` (a batch's, a job's, a /v1/responses body's).
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 TOKEN_ID_KEY = re.compile(r"^[0-9]{1,10}$")
 
 # Fields OpenAI documents as not affecting the output: accepted and not used.
@@ -61,6 +65,21 @@ UNSUPPORTED_FIELDS = {
     "web_search_options": "web search is not supported",
     "stream_options": "a batch line is not streamed",
 }
+
+
+def metadata_problem(value: dict[str, str]) -> str | None:
+    """What breaks OpenAI's limits on metadata ("must hold at most 16 pairs, got 17"), or
+    None."""
+    if len(value) > MAX_METADATA_PAIRS:
+        return f"must hold at most {MAX_METADATA_PAIRS} pairs, got {len(value)}"
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            return (f"keys must be at most {MAX_METADATA_KEY_CHARS} characters, got {len(key)} "
+                    f"in {key[:20]!r}...")
+        if len(item) > MAX_METADATA_VALUE_CHARS:
+            return (f"values must be at most {MAX_METADATA_VALUE_CHARS} characters, got "
+                    f"{len(item)} for key {key!r}")
+    return None
 
 
 def _invalid(message: str) -> PydanticCustomError:

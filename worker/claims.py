@@ -223,7 +223,7 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
     rows = session.execute(
         select(RequestLine.pk, RequestLine.shard_id, RequestLine.tenant_id,
                RequestLine.batch_id, RequestLine.job_id, RequestLine.endpoint, RequestLine.body,
-               RequestLine.engine_fields, RequestLine.enqueued_tokens)
+               RequestLine.engine_fields)
         .where(RequestLine.shard_id.in_([c.id for c in claimed]),
                RequestLine.status.in_(LINE_OPEN))
         .order_by(RequestLine.shard_id, RequestLine.position, RequestLine.pk)
@@ -236,7 +236,7 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
             line_pk=r.pk, shard_id=r.shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
             job_id=r.job_id, endpoint=r.endpoint, body=r.body or {},
             engine_fields=r.engine_fields, priority=shard.priority,
-            deadline=deadlines.get(shard.batch_id or ""), enqueued_tokens=r.enqueued_tokens))
+            deadline=deadlines.get(shard.batch_id or "")))
     return [
         Claim(HeldShard(c.id, c.tenant_id, c.batch_id, c.job_id, c.priority,
                         {w.line_pk for w in lines[c.id]}), lines[c.id], c.attempts)

@@ -37,8 +37,6 @@ class LineWork:
     # The validated fields stored at prepare (``openai_format.sampling.engine_fields``); None
     # for rows from before them, whose ``body`` is parsed instead.
     engine_fields: dict[str, Any] | None = None
-    # What it holds against its tenant's quota, released when it closes (service.quotas).
-    enqueued_tokens: int = 0
 
     @property
     def is_job(self) -> bool:

@@ -16,7 +16,7 @@ from api.pagination import paginate
 from api.routes.files import get_file
 from api.uploads import store_inline_requests
 from metrics.counters import BATCHES_CREATED
-from openai_format.types import ENDPOINTS
+from openai_format.types import ENDPOINTS, metadata_problem
 from service import ids
 from service.db import utcnow
 from service.expiry import ExpiresAfterError, parse_expires_after
@@ -82,15 +82,10 @@ def check_priority(priority: int, *, max_priority: int) -> None:
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
-    if metadata is None:
-        return
-    if len(metadata) > 16:
-        raise ApiError(400, "metadata may hold at most 16 keys.", param="metadata",
-                       code="invalid_metadata")
-    for key, value in metadata.items():
-        if len(key) > 64 or len(value) > 512:
-            raise ApiError(400, "metadata keys are at most 64 characters and values at most 512.",
-                           param="metadata", code="invalid_metadata")
+    """OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512."""
+    problem = None if metadata is None else metadata_problem(metadata)
+    if problem is not None:
+        raise ApiError(400, f"metadata {problem}.", param="metadata", code="invalid_metadata")
 
 
 # Built once (every status poll runs it): bound per call.
