@@ -20,7 +20,8 @@ from worker.items import LineWork
 
 
 def line_max_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    value = body.get("max_completion_tokens", body.get("max_tokens",
+                                                       body.get("max_output_tokens")))
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 

@@ -59,4 +59,5 @@ def test_an_engine_that_cannot_report_progress_publishes_no_forecast():
 def test_line_max_tokens_reads_either_field():
     assert line_max_tokens({"max_completion_tokens": 7, "max_tokens": 9}) == 7
     assert line_max_tokens({"max_tokens": 9}) == 9
+    assert line_max_tokens({"input": "x", "max_output_tokens": 5}) == 5  # a /v1/responses body
     assert line_max_tokens({}) is None and line_max_tokens({"max_tokens": True}) is None
