@@ -53,7 +53,8 @@ def create_app(
     for module in (files, batches, jobs, models, webhooks, health, ui):
         app.include_router(module.router)
     app.mount("/metrics", make_asgi_app(metrics_registry(
-        context.db, context.settings.worker_metrics_interval)))
+        context.db, context.settings.worker_metrics_interval,
+        context.settings.max_enqueued_tokens)))
     time_statements(context.db.engine)
     if context.db.read_engine is not context.db.engine:
         time_statements(context.db.read_engine)

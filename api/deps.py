@@ -25,6 +25,8 @@ from service.storage import ObjectStorage
 class TenantRef:
     id: str
     name: str
+    # The request's key's own enqueued-token limit (None: the deployment's).
+    max_enqueued_tokens: int | None = None
 
 
 class KeyCache:
@@ -105,10 +107,10 @@ async def get_tenant(request: Request, ctx: ContextDep) -> TenantRef:
 
 def _authenticate(ctx: AppContext, key: str) -> TenantRef:
     with ctx.db.read_session() as session:
-        tenant = authenticate(session, key=key)
-        if tenant is None:
+        owner = authenticate(session, key=key)
+        if owner is None:
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
-        return TenantRef(tenant.id, tenant.name)
+        return TenantRef(owner.tenant.id, owner.tenant.name, owner.max_enqueued_tokens)
 
 
 TenantDep = Annotated[TenantRef, Depends(get_tenant)]

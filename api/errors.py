@@ -40,12 +40,14 @@ class ApiError(Exception):
         *,
         code: str | None = None,
         param: str | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
         self.message = message
         self.code = code
         self.param = param
+        self.retry_after = retry_after  # seconds, sent as Retry-After
 
 
 def error_body(
@@ -72,7 +74,9 @@ def _response(status_code: int, body: dict, headers: dict | None = None) -> JSON
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
+        if exc.retry_after is not None:
+            headers["Retry-After"] = str(exc.retry_after)
         body = error_body(exc.status_code, exc.message, code=exc.code, param=exc.param)
         return _response(exc.status_code, body, headers)
 

@@ -1,5 +1,6 @@
 """What the API's /metrics serves: this process's counters, the service's state counted in the
-database (batches, jobs and shards by status, queue depth, live workers), and every live worker's
+database (batches, jobs and shards by status, queue depth, live workers, the tokens each tenant
+has enqueued per model against its quota), and every live worker's
 engine metrics from the snapshot it writes to the ``workers`` table (labelled ``worker``).
 
 Workers publish their snapshots to the database rather than the API scraping them because the
@@ -41,7 +42,9 @@ from service.models import (
     Batch,
     Job,
     Shard,
+    Tenant,
 )
+from service.quotas import enqueued
 
 log = logging.getLogger(__name__)
 
@@ -50,11 +53,21 @@ BATCH_STATUSES = (VALIDATING, IN_PROGRESS, FINALIZING, COMPLETED, FAILED, EXPIRE
 JOB_STATUSES = (JOB_QUEUED, JOB_IN_PROGRESS, JOB_COMPLETED, JOB_FAILED)
 SHARD_STATUSES = (SHARD_PENDING, SHARD_RUNNING, SHARD_DONE)
 BATCHES_AT_RISK = "boxcar_batches_deadline_at_risk"
+ENQUEUED_TOKENS = "boxcar_enqueued_tokens"
 
 
 def counts_by(session: Session, column: Any, statuses: tuple[str, ...]) -> dict[str, int]:
     found = dict(session.execute(select(column, func.count()).group_by(column)).all())
     return {status: int(found.get(status, 0)) for status in (*statuses, *found)}
+
+
+def enqueued_by_tenant(session: Session) -> list[tuple[str, str, int]]:
+    """(tenant name, model, tokens held against the quota) of every tenant holding some."""
+    held = {k: v for k, v in enqueued(session).items() if v}
+    names = dict(session.execute(select(Tenant.id, Tenant.name).where(
+        Tenant.id.in_({tenant for tenant, _ in held}))).all()) if held else {}
+    return sorted((names.get(tenant, tenant), model or "", tokens)
+                  for (tenant, model), tokens in held.items())
 
 
 def queue_depth(session: Session) -> int:
@@ -66,9 +79,11 @@ def queue_depth(session: Session) -> int:
 class ServiceCollector:
     """A prometheus_client collector reading the database at each scrape."""
 
-    def __init__(self, db: Database, worker_metrics_interval: float) -> None:
+    def __init__(self, db: Database, worker_metrics_interval: float,
+                 max_enqueued_tokens: int | None = None) -> None:
         self._db = db
         self._interval = worker_metrics_interval
+        self._max_enqueued_tokens = max_enqueued_tokens
 
     def collect(self) -> Iterator[Any]:
         try:
@@ -77,6 +92,7 @@ class ServiceCollector:
                 jobs = counts_by(session, Job.status, JOB_STATUSES)
                 shards = counts_by(session, Shard.status, SHARD_STATUSES)
                 depth = queue_depth(session)
+                held = enqueued_by_tenant(session)
                 workers = [(w.id, w.metrics) for w in live_workers(
                     session, interval=self._interval)]
                 at_risk = sum(1 for eta in estimate(
@@ -95,6 +111,16 @@ class ServiceCollector:
                                 "Request lines in shards no worker has claimed yet", value=depth)
         yield GaugeMetricFamily("boxcar_workers", "Workers with a recent heartbeat",
                                 value=len(workers))
+        family = GaugeMetricFamily(ENQUEUED_TOKENS, "Prompt plus max output tokens of a "
+                                   "tenant's unfinished lines, per model (its quota's use)",
+                                   labels=["tenant", "model"])
+        for tenant, model, tokens in held:
+            family.add_metric([tenant, model], tokens)
+        yield family
+        if self._max_enqueued_tokens is not None:
+            yield GaugeMetricFamily(f"{ENQUEUED_TOKENS}_limit", "The deployment's enqueued-"
+                                    "token limit per tenant and model (a key may have its own)",
+                                    value=self._max_enqueued_tokens)
         yield GaugeMetricFamily(BATCHES_AT_RISK, "Live batches whose estimated completion "
                                 "passes their deadline (the end of the completion window)",
                                 value=at_risk)
@@ -102,9 +128,11 @@ class ServiceCollector:
                                             for wid, snapshot in workers if snapshot])
 
 
-def metrics_registry(db: Database, worker_metrics_interval: float) -> CollectorRegistry:
+def metrics_registry(db: Database, worker_metrics_interval: float,
+                     max_enqueued_tokens: int | None = None) -> CollectorRegistry:
     """The API's /metrics: the process's own registry plus the service collector."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ForwardCollector(REGISTRY))  # type: ignore[arg-type]
-    registry.register(ServiceCollector(db, worker_metrics_interval))  # type: ignore[arg-type]
+    registry.register(ServiceCollector(  # type: ignore[arg-type]
+        db, worker_metrics_interval, max_enqueued_tokens))
     return registry

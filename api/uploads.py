@@ -18,7 +18,9 @@ from sqlalchemy.orm import Session
 from api.errors import ApiError
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service import ids
-from service.lines import ModelTracker
+from service.db import utcnow
+from service.expiry import expires_at
+from service.lines import ModelTracker, enqueued_tokens
 from service.models import File
 from service.storage import ObjectStorage
 
@@ -42,6 +44,7 @@ class JsonlIngest:
     num_lines: int = 0  # non-blank lines
     num_objects: int = 0  # lines that are JSON objects (valid or not)
     num_errors: int = 0
+    num_tokens: int = 0  # enqueued tokens of the valid lines (service.lines.enqueued_tokens)
     errors: list[dict[str, Any]] = field(default_factory=list)
     _tail: bytearray = field(default_factory=bytearray)
     _line_no: int = 0
@@ -104,6 +107,8 @@ class JsonlIngest:
                    or self._models.check(result))
         if problem is not None:
             self._record(problem)
+        else:
+            self.num_tokens += enqueued_tokens(result)
 
     def _record(self, error: LineError) -> None:
         self.num_errors += 1
@@ -146,6 +151,7 @@ class JsonlIngest:
             id=self.file_id, tenant_id=tenant_id, filename=filename, purpose=purpose,
             bytes=self.num_bytes, storage_key=self.storage_key, num_lines=self.num_lines,
             num_errors=self.num_errors, line_errors=self.errors, model=self._models.model,
+            enqueued_tokens=self.num_tokens,
         )
 
 
@@ -249,8 +255,10 @@ def store_inline_requests(
     requests: Iterable[dict[str, Any]],
     max_bytes: int,
     max_lines: int,
+    expires_after: int | None,
 ) -> File:
-    """Write an inline ``requests`` array as a batch input file, checked like an upload."""
+    """Write an inline ``requests`` array as a batch input file, checked like an upload, that
+    expires ``expires_after`` seconds from now (None: never)."""
     ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines)
     try:
         for request in requests:
@@ -262,6 +270,8 @@ def store_inline_requests(
         ingest.abort()
         raise
     row = ingest.to_file(tenant_id=tenant_id, filename="inline-requests.jsonl", purpose="batch")
+    row.created_at = utcnow()
+    row.expires_at = expires_at(row.created_at, expires_after)
     session.add(row)
     session.flush()
     return row

@@ -43,6 +43,7 @@ class _InFlight:
     line: BatchLine
     request_id: str  # the engine's id; the response's request_id is ``req_`` + it
     tool_mode: ToolCallMode | None = None
+    response_echo: dict[str, Any] | None = None  # a /v1/responses line's
 
 
 @dataclass
@@ -267,7 +268,8 @@ class _Runner:
         if isinstance(engine_input, PrepareError):
             return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id,
                              numbered=False, param=engine_input.param)
-        self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode)
+        self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode,
+                                               engine_input.response_echo)
         return None
 
     def write_error(self, error: LineError, f: IO[str]) -> None:
@@ -287,6 +289,7 @@ class _Runner:
         body, usage = response_body(
             request_output, endpoint=entry.line.url, model=self.model_name,
             engine=self.engine, hex_id=new_id(), tool_mode=entry.tool_mode,
+            response_echo=entry.response_echo,
         )
         _write(f, output_line(entry.line.custom_id, body, request_id=f"req_{entry.request_id}"))
         self.result.num_ok += 1

@@ -196,16 +196,45 @@ def _cmd_keys_create(args: argparse.Namespace) -> int:
 
     settings = _settings_from(args)
     with open_database(settings.database_url).session() as session:
-        created = create_key(session, tenant_name=args.tenant, name=args.name)
+        created = create_key(session, tenant_name=args.tenant, name=args.name,
+                             max_enqueued_tokens=args.max_enqueued_tokens)
     if args.json:
         print(json.dumps({"key": created.key, "key_id": created.key_id,
                           "tenant_id": created.tenant_id, "tenant": created.tenant_name,
-                          "webhook_secret": created.webhook_secret}))
+                          "webhook_secret": created.webhook_secret,
+                          "max_enqueued_tokens": args.max_enqueued_tokens}))
     else:
         print(f"API key (shown once): {created.key}")
+        print(f"key id: {created.key_id}")
         print(f"tenant: {created.tenant_name} ({created.tenant_id})")
         print(f"webhook signing secret: {created.webhook_secret}")
+        if args.max_enqueued_tokens is not None:
+            print(f"enqueued-token limit per model: {args.max_enqueued_tokens:,}")
     return 0
+
+
+def _cmd_keys_limit(args: argparse.Namespace) -> int:
+    from service.keys import set_key_limit
+
+    settings = _settings_from(args)
+    limit = None if args.default else args.max_enqueued_tokens
+    with open_database(settings.database_url).session() as session:
+        found = set_key_limit(session, key_id=args.key_id, max_enqueued_tokens=limit)
+    if not found:
+        print(f"no such key: {args.key_id}", file=sys.stderr)
+        return 1
+    print(f"key {args.key_id}: enqueued-token limit per model "
+          + ("the deployment's (BOXCAR_MAX_ENQUEUED_TOKENS)" if limit is None else f"{limit:,}"))
+    print("API processes that checked this key use its old limit for up to "
+          f"{settings.api_key_cache_seconds:g}s (BOXCAR_API_KEY_CACHE_SECONDS)")
+    return 0
+
+
+def _token_count(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
 
 
 def _cmd_db_upgrade(args: argparse.Namespace) -> int:
@@ -225,7 +254,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     settings = _settings_from(args)
     db = open_database(settings.database_url)
     while True:
-        report = collect(db, interval=settings.worker_metrics_interval)
+        report = collect(db, interval=settings.worker_metrics_interval,
+                         max_enqueued_tokens=settings.max_enqueued_tokens)
         if args.json:
             print(json.dumps(report, indent=2))
         else:
@@ -280,8 +310,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create = keys_commands.add_parser("create", help="make an API key for a tenant")
     create.add_argument("--tenant", default="default", help="tenant name (made if new)")
     create.add_argument("--name", default=None, help="a label for the key")
+    create.add_argument("--max-enqueued-tokens", type=_token_count, default=None,
+                        help="this key's enqueued-token limit per model (default: the "
+                        "deployment's, BOXCAR_MAX_ENQUEUED_TOKENS)")
     create.add_argument("--json", action="store_true")
     create.set_defaults(handler=_refusing("keys create", _cmd_keys_create))
+    limit = keys_commands.add_parser("limit", help="set a key's enqueued-token limit per model")
+    limit.add_argument("key_id", help="the key's id (key_…, printed by keys create)")
+    which = limit.add_mutually_exclusive_group(required=True)
+    which.add_argument("--max-enqueued-tokens", type=_token_count, default=None)
+    which.add_argument("--default", action="store_true",
+                       help="back to the deployment's limit")
+    limit.set_defaults(handler=_refusing("keys limit", _cmd_keys_limit))
     keys.set_defaults(handler=lambda _args: _usage(keys))
 
     db = subparsers.add_parser("db", help="database schema")

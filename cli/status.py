@@ -12,7 +12,7 @@ from typing import Any
 from sqlalchemy import func, select
 
 from api.eta import estimate
-from api.metrics import queue_depth
+from api.metrics import enqueued_by_tenant, queue_depth
 from service.db import Database, utcnow
 from service.liveness import live_workers
 from service.models import (
@@ -29,7 +29,9 @@ NUM_ACTIVE_BATCHES = 20  # unfinished batches listed with a progress bar
 BAR_WIDTH = 30
 
 
-def collect(db: Database, *, interval: float) -> dict[str, Any]:
+def collect(db: Database, *, interval: float,
+            max_enqueued_tokens: int | None = None) -> dict[str, Any]:
+    """``max_enqueued_tokens``: the deployment's quota, shown beside what tenants hold."""
     now = utcnow()
     with db.read_session() as session:
         def grouped(column: Any) -> dict[str, int]:
@@ -50,6 +52,9 @@ def collect(db: Database, *, interval: float) -> dict[str, Any]:
             ).all()),
             "workers": [_worker(w, now) for w in live_workers(session, interval=interval)],
             "active_batches": [],
+            "enqueued_tokens": [{"tenant": tenant, "model": model, "tokens": tokens,
+                                 "limit": max_enqueued_tokens}
+                                for tenant, model, tokens in enqueued_by_tenant(session)],
         }
         etas = estimate(session, worker_metrics_interval=interval)
         live = live_totals(session, list(active))
@@ -115,6 +120,11 @@ def format_status(report: dict[str, Any]) -> str:
         lines.append(f"  {b['id']}  {b['status']:<11} {bar(done, b['total'])} {share}  "
                      f"{done}/{b['total']}{failed}{_eta(b)}")
     lines.append(f"jobs      {_counts(report['jobs'])}")
+    if report["enqueued_tokens"]:
+        lines.append("enqueued  tokens held against quotas, per tenant and model")
+    for q in report["enqueued_tokens"]:
+        limit = f" of {q['limit']:,}" if q["limit"] is not None else ""
+        lines.append(f"  {q['tenant']}  {q['model'] or '-'}  {q['tokens']:,}{limit}")
     lines.append(f"webhooks  {_counts(report['webhook_deliveries'])}")
     return "\n".join(lines)
 

@@ -94,6 +94,7 @@ class FakeEngine:
         self.order_run: list[str] = []  # request ids in the order they started running
         self.aborted: list[str] = []
         self.priorities: dict[str, int] = {}  # request id -> the priority it was added with
+        self.ranks: dict[str, int] = {}  # request id -> the rank it was added with
         self.num_steps = 0
         self.max_batch = 0
         self.thread_ids: set[int] = set()  # threads that added requests or stepped
@@ -148,7 +149,8 @@ class FakeEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    rank: int = 0) -> None:
         self.thread_ids.add(threading.get_ident())
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
@@ -165,9 +167,10 @@ class FakeEngine:
         self._requests[request_id] = _Request(token_ids, params, metrics,
                                               self.steps_per_request)
         self.priorities[request_id] = priority
+        self.ranks[request_id] = rank
         self._waiting.append(request_id)
-        # Waiting in the engine's order: (priority, arrival), lower first (sort is stable).
-        self._waiting.sort(key=lambda rid: self.priorities[rid])
+        # Waiting in the engine's order: (priority, rank, arrival), lower first (a stable sort).
+        self._waiting.sort(key=lambda rid: (self.priorities[rid], self.ranks[rid]))
         self.added.append(request_id)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:

@@ -105,16 +105,21 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        rank: int = 0,
     ) -> None:
         """Queue one request (``params.n`` sequences) for the next steps.
 
         ``priority``: lower values are more urgent (vLLM's convention), 0 by default. The
-        waiting queue is ordered by (priority, arrival); a request more urgent than a running one
-        may take that one's place at the next step (the displaced one is preempted by recompute).
+        waiting queue is ordered by (priority, rank, arrival); a request more urgent than a
+        running one may take that one's place at the next step (the displaced one is preempted
+        by recompute). ``rank`` orders requests of one priority (lower first, 0 by default) and
+        nothing more: a lower rank is admitted before higher ranks that are waiting, but never
+        preempts a running request nor caps its tokens (a caller's deadlines, say).
         Siblings of an n > 1 request share their prompt's full blocks through the prefix cache.
         """
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
+        for name, value in (("priority", priority), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
         text = prompt if isinstance(prompt, str) else None
@@ -131,7 +136,7 @@ class LLMEngine:
             request_id, text, prompt_ids, params, max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority, grammars=matchers)
+            priority=priority, rank=rank, grammars=matchers)
         self._parents[request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request_id] = request_id

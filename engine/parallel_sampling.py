@@ -34,7 +34,7 @@ class ParentRequest:
     @classmethod
     def fan_out(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                 params: SamplingParams, *, max_tokens: int, eos_token_ids: tuple[int, ...],
-                arrival_time: float, priority: int,
+                arrival_time: float, priority: int, rank: int,
                 grammars: list[Any] | None = None) -> ParentRequest:
         """The parent and its ``params.n`` children (``grammars``: one matcher per child)."""
         num_prompt = len(prompt_token_ids)
@@ -54,6 +54,7 @@ class ParentRequest:
                 parent_id=request_id,
                 index=index,
                 priority=priority,
+                rank=rank,
                 generator=generator,
                 grammar=None if grammars is None else grammars[index],
             ))

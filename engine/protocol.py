@@ -72,7 +72,8 @@ class Engine(Protocol):
         ...
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    rank: int = 0) -> None:
         """Queue one request; raises ``ValueError`` for one the engine cannot run."""
         ...
 

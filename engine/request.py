@@ -58,8 +58,10 @@ class Request:
     metrics: RequestMetrics
     parent_id: str | None = None
     index: int = 0
-    # Lower is more urgent (vLLM's convention); the scheduler orders by (priority, arrival).
+    # Lower is more urgent (vLLM's convention); the scheduler orders by (priority, rank,
+    # arrival). Only priority preempts and caps: rank orders requests of one priority.
     priority: int = 0
+    rank: int = 0
     generator: torch.Generator | None = None
     # The structured-output matcher: advanced once per sampled token, never on recompute.
     grammar: xgr.GrammarMatcher | None = None
@@ -86,9 +88,10 @@ class Request:
             self.logprobs = []
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Queue order in both the waiting and the running list: most urgent, then oldest."""
-        return (self.priority, self.arrival_seq)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Queue order in both the waiting and the running list: most urgent, lowest rank,
+        then oldest."""
+        return (self.priority, self.rank, self.arrival_seq)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -21,7 +21,7 @@ class Scheduler:
         self.kv = KVCacheManager(
             num_kv_blocks, config.block_size, config.enable_prefix_caching, config.watermark
         )
-        # Both lists are kept in Request.sort_key order: (priority, arrival), lower first.
+        # Both lists are kept in Request.sort_key order: (priority, rank, arrival), lower first.
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -74,9 +74,10 @@ class Scheduler:
         token, a prompt (or a preempted request's prompt + output) needs the rest, cut to what is
         left of ``max_num_batched_tokens`` when chunked prefill is on, so long prompts share
         steps with decodes instead of stalling them. Both queues are ordered by (priority,
-        arrival), lower priority values first. Running requests are served in that order; when
-        one needs a block and none is free, the last running request (least urgent, newest) is
-        preempted (its blocks freed, to be recomputed later, usually from its own cached prefix)
+        rank, arrival), lower values first; rank only orders, priority also displaces. Running
+        requests are served in that order; when one needs a block and none is free, the last
+        running request (least urgent, newest) is preempted (its blocks freed, to be
+        recomputed later, usually from its own cached prefix)
         until the allocation fits. Waiting requests are then admitted in order, after their cached
         prefix is looked up, while the budget, ``max_num_seqs`` and the free-block watermark
         allow. A waiting request whose next uncached prompt block is being computed by a running
@@ -284,7 +285,7 @@ class Scheduler:
         self._finish(request, RequestStatus.FINISHED_STOPPED)
 
 
-def _sort_key(request: Request) -> tuple[int, int]:
+def _sort_key(request: Request) -> tuple[int, int, int]:
     return request.sort_key
 
 

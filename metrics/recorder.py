@@ -245,10 +245,11 @@ class MeteredEngine:
     # -- metered ------------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    rank: int = 0) -> None:
         try:
             self._engine.add_request(request_id, prompt, params, arrival_time=arrival_time,
-                                     priority=priority)
+                                     priority=priority, rank=rank)
         except ValueError:
             self.recorder.observe_rejected()
             raise

@@ -1,9 +1,9 @@
 """Parse and check one line of an OpenAI Batch input file.
 
-Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}``. ``parse_line`` never raises on user input: it returns a ``BatchLine`` or a
-``LineError`` whose message names the line and the field ("line 7: body.temperature must be
-between 0 and 2").
+Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions"
+| "/v1/responses", "body": {...}}``. ``parse_line`` never raises on user input: it returns a
+``BatchLine`` or a ``LineError`` whose message names the line and the field ("line 7:
+body.temperature must be between 0 and 2").
 """
 
 from __future__ import annotations
@@ -17,15 +17,24 @@ from typing import Any
 from pydantic import ValidationError
 
 from openai_format.responses import failed_line
+from openai_format.responses_request import ResponsesRequest
 from openai_format.types import (
     CHAT_URL,
     COMPLETIONS_URL,
     ENDPOINTS,
     INVALID_TYPE,
     INVALID_VALUE,
+    RESPONSES_URL,
     ChatCompletionRequest,
     CompletionRequest,
 )
+
+Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest
+# The body type of each endpoint.
+BODY_TYPES: dict[str, type[Body]] = {
+    CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest,
+    RESPONSES_URL: ResponsesRequest,
+}
 
 # Line error codes.
 INVALID_JSON = "invalid_json"
@@ -47,7 +56,7 @@ class BatchLine:
 
     custom_id: str
     url: str
-    body: ChatCompletionRequest | CompletionRequest
+    body: Body
     line_no: int
 
     @property
@@ -160,8 +169,8 @@ def parse_line(
     url = data.get("url")
     if url not in ENDPOINTS:
         return error(
-            INVALID_URL, f"url must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {url!r}", custom_id
-        )
+            INVALID_URL, f"url must be one of {', '.join(map(repr, ENDPOINTS))}, got {url!r}",
+            custom_id)
     if endpoint is not None and url != endpoint:
         return error(
             INVALID_URL, f"url {url!r} does not match the batch's endpoint {endpoint!r}", custom_id
@@ -171,9 +180,8 @@ def parse_line(
         what = "is missing" if body is None else f"must be an object, got {_json_type(body)}"
         return error(INVALID_REQUEST, f"body {what}", custom_id)
 
-    model = ChatCompletionRequest if url == CHAT_URL else CompletionRequest
     try:
-        parsed = model.model_validate(body)
+        parsed = BODY_TYPES[url].model_validate(body)
     except ValidationError as exc:
         code, what = describe_validation_error(exc)
         return error(code, what, custom_id)

@@ -5,18 +5,23 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai_format.responses_request import ResponsesRequest
 from openai_format.tools import forced_call
 from openai_format.types import ChatCompletionRequest, CompletionRequest
 
+Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest
 
-def to_sampling_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+
+def to_sampling_kwargs(body: Body) -> dict[str, Any]:
     """The engine's SamplingParams fields for ``body`` (OpenAI defaults: temperature 1, top_p 1).
 
     ``logprobs`` is the number of alternatives per token: chat's ``top_logprobs`` (0 when only
     ``logprobs: true``), completions' ``logprobs``; None when not asked for.
     ``structured_output`` holds StructuredOutputParams' fields: a JSON response format, or the
-    call a ``tool_choice`` forces.
+    call a ``tool_choice`` forces. A /v1/responses body samples as the chat body it maps to.
     """
+    if isinstance(body, ResponsesRequest):
+        body = body.as_chat
     structured = body.response_format.structured_output() if body.response_format else None
     if isinstance(body, ChatCompletionRequest):
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -48,7 +53,7 @@ def to_sampling_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[
     }
 
 
-def engine_fields(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def engine_fields(body: Body) -> dict[str, Any]:
     """What the engine needs from a validated body, as JSON, stored on the line's row when it
     is validated (upload/prepare, a job's creation) so the drain loop neither parses nor
     validates the body again (``pipeline.engine_adapter.prepare_fields``):
@@ -58,8 +63,18 @@ def engine_fields(body: ChatCompletionRequest | CompletionRequest) -> dict[str, 
     - ``tool_mode`` ("auto", "required", "named" or absent) and ``tool_name`` (a named choice);
     - ``format_field``: the body field a grammar comes from, to name it in an error;
     - ``sampling``: ``to_sampling_kwargs``, its ``logit_bias`` as [token id, bias] pairs (JSON
-      object keys are strings).
+      object keys are strings);
+    - ``response`` (a /v1/responses body only): the request fields its ``Response`` object
+      repeats (``ResponsesRequest.echo``). Such a body's other fields are its chat body's, with
+      the fields an error names spelled as the Responses API spells them.
     """
+    if isinstance(body, ResponsesRequest):
+        fields = engine_fields(body.as_chat)
+        fields["response"] = body.echo()
+        if "format_field" in fields:
+            fields["format_field"] = ("body.tools[].parameters" if "tool_name" in fields
+                                      else "body.text.format.schema")
+        return fields
     sampling = to_sampling_kwargs(body)
     bias = sampling["logit_bias"]
     sampling["logit_bias"] = None if bias is None else [[int(t), b] for t, b in bias.items()]

@@ -16,7 +16,7 @@ import json
 import math
 import re
 from functools import cache
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     AfterValidator,
@@ -30,7 +30,8 @@ from pydantic_core import PydanticCustomError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+RESPONSES_URL = "/v1/responses"  # openai_format.responses_request
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 
 # Error types raised by the validators below; openai_format.parse maps them to line error codes.
 INVALID_VALUE = "invalid_value"
@@ -41,6 +42,10 @@ MAX_N = 128
 MAX_LOGIT_BIAS = 100  # the same limit as engine.sampling_params.MAX_LOGIT_BIAS
 MAX_TOOLS = 128
 FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# OpenAI's limits on ``metadata`` (a batch's, a job's, a /v1/responses body's).
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 TOKEN_ID_KEY = re.compile(r"^[0-9]{1,10}$")
 
 # Fields OpenAI documents as not affecting the output: accepted and not used.
@@ -60,6 +65,21 @@ UNSUPPORTED_FIELDS = {
     "web_search_options": "web search is not supported",
     "stream_options": "a batch line is not streamed",
 }
+
+
+def metadata_problem(value: dict[str, str]) -> str | None:
+    """What breaks OpenAI's limits on metadata ("must hold at most 16 pairs, got 17"), or
+    None."""
+    if len(value) > MAX_METADATA_PAIRS:
+        return f"must hold at most {MAX_METADATA_PAIRS} pairs, got {len(value)}"
+    for key, item in value.items():
+        if len(key) > MAX_METADATA_KEY_CHARS:
+            return (f"keys must be at most {MAX_METADATA_KEY_CHARS} characters, got {len(key)} "
+                    f"in {key[:20]!r}...")
+        if len(item) > MAX_METADATA_VALUE_CHARS:
+            return (f"values must be at most {MAX_METADATA_VALUE_CHARS} characters, got "
+                    f"{len(item)} for key {key!r}")
+    return None
 
 
 def _invalid(message: str) -> PydanticCustomError:
@@ -121,6 +141,10 @@ class _Body(_Strict):
 
     model_config = ConfigDict(strict=True, extra="forbid", frozen=True, populate_by_name=True)
 
+    # Known fields refused with the reason, and fields accepted without effect.
+    unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
+    neutral_fields: ClassVar[frozenset[str]] = OUTPUT_NEUTRAL_FIELDS
+
     @model_validator(mode="before")
     @classmethod
     def _known_fields(cls, data: Any) -> Any:
@@ -130,9 +154,9 @@ class _Body(_Strict):
         if names.issuperset(data):  # most lines: no unknown, unsupported or neutral field
             return data
         for name in data:
-            if name in UNSUPPORTED_FIELDS:
-                raise _invalid(f"body.{name} is not supported ({UNSUPPORTED_FIELDS[name]})")
-            if name not in names and name not in OUTPUT_NEUTRAL_FIELDS:
+            if name in cls.unsupported_fields:
+                raise _invalid(f"body.{name} is not supported ({cls.unsupported_fields[name]})")
+            if name not in names and name not in cls.neutral_fields:
                 raise _invalid(f"body.{name} is not a supported parameter")
         return {k: v for k, v in data.items() if k in names}
 

@@ -27,11 +27,14 @@ from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from engine.structured_output import StructuredOutputError
 from openai_format.parse import (
+    BODY_TYPES,
     CONTEXT_LENGTH_EXCEEDED,
     INVALID_REQUEST,
     SERVER_ERROR,
+    Body,
     describe_validation_error,
 )
+from openai_format.response_object import response_object
 from openai_format.responses import (
     ChoiceResult,
     TokenLogprobResult,
@@ -40,12 +43,7 @@ from openai_format.responses import (
 )
 from openai_format.sampling import engine_fields, sampling_kwargs
 from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
-from openai_format.types import (
-    CHAT_URL,
-    INVALID_VALUE,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from openai_format.types import CHAT_URL, INVALID_VALUE, RESPONSES_URL
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +57,8 @@ class EngineInput:
     # The body field a grammar came from, to name it when the engine cannot compile it.
     format_field: str | None = None
     tool_mode: ToolCallMode | None = None
+    # A /v1/responses line: the request fields its Response object repeats.
+    response_echo: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -70,16 +70,12 @@ class PrepareError:
     param: str | None = None
 
 
-Body = ChatCompletionRequest | CompletionRequest
-
-
 def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareError:
     """The typed body (a stored body is validated again into its type)."""
-    if isinstance(body, ChatCompletionRequest | CompletionRequest):
+    if not isinstance(body, dict):
         return body
-    model = ChatCompletionRequest if endpoint == CHAT_URL else CompletionRequest
     try:
-        return model.model_validate(body)
+        return BODY_TYPES[endpoint].model_validate(body)
     except ValidationError as exc:
         code, message = describe_validation_error(exc)
         return PrepareError(code, message)
@@ -155,16 +151,16 @@ def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | Pre
         )
     except ValueError as exc:
         return PrepareError(INVALID_VALUE, f"body: {exc}")
-    return EngineInput(prompt, params, format_field, tool_mode)
+    return EngineInput(prompt, params, format_field, tool_mode, fields.get("response"))
 
 
 def add_to_engine(engine: Engine, request_id: str, engine_input: EngineInput, *,
-                  priority: int = 0) -> PrepareError | None:
+                  priority: int = 0, rank: int = 0) -> PrepareError | None:
     """``engine.add_request``; a request the engine refuses (a schema its grammar compiler
     cannot take) becomes the line's error."""
     try:
         engine.add_request(request_id, engine_input.prompt, engine_input.params,
-                           priority=priority)
+                           priority=priority, rank=rank)
     except StructuredOutputError as exc:
         return PrepareError(INVALID_VALUE, f"{engine_input.format_field or 'body'}: {exc}",
                             engine_input.format_field)
@@ -247,18 +243,26 @@ def _choice(c: CompletionOutput, engine: Engine,
 
 def response_body(
     output: RequestOutput, *, endpoint: str, model: str, engine: Engine, hex_id: str,
-    tool_mode: ToolCallMode | None = None,
+    tool_mode: ToolCallMode | None = None, response_echo: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], Usage]:
-    """The chat.completion or text_completion object for a finished request, and its usage;
-    ``engine`` decodes logprobs' tokens, ``hex_id`` (random hex) makes the object's id."""
+    """The chat.completion, text_completion or response object for a finished request, and
+    its usage; ``engine`` decodes logprobs' tokens, ``hex_id`` (random hex) makes the object's
+    id. ``response_echo``: a /v1/responses line's ``EngineInput.response_echo``."""
     choices = [_choice(c, engine, tool_mode) for c in output.outputs]
     prompt_tokens = output.metrics.num_prompt_tokens or len(output.prompt_token_ids)
     cached_tokens = output.metrics.num_cached_tokens
+    usage = Usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)
+    if endpoint == RESPONSES_URL:
+        if response_echo is None:
+            raise ValueError("a /v1/responses line reached its output without its echo")
+        body = response_object(choices[0], echo=response_echo, model=model,
+                               prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
+                               response_id="resp_" + hex_id, created=int(time.time()))
+        return body, usage
     build = chat_completion_body if endpoint == CHAT_URL else text_completion_body
     prefix = "chatcmpl-" if endpoint == CHAT_URL else "cmpl-"
     body = build(
         choices, model=model, prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
         completion_id=prefix + hex_id, created=int(time.time()),
     )
-    usage = Usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)
     return body, usage

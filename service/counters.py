@@ -33,6 +33,8 @@ class CounterDelta:
     input_tokens: int = 0
     output_tokens: int = 0
     cached_tokens: int = 0
+    # Enqueued tokens the closed lines gave back to their tenant's quota (service.quotas).
+    released_tokens: int = 0
 
     def __add__(self, other: CounterDelta) -> CounterDelta:
         # Spelled out: the result writer adds one per line (0.8 us; the loop over fields()
@@ -40,15 +42,17 @@ class CounterDelta:
         return CounterDelta(
             self.num_open + other.num_open, self.num_completed + other.num_completed,
             self.num_failed + other.num_failed, self.input_tokens + other.input_tokens,
-            self.output_tokens + other.output_tokens, self.cached_tokens + other.cached_tokens)
+            self.output_tokens + other.output_tokens, self.cached_tokens + other.cached_tokens,
+            self.released_tokens + other.released_tokens)
 
     @classmethod
     def closed(cls, status: str, *, prompt_tokens: int = 0, completion_tokens: int = 0,
-               cached_tokens: int = 0) -> CounterDelta:
-        """One open line that became final with ``status``."""
+               cached_tokens: int = 0, released_tokens: int = 0) -> CounterDelta:
+        """One open line that became final with ``status``, giving back ``released_tokens``
+        (its ``RequestLine.enqueued_tokens``)."""
         completed = status == LINE_COMPLETED
         return cls(-1, int(completed), int(not completed), prompt_tokens, completion_tokens,
-                   cached_tokens)
+                   cached_tokens, released_tokens)
 
 
 _COLUMNS = tuple(f.name for f in fields(CounterDelta))
@@ -147,6 +151,7 @@ def from_lines(session: Session, batch_id: str) -> CounterDelta:
             func.coalesce(func.sum(RequestLine.prompt_tokens), 0),
             func.coalesce(func.sum(RequestLine.completion_tokens), 0),
             func.coalesce(func.sum(RequestLine.cached_tokens), 0),
+            func.coalesce(func.sum(case((is_open, 0), else_=RequestLine.enqueued_tokens)), 0),
         ).where(RequestLine.batch_id == batch_id)
     ).one()
     return CounterDelta(*(int(v) for v in row))

@@ -46,19 +46,23 @@ def get_or_create_tenant(session: Session, *, name: str) -> Tenant:
 
 
 def create_key(
-    session: Session, *, tenant_name: str, key: str | None = None, name: str | None = None
+    session: Session, *, tenant_name: str, key: str | None = None, name: str | None = None,
+    max_enqueued_tokens: int | None = None,
 ) -> CreatedKey:
     """A new key for the tenant called ``tenant_name`` (created if missing).
 
-    ``key`` sets the secret instead of drawing one (for a bootstrap key from the environment).
+    ``key`` sets the secret instead of drawing one (for a bootstrap key from the environment);
+    ``max_enqueued_tokens`` is the key's own quota (None: the deployment's).
     """
+    if max_enqueued_tokens is not None and max_enqueued_tokens < 1:
+        raise ValueError(f"max_enqueued_tokens must be >= 1, got {max_enqueued_tokens}")
     tenant = get_or_create_tenant(session, name=tenant_name)
     secret = key or KEY_PREFIX + secrets.token_urlsafe(32)
     if len(secret) < 16:
         raise ValueError("an API key must be at least 16 characters")
     row = ApiKey(
         id=ids.key_id(), tenant_id=tenant.id, key_hash=hash_key(secret), key_prefix=secret[:8],
-        name=name,
+        name=name, max_enqueued_tokens=max_enqueued_tokens,
     )
     session.add(row)
     session.flush()
@@ -73,12 +77,33 @@ def ensure_key(session: Session, *, key: str, tenant_name: str = "default") -> s
     return create_key(session, tenant_name=tenant_name, key=key, name="bootstrap").tenant_id
 
 
-def authenticate(session: Session, *, key: str) -> Tenant | None:
+@dataclass(frozen=True)
+class KeyOwner:
+    """Who an API key speaks for, and the key's own enqueued-token limit (None: the
+    deployment's, ``service.quotas``)."""
+
+    tenant: Tenant
+    max_enqueued_tokens: int | None
+
+
+def authenticate(session: Session, *, key: str) -> KeyOwner | None:
     """The tenant of an unrevoked key, in one statement (every API request runs it)."""
-    return session.scalars(
-        select(Tenant).join(ApiKey, ApiKey.tenant_id == Tenant.id)
+    row = session.execute(
+        select(Tenant, ApiKey.max_enqueued_tokens).join(ApiKey, ApiKey.tenant_id == Tenant.id)
         .where(ApiKey.key_hash == hash_key(key), ApiKey.revoked_at.is_(None))
     ).first()
+    return None if row is None else KeyOwner(row[0], row[1])
+
+
+def set_key_limit(session: Session, *, key_id: str, max_enqueued_tokens: int | None) -> bool:
+    """Give a key its own enqueued-token limit (None: back to the deployment's)."""
+    if max_enqueued_tokens is not None and max_enqueued_tokens < 1:
+        raise ValueError(f"max_enqueued_tokens must be >= 1, got {max_enqueued_tokens}")
+    row = session.get(ApiKey, key_id)
+    if row is None:
+        return False
+    row.max_enqueued_tokens = max_enqueued_tokens
+    return True
 
 
 def revoke_key(session: Session, *, key_id: str) -> bool:

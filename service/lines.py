@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from openai_format.parse import BatchLine, LineError
+from openai_format.responses_request import ResponsesRequest
 from openai_format.types import ChatCompletionRequest
 
 SORT_KEY_CHARS = 200
@@ -19,6 +20,8 @@ def sort_key(line: BatchLine) -> str:
     """The start of the prompt as text, so lines sharing a prefix (a system prompt, a RAG
     document) sort next to each other and run close together: the prefix cache then hits."""
     body = line.body
+    if isinstance(body, ResponsesRequest):
+        body = body.as_chat  # the messages it runs as
     if isinstance(body, ChatCompletionRequest):
         # The roles and texts of ``template_messages``, without building its dicts (prepare
         # runs this on every line).
@@ -37,7 +40,7 @@ def stored_body(line: BatchLine) -> dict[str, Any]:
 def estimate_tokens(line: BatchLine) -> tuple[int, int]:
     """(prompt tokens, output tokens) of a line before it runs, without a tokenizer: what the
     ETA of its batch starts from (``api.eta``)."""
-    body = line.body
+    body = line.body.as_chat if isinstance(line.body, ResponsesRequest) else line.body
     if isinstance(body, ChatCompletionRequest):
         chars = sum(len(m.text) for m in body.messages)
         prompt = chars // CHARS_PER_TOKEN + 4 * len(body.messages) + 1
@@ -46,6 +49,14 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
         prompt = len(single) // CHARS_PER_TOKEN + 1 if isinstance(single, str) else len(single)
     max_tokens = body.effective_max_tokens
     return prompt, max_tokens if max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+
+
+def enqueued_tokens(line: BatchLine) -> int:
+    """What a line holds against its tenant's quota (``service.quotas``) until it closes: its
+    prompt and output estimates (a line without max_tokens counts ``DEFAULT_OUTPUT_TOKENS``).
+    The upload, prepare and a job's creation count with this one function."""
+    prompt, output = estimate_tokens(line)
+    return prompt + output
 class ModelTracker:
     """The one model a batch's lines name (OpenAI's rule): the first valid line naming one fixes
     it, unless ``model`` is given; a later line naming another is a line error. Lines naming

@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, Float, ForeignKey, Index, Integer, String, Text, text
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from service.db import Base, utcnow
@@ -80,11 +80,14 @@ class ApiKey(Base):
     name: Mapped[str | None] = mapped_column(String(200))
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     revoked_at: Mapped[dt.datetime | None]
+    # This key's enqueued-token limit per model (None: the deployment's, service.quotas).
+    max_enqueued_tokens: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class File(Base):
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_pk", "tenant_id", "pk"),)
+    __table_args__ = (Index("ix_files_tenant_pk", "tenant_id", "pk"),
+                      Index("ix_files_expires_at", "expires_at"))
 
     pk: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     id: Mapped[str] = mapped_column(String(64), unique=True)
@@ -98,7 +101,11 @@ class File(Base):
     line_errors: Mapped[list[dict[str, Any]] | None] = _json()
     # The model its lines name (the first one named; None: no line names one).
     model: Mapped[str | None] = mapped_column(String(200))
+    # Prompt plus output tokens of its valid lines (service.lines.enqueued_tokens).
+    enqueued_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
+    # When the housekeeper deletes it (None: kept until deleted); past it, it is not found.
+    expires_at: Mapped[dt.datetime | None]
     deleted_at: Mapped[dt.datetime | None]
 
 
@@ -125,6 +132,12 @@ class Batch(Base):
     model: Mapped[str | None] = mapped_column(String(200))
     webhook_url: Mapped[str | None] = mapped_column(String(2000))
     priority: Mapped[int] = mapped_column(Integer, default=0)
+    # Seconds after their creation that the output and error files expire (None: never).
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)
+    # The tokens its lines hold against the tenant's quota (service.quotas): the file's count
+    # at create, its valid lines' exact sum from prepare on; its closed lines release theirs
+    # (``BatchCounter.released_tokens``).
+    enqueued_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     in_progress_at: Mapped[dt.datetime | None]
@@ -166,6 +179,8 @@ class Job(Base):
     priority: Mapped[int] = mapped_column(Integer, default=0)
     webhook_url: Mapped[str | None] = mapped_column(String(2000))
     metadata_: Mapped[dict[str, str] | None] = mapped_column("metadata", JSON, nullable=True)
+    # Held against the tenant's quota while the job is queued or in progress.
+    enqueued_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)
     completed_at: Mapped[dt.datetime | None]
     failed_at: Mapped[dt.datetime | None]
@@ -249,6 +264,9 @@ class RequestLine(Base):
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)
     completion_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Its share of its batch's or job's quota (service.lines.enqueued_tokens), released when
+    # it closes; written once, at prepare.
+    enqueued_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
     worker_id: Mapped[str | None] = mapped_column(String(100))
     finished_at: Mapped[dt.datetime | None]
 
@@ -275,6 +293,8 @@ class BatchCounter(Base):
     input_tokens: Mapped[int] = mapped_column(Integer, default=0)
     output_tokens: Mapped[int] = mapped_column(Integer, default=0)
     cached_tokens: Mapped[int] = mapped_column(Integer, default=0)
+    # Enqueued tokens of the lines this slot closed (released from the tenant's quota).
+    released_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
 
 
 class WebhookEndpoint(Base):

@@ -40,7 +40,7 @@ def file_object(row: File) -> dict[str, Any]:
         "filename": row.filename,
         "purpose": row.purpose,
         "status": "processed",
-        "expires_at": None,
+        "expires_at": unix(row.expires_at),
         "status_details": (
             f"{row.num_errors} of {row.num_lines} lines have problems" if row.num_errors else None
         ),

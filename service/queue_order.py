@@ -14,20 +14,28 @@ The full ordering key, most significant first:
    holding the fewest running shards; the line queue round-robins over tenants), and each
    tenant's lines run in shard (prompt-prefix) order.
 
-The engine has one integer, lower = more urgent, ordered by (priority, arrival), and a more
-urgent request preempts less urgent running ones (by recompute) and, through
-``urgent_bulk_tokens``, caps the less urgent requests' tokens a step while priorities differ.
-``engine_priority`` gives that only to single jobs (below zero, higher job priority lower);
-every bulk line is 0. Points 2-4 are kept by the order lines enter the engine (claims and the
-worker's line queue), which keeps only about two steps' worth waiting beyond its running seats:
-an earlier-deadline batch waits at most for the seats' current occupants, and bulk lines never
-preempt each other (that would recompute work) nor cap each other's steps (two deadline
-classes in the engine at once would otherwise cost throughput for as long as they overlap).
+The engine orders its queues by (priority, rank, arrival), lower first, and only ``priority``
+displaces: a more urgent request preempts less urgent running ones (by recompute) and, through
+``urgent_bulk_tokens``, caps their tokens a step while priorities differ; ``rank`` only orders
+requests of one priority. ``engine_order`` is the one mapping from a line to those two:
+
+- a single job: priority below zero (higher job priority lower), rank 0;
+- a bulk line: priority 0 and ``rank`` from points 2 and 3 (``bulk_rank``), so inside the engine
+  too an earlier-deadline batch's lines are admitted ahead of a later one's waiting lines, while
+  the later one's running lines keep their seats (recomputing them would waste work, and
+  capping them would cost throughput for as long as two deadline classes overlap);
+- a bulk line whose batch's deadline is at risk (the worker's forecast of its held lines ends
+  after the batch's ``expires_at``): priority ``AT_RISK_PRIORITY``, more urgent than bulk lines
+  and less than every job, so it may take a seat, budget or blocks from running lines of
+  batches not at risk.
+
+Point 4 is kept by the order lines enter the engine (claims and the worker's line queue).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 # Deadlines this close count as one (seconds).
 DEADLINE_BUCKET_S = 600
@@ -47,9 +55,27 @@ def bulk_rank(deadline: float | None, priority: int) -> tuple[int, int]:
     return deadline_bucket(deadline), -priority
 
 
-def engine_priority(*, is_job: bool, priority: int) -> int:
-    """The engine's ``add_request(priority=)`` of a line: lower is more urgent.
+# A bulk line whose deadline is at risk: more urgent than bulk lines, less than every job.
+AT_RISK_PRIORITY = -1
 
-    ``priority`` is the shard's: a job's is ``JOB_PRIORITY_BASE`` + its own, so a job of
-    priority 5 maps to -1006 and outranks one of priority 0 (-1001); every bulk line is 0."""
-    return -1 - max(priority, 0) if is_job else 0
+
+@dataclass(frozen=True)
+class EngineOrder:
+    """What ``add_request`` is told: ``priority`` (lower is more urgent, and displaces) and
+    ``rank`` (orders one priority's requests, never displaces)."""
+
+    priority: int
+    rank: int
+
+
+def engine_order(*, is_job: bool, priority: int, deadline: float | None = None,
+                 at_risk: bool = False) -> EngineOrder:
+    """The engine's order of a line. ``priority`` is the shard's: a job's is
+    ``JOB_PRIORITY_BASE`` + its own, so a job of priority 5 maps to -1006 and outranks one of
+    priority 0 (-1001); ``deadline`` is the batch's ``expires_at`` (unix seconds)."""
+    if is_job:
+        return EngineOrder(-1 - max(priority, 0), 0)
+    bucket, negative_priority = bulk_rank(deadline, priority)
+    # One integer that sorts as (bucket, -priority) does: priority is within 0-100.
+    rank = bucket * (MAX_PRIORITY + 1) + (MAX_PRIORITY + negative_priority)
+    return EngineOrder(AT_RISK_PRIORITY if at_risk else 0, rank)

@@ -14,6 +14,8 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.expiry import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S
+
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -59,6 +61,16 @@ class Settings(BaseSettings):
     max_file_bytes: int = 200 * 1024 * 1024
     max_file_lines: int = 50_000
     max_inline_requests: int = 10_000
+    # Seconds after creation that a file expires unless its upload (``expires_after``) or its
+    # batch (``output_expires_after``) says otherwise: OpenAI's 30 days for batch files; within
+    # OpenAI's bounds (3,600 s to 30 days, service.expiry); None keeps files until deleted.
+    file_expires_after: int | None = 30 * 86400
+    output_expires_after: int | None = 30 * 86400
+    # Enqueued tokens (prompt plus max output tokens of unfinished lines) a tenant may hold per
+    # model; None: no limit. A key may carry its own (``boxcar keys``; service.quotas).
+    max_enqueued_tokens: int | None = None
+    # The Retry-After of a job refused for the quota (seconds).
+    quota_retry_after: int = 30
     # Windows a batch may ask for; each is its deadline, which orders the queue
     # (service.queue_order: earliest deadline first).
     completion_windows: list[str] = Field(default_factory=lambda: ["1h", "4h", "24h"])
@@ -105,11 +117,26 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("lease_seconds", "poll_interval", "idle_poll_interval", "webhook_timeout",
-                     "worker_metrics_interval", "model_ttl")
+                     "worker_metrics_interval", "model_ttl", "quota_retry_after")
     @classmethod
     def _positive_seconds(cls, value: float) -> float:
         if value <= 0:
             raise ValueError(f"must be > 0 seconds, got {value}")
+        return value
+
+    @field_validator("file_expires_after", "output_expires_after")
+    @classmethod
+    def _expiry(cls, value: int | None) -> int | None:
+        if value is not None and not MIN_EXPIRES_AFTER_S <= value <= MAX_EXPIRES_AFTER_S:
+            raise ValueError(f"must be within {MIN_EXPIRES_AFTER_S}-{MAX_EXPIRES_AFTER_S} "
+                             f"seconds (OpenAI's bounds), or null for never, got {value}")
+        return value
+
+    @field_validator("max_enqueued_tokens")
+    @classmethod
+    def _limit(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError(f"must be >= 1 token, or null for no limit, got {value}")
         return value
 
     @field_validator("api_key_cache_seconds")

@@ -1,7 +1,7 @@
 """Strict checks of what boxcar writes against OpenAI's types: the ``openai`` package's pydantic
-models (Batch, FileObject, ChatCompletion, Completion), validated in strict mode with no field
-they do not declare, and the batch output/error file line, which the package has no type for
-(OpenAI's documented shape: ``BatchRequestOutput`` below)."""
+models (Batch, FileObject, ChatCompletion, Completion, Response), validated in strict mode with
+no field they do not declare, and the batch output/error file line, which the package has no
+type for (OpenAI's documented shape: ``BatchRequestOutput`` below)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any, Literal
 
 from openai.types import Batch, Completion, FileObject
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response as ResponseObject
 from pydantic import BaseModel, ConfigDict
 
 # Fields boxcar adds to the objects OpenAI defines (docs/openai-compatibility.md).
@@ -72,9 +73,9 @@ class BatchRequestOutput(_Closed):
 
 
 def check_line(line: dict[str, Any], endpoint: str | None = None) -> BatchRequestOutput:
-    """A line of an output or error file, strictly: a 200 holds a ChatCompletion or Completion
-    (as the endpoint says, or by its ``object``), a 4xx/5xx holds ``{error: {...}}``, a line
-    that never ran has ``error`` and no response."""
+    """A line of an output or error file, strictly: a 200 holds a ChatCompletion, Completion or
+    Response (as the endpoint says, or by its ``object``), a 4xx/5xx holds ``{error: {...}}``,
+    a line that never ran has ``error`` and no response."""
     parsed = BatchRequestOutput.model_validate(line)
     assert parsed.id.startswith("batch_req_")
     if parsed.response is None:
@@ -84,13 +85,18 @@ def check_line(line: dict[str, Any], endpoint: str | None = None) -> BatchReques
     assert parsed.response.request_id
     body = parsed.response.body
     if parsed.response.status_code == 200:
-        kind = endpoint or ("/v1/chat/completions" if body.get("object") == "chat.completion"
-                            else "/v1/completions")
-        strict(ChatCompletion if kind == "/v1/chat/completions" else Completion, body)
+        kind = endpoint or _ENDPOINT_OF.get(body.get("object"), "/v1/completions")
+        strict(_TYPE_OF[kind], body)
     else:
         assert parsed.response.status_code in (400, 500)
         ErrorBody.model_validate(body)
     return parsed
+
+
+_ENDPOINT_OF = {"chat.completion": "/v1/chat/completions", "response": "/v1/responses"}
+_TYPE_OF: dict[str, type[BaseModel]] = {"/v1/chat/completions": ChatCompletion,
+                                        "/v1/completions": Completion,
+                                        "/v1/responses": ResponseObject}
 
 
 def error_of(line: dict[str, Any]) -> dict[str, Any]:

@@ -272,14 +272,14 @@ def fail_lines(
         .where(RequestLine.pk.in_(line_pks), RequestLine.status.in_(LINE_OPEN))
         .values(status=LINE_FAILED, error={"code": code, "message": message},
                 finished_at=utcnow(), worker_id=worker_id)
-        .returning(RequestLine.batch_id)
+        .returning(RequestLine.batch_id, RequestLine.enqueued_tokens)
         .execution_options(synchronize_session=False)
-    ).scalars().all()
+    ).all()
     deltas: dict[str, CounterDelta] = {}
-    for batch_id in closed:
+    for batch_id, tokens in closed:
         if batch_id is not None:
             deltas[batch_id] = deltas.get(batch_id, CounterDelta()) + CounterDelta.closed(
-                LINE_FAILED)
+                LINE_FAILED, released_tokens=tokens)
     counters.add(session, deltas, slot=counters.slot_of(worker_id))
 
 

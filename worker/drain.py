@@ -22,6 +22,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from engine.outputs import RequestOutput
 from engine.protocol import Engine
@@ -61,6 +62,7 @@ class Drainer:
         low_water: int | None = None,
         on_hungry: Callable[[], None] = lambda: None,
         on_step: Callable[[], None] = lambda: None,
+        at_risk: Callable[[str], bool] = lambda batch_id: False,
     ) -> None:
         self.engine = engine
         self._submit = submit
@@ -73,9 +75,13 @@ class Drainer:
         self._on_hungry = on_hungry
         # After each step and each idle turn, on this thread (the forecast's gather).
         self.on_step = on_step
+        # Whether a batch's deadline is at risk (the forecast's word): its lines then enter
+        # the engine more urgent than other bulk lines (``service.queue_order``).
+        self.at_risk = at_risk
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
-        self._tool_modes: dict[str, ToolCallMode] = {}  # lines whose output holds tool calls
+        # How a line's output is read back, for lines with tool calls or a Response object.
+        self._read_back: dict[str, tuple[ToolCallMode | None, dict[str, Any] | None]] = {}
         self._drops: list[Callable[[LineWork], bool]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -185,21 +191,24 @@ class Drainer:
         else:
             engine_input = prepare(self.engine, work.endpoint, work.body)
         if not isinstance(engine_input, PrepareError):
+            order = work.engine_order(
+                at_risk=work.batch_id is not None and self.at_risk(work.batch_id))
             engine_input = add_to_engine(self.engine, work.engine_request_id, engine_input,
-                                         priority=work.engine_priority) or (
+                                         priority=order.priority, rank=order.rank) or (
                 engine_input)
         if isinstance(engine_input, PrepareError):
             self._fail(work, engine_input.code, engine_input.message, param=engine_input.param)
             return
         self._in_engine[work.engine_request_id] = work
-        if engine_input.tool_mode is not None:
-            self._tool_modes[work.engine_request_id] = engine_input.tool_mode
+        if engine_input.tool_mode is not None or engine_input.response_echo is not None:
+            self._read_back[work.engine_request_id] = (engine_input.tool_mode,
+                                                       engine_input.response_echo)
         num_tokens = len(engine_input.prompt)
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
 
     def _finish(self, output: RequestOutput) -> None:
         work = self._in_engine.pop(output.request_id, None)
-        tool_mode = self._tool_modes.pop(output.request_id, None)
+        tool_mode, response_echo = self._read_back.pop(output.request_id, (None, None))
         if work is None:
             return
         if output.finish_reason == "abort":
@@ -209,7 +218,7 @@ class Drainer:
             body, usage = response_body(
                 output, endpoint=work.endpoint, model=self.model_name,
                 engine=self.engine, hex_id=hex_id,
-                tool_mode=tool_mode,
+                tool_mode=tool_mode, response_echo=response_echo,
             )
         except Exception as exc:
             log.exception("could not build the response of %s", work.engine_request_id)
@@ -248,7 +257,7 @@ class Drainer:
             self.engine.abort_request(ids)
             for rid in ids:
                 self._in_engine.pop(rid, None)
-                self._tool_modes.pop(rid, None)
+                self._read_back.pop(rid, None)
 
     def _abort_all(self) -> None:
         ids = list(self._in_engine)
@@ -258,4 +267,4 @@ class Drainer:
             except Exception:
                 log.exception("aborting %d requests failed", len(ids))
         self._in_engine.clear()
-        self._tool_modes.clear()
+        self._read_back.clear()

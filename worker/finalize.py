@@ -30,6 +30,7 @@ from openai_format.responses import error_line, failed_line, output_line, output
 from service import counters, ids
 from service.counters import CounterDelta
 from service.db import Database, utcnow
+from service.expiry import expires_at
 from service.models import (
     CANCELLED,
     CANCELLING,
@@ -146,16 +147,17 @@ def finalize_batch(
             batch.finalizing_at = now
         if outcome in _CLOSE:
             status, code, message = _CLOSE[outcome]
-            num_closed = len(session.execute(
+            released = session.execute(
                 update(RequestLine)
                 .where(RequestLine.batch_id == batch_id, RequestLine.status.in_(LINE_OPEN))
                 .values(status=status, error={"code": code, "message": message},
                         finished_at=now)
-                .returning(RequestLine.pk)
+                .returning(RequestLine.enqueued_tokens)
                 .execution_options(synchronize_session=False)
-            ).all())
-            counters.add(session, {batch_id: CounterDelta(num_open=-num_closed,
-                                                          num_failed=num_closed)},
+            ).scalars().all()
+            num_closed = len(released)
+            counters.add(session, {batch_id: CounterDelta(
+                num_open=-num_closed, num_failed=num_closed, released_tokens=sum(released))},
                          slot=counters.slot_of(worker_id))
         session.execute(
             update(Shard).where(Shard.batch_id == batch_id, Shard.status != SHARD_DONE)
@@ -245,7 +247,8 @@ def _write_and_close(
             file = File(id=ids.file_id(), tenant_id=batch.tenant_id, purpose="batch_output",
                         filename=f"{batch_id}_{kind}.jsonl", bytes=size,
                         storage_key=f"batches/{batch_id}/{kind}.jsonl",
-                        num_lines=count, num_errors=0)
+                        num_lines=count, num_errors=0, created_at=now,
+                        expires_at=expires_at(now, batch.output_expires_after))
             session.add(file)
             if kind == "output":
                 batch.output_file_id = file.id

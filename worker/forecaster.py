@@ -4,7 +4,9 @@ done (``metrics.forecast``), for the API's ``estimated_completion_at`` (``api.et
 ``gather`` runs on the engine thread after a step, at most every ``interval`` seconds: it reads
 the engine's sequences (only that thread may) and the line queue into plain ``LineProgress``
 values. ``snapshot`` runs on the metrics thread when the heartbeat publishes: it fits the step
-cost and runs the forecast there, off the engine's path.
+cost and runs the forecast there, off the engine's path, and keeps the batches whose held lines
+it sees finishing after their deadline (``at_risk``: the drain loop gives their next lines a
+more urgent engine priority, ``service.queue_order``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from worker.items import LineWork
 
 
 def line_max_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens"))
+    value = body.get("max_completion_tokens", body.get("max_tokens",
+                                                       body.get("max_output_tokens")))
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -32,6 +35,8 @@ class Forecaster:
         self.interval = interval
         self._gathered_at = -1e18
         self._lines: tuple[float, list[LineProgress]] | None = None
+        self._deadlines: dict[str, float] = {}  # batch id -> its expires_at, of held lines
+        self._at_risk: frozenset[str] = frozenset()
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -43,6 +48,9 @@ class Forecaster:
         self._gathered_at = now
         drainer = self.drainer
         in_engine = drainer.in_engine
+        queued = drainer.queue.ordered()
+        self._deadlines = {w.batch_id: w.deadline for w in (*in_engine.values(), *queued)
+                           if w.batch_id is not None and w.deadline is not None}
         lines = []
         seen: set[str] = set()
         for seq in drainer.engine.progress():
@@ -55,7 +63,7 @@ class Forecaster:
                 output_tokens=seq.num_output_tokens, max_tokens=seq.max_tokens,
                 ignore_eos=seq.ignore_eos, counts_line=first))
         prompt = drainer.avg_prompt_tokens
-        lines.extend(self._queued(work, prompt) for work in drainer.queue.ordered())
+        lines.extend(self._queued(work, prompt) for work in queued)
         self._lines = (time.time(), lines)  # one reference swap: the metrics thread reads it
 
     def _queued(self, work: LineWork, prompt: float) -> LineProgress:
@@ -66,6 +74,10 @@ class Forecaster:
                             output_tokens=0,
                             max_tokens=room if max_tokens is None else min(max_tokens, room),
                             ignore_eos=body.get("ignore_eos") is True)
+
+    def at_risk(self, batch_id: str) -> bool:
+        """Whether the last forecast saw ``batch_id``'s held lines end after its deadline."""
+        return batch_id in self._at_risk
 
     # -- the metrics thread -------------------------------------------------------------------
 
@@ -80,6 +92,9 @@ class Forecaster:
         at, lines = gathered
         batches, seconds_left = forecast(lines, seats=self.seats, cost=cost,
                                          lengths=self.drainer.output_lengths)
+        deadlines = self._deadlines
+        self._at_risk = frozenset(b for b, f in batches.items()
+                                  if b in deadlines and at + f.seconds_left > deadlines[b])
         return {"at": at, "seats": self.seats, "seconds_left": round(seconds_left, 3),
                 "cost": {"fixed": cost.fixed, "per_decode": cost.per_decode,
                          "per_prefill": cost.per_prefill},

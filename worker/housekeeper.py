@@ -1,6 +1,7 @@
 """Batch stages that one worker does at a time under a lease on the batch row: prepare
 (validating -> in_progress) and finalize (-> completed / cancelled / expired). Batches come from
-broker messages, from the writer (a batch's shard just finished) and from polling.
+broker messages, from the writer (a batch's shard just finished) and from polling. Every scan
+also deletes expired files, ``service.expiry.DELETE_STEP`` at a time.
 
 A stage that fails (object storage or the database is down) is retried by this worker with
 exponential backoff, ``RETRY_FIRST_SECONDS`` doubling up to ``RETRY_MAX_SECONDS``, so it runs
@@ -9,6 +10,7 @@ again within seconds of the outage ending, and one failing batch never holds up 
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
@@ -18,6 +20,7 @@ from typing import TypeVar
 from sqlalchemy import select
 
 from service.db import Database, utcnow
+from service.expiry import delete_expired
 from service.loop import RoundLoop
 from service.models import VALIDATING, Batch
 from service.settings import Settings
@@ -45,6 +48,7 @@ class Housekeeper(RoundLoop):
         worker_id: str,
         on_prepared: Callable[[list[str]], None],
         on_finalized: Callable[[], None],
+        clock: Callable[[], dt.datetime] = utcnow,
     ) -> None:
         super().__init__(settings.poll_interval, idle_interval=settings.idle_poll_interval)
         self.db = db
@@ -53,6 +57,7 @@ class Housekeeper(RoundLoop):
         self.worker_id = worker_id
         self._on_prepared = on_prepared
         self._on_finalized = on_finalized
+        self.clock = clock  # what "now" is for file expiry (tests move it)
         self._candidates: set[str] = set()
         self._lock = threading.Lock()
         self._last_scan = 0.0
@@ -138,6 +143,18 @@ class Housekeeper(RoundLoop):
                     self._candidates.add(batch_id)  # not yet: keep it for a later round
                 continue
             self.finalize(batch_id)
+        if scan:
+            self.expire_files()
+
+    def expire_files(self) -> int:
+        """One bounded step of deleting expired files; a failure (storage down) is logged and
+        the next scan tries again."""
+        try:
+            return delete_expired(self.db, self.storage, now=self.clock())
+        except Exception as exc:
+            log.warning("deleting expired files failed (%s: %s); the next scan retries",
+                        type(exc).__name__, exc)
+            return 0
 
     def is_idle(self) -> bool:
         with self._lock:

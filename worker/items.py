@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.queue_order import engine_priority
+from service.queue_order import EngineOrder, engine_order
 
 
 @dataclass(frozen=True)
@@ -42,9 +42,10 @@ class LineWork:
     def is_job(self) -> bool:
         return self.job_id is not None
 
-    @property
-    def engine_priority(self) -> int:
-        return engine_priority(is_job=self.is_job, priority=self.priority)
+    def engine_order(self, *, at_risk: bool = False) -> EngineOrder:
+        """The engine's (priority, rank) of this line; ``at_risk``: its batch's deadline is."""
+        return engine_order(is_job=self.is_job, priority=self.priority, deadline=self.deadline,
+                            at_risk=at_risk)
 
     @property
     def engine_request_id(self) -> str:

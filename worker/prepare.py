@@ -26,7 +26,7 @@ from openai_format.sampling import engine_fields
 from service import counters, ids
 from service.counters import CounterDelta
 from service.db import Database, utcnow
-from service.lines import ModelTracker, estimate_tokens, sort_key, stored_body
+from service.lines import ModelTracker, enqueued_tokens, estimate_tokens, sort_key, stored_body
 from service.models import (
     CANCELLING,
     FAILED,
@@ -103,19 +103,21 @@ def _line_rows(
         estimates[1] += output_tokens
         yield _row(tenant_id, batch_id, line_no, parsed.url, LINE_PENDING, sort_key(parsed),
                    parsed.custom_id, json_value(stored_body(parsed)),
-                   json_value(engine_fields(parsed.body)), None, None)
+                   json_value(engine_fields(parsed.body)), None, None,
+                   enqueued_tokens(parsed))
 
 
 def _row(tenant_id: str, batch_id: str, line_no: int, endpoint: str, status: str,
          key: str, custom_id: str | None, body: Any, fields: Any, error: Any,
-         finished_at: dt.datetime | None) -> dict:
+         finished_at: dt.datetime | None, tokens: int = 0) -> dict:
     """A line's row with every column prepare fills (``_COPY_COLUMNS``); ``_assign_shards``
     sets ``position`` and ``shard_id`` of the valid ones."""
     return {"tenant_id": tenant_id, "batch_id": batch_id, "line_no": line_no,
             "endpoint": endpoint, "status": status, "sort_key": key,
             "prompt_tokens": 0, "completion_tokens": 0, "cached_tokens": 0,
             "custom_id": custom_id, "body": body, "engine_fields": fields,
-            "error": error, "finished_at": finished_at, "position": None, "shard_id": None}
+            "error": error, "finished_at": finished_at, "position": None, "shard_id": None,
+            "enqueued_tokens": tokens}
 
 
 def _assign_shards(rows: list[dict], *, batch_id: str, shard_size: int) -> int:
@@ -132,7 +134,8 @@ def _assign_shards(rows: list[dict], *, batch_id: str, shard_size: int) -> int:
 # The columns prepare fills (``_line_rows`` gives every row all of them).
 _COPY_COLUMNS = ("tenant_id", "batch_id", "line_no", "endpoint", "status", "sort_key",
                  "prompt_tokens", "completion_tokens", "cached_tokens", "custom_id", "body",
-                 "engine_fields", "error", "finished_at", "position", "shard_id")
+                 "engine_fields", "error", "finished_at", "position", "shard_id",
+                 "enqueued_tokens")
 _copy_values = operator.itemgetter(*_COPY_COLUMNS)
 
 
@@ -237,7 +240,9 @@ def _prepare(
         values = {"errors": errors or None, "num_total": num_valid + num_failed,
                   "lease_owner": None, "lease_expires_at": None,
                   "est_prompt_tokens_per_line": estimates[0] / num_valid,
-                  "est_output_tokens_per_line": estimates[1] / num_valid}
+                  "est_output_tokens_per_line": estimates[1] / num_valid,
+                  # The quota's hold, from the file's count to its valid lines' exact sum.
+                  "enqueued_tokens": sum(r["enqueued_tokens"] for r in rows)}
         started = session.execute(
             update(Batch).where(Batch.id == batch.id, Batch.status == VALIDATING)
             .values(status=IN_PROGRESS, in_progress_at=now, **values)

@@ -208,6 +208,7 @@ class WorkerService:
                                 max_model_len=engine.max_model_len,
                                 interval=min(settings.worker_metrics_interval / 2, 0.5))
         self.drainer.on_step = forecaster.gather
+        self.drainer.at_risk = forecaster.at_risk
         self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
                                           model=model_name,
                                           interval=settings.worker_metrics_interval,

@@ -65,12 +65,14 @@ def write_results(session: Session, results: list[LineResult], *, worker_id: str
     first: dict[int, LineResult] = {}
     for result in results:
         first.setdefault(result.work.line_pk, result)
-    still_open = set(session.scalars(
-        select(RequestLine.pk)
+    # Each open line's share of its tenant's quota, read from the row it locks: what its close
+    # gives back (service.quotas).
+    still_open = dict(session.execute(
+        select(RequestLine.pk, RequestLine.enqueued_tokens)
         .where(RequestLine.pk.in_(sorted(first)), RequestLine.status.in_(LINE_OPEN))
         .order_by(RequestLine.pk)
         .with_for_update()
-    ).all())
+    ).tuples().all())
     todo = [r for pk, r in first.items() if pk in still_open]
     if not todo:
         return set()
@@ -92,7 +94,8 @@ def write_results(session: Session, results: list[LineResult], *, worker_id: str
         if batch_id is not None:
             deltas[batch_id] = deltas.get(batch_id, CounterDelta()) + CounterDelta.closed(
                 result.status, prompt_tokens=result.prompt_tokens,
-                completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens)
+                completion_tokens=result.completion_tokens, cached_tokens=result.cached_tokens,
+                released_tokens=still_open[result.work.line_pk])
     counters.add(session, deltas, slot=counters.slot_of(worker_id))
     return set(deltas)
 

@@ -10,18 +10,20 @@ from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 
-from api.deps import AppContext, ContextDep, TenantDep
+from api.deps import AppContext, ContextDep, TenantDep, TenantRef
 from api.errors import ApiError, not_found
 from api.pagination import paginate
 from api.routes.files import get_file
 from api.uploads import store_inline_requests
 from metrics.counters import BATCHES_CREATED
-from openai_format.types import ENDPOINTS
+from openai_format.types import ENDPOINTS, metadata_problem
 from service import ids
 from service.db import utcnow
+from service.expiry import ExpiresAfterError, parse_expires_after
 from service.models import (
     CANCELLED,
     CANCELLING,
+    FAILED,
     FINALIZING,
     IN_PROGRESS,
     VALIDATING,
@@ -30,9 +32,10 @@ from service.models import (
 )
 from service.objects import batch_object, live_totals
 from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
+from service.quotas import TOKEN_LIMIT_EXCEEDED, QuotaExceeded, limit_for, reserve
 from service.served_models import ModelNotServed, resolve_request_model
 from service.settings import parse_completion_window
-from service.webhooks import check_url_literal
+from service.webhooks import check_url_literal, queue_event
 
 router = APIRouter(tags=["batches"])
 
@@ -46,6 +49,15 @@ class InlineRequest(BaseModel):
     url: str | None = None
 
 
+class ExpiresAfterRequest(BaseModel):
+    """OpenAI's ``{anchor: "created_at", seconds}``; checked by ``service.expiry``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Any
+    seconds: Any
+
+
 class BatchCreateRequest(BaseModel):
     """OpenAI's fields, plus boxcar's ``requests`` (instead of a file) and ``webhook_url``."""
 
@@ -53,6 +65,8 @@ class BatchCreateRequest(BaseModel):
     endpoint: str
     completion_window: str = "24h"
     metadata: dict[str, str] | None = None
+    # When the output and error files expire, counted from their creation.
+    output_expires_after: ExpiresAfterRequest | None = None
     requests: list[InlineRequest] | None = None
     webhook_url: str | None = None
     # Among batches due in the same deadline bucket, higher runs first (service.queue_order).
@@ -68,15 +82,10 @@ def check_priority(priority: int, *, max_priority: int) -> None:
 
 
 def check_metadata(metadata: dict[str, str] | None) -> None:
-    if metadata is None:
-        return
-    if len(metadata) > 16:
-        raise ApiError(400, "metadata may hold at most 16 keys.", param="metadata",
-                       code="invalid_metadata")
-    for key, value in metadata.items():
-        if len(key) > 64 or len(value) > 512:
-            raise ApiError(400, "metadata keys are at most 64 characters and values at most 512.",
-                           param="metadata", code="invalid_metadata")
+    """OpenAI's limits: 16 pairs, keys up to 64 characters, values up to 512."""
+    problem = None if metadata is None else metadata_problem(metadata)
+    if problem is not None:
+        raise ApiError(400, f"metadata {problem}.", param="metadata", code="invalid_metadata")
 
 
 # Built once (every status poll runs it): bound per call.
@@ -117,6 +126,15 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
     window = parse_completion_window(request.completion_window)
     check_priority(request.priority, max_priority=settings.max_priority)
     check_metadata(request.metadata)
+    output_lifetime = settings.output_expires_after
+    if request.output_expires_after is not None:
+        try:
+            output_lifetime = parse_expires_after(
+                request.output_expires_after.anchor, request.output_expires_after.seconds,
+                field="output_expires_after").seconds
+        except ExpiresAfterError as exc:
+            raise ApiError(400, f"{exc}.", param=exc.param,
+                           code="invalid_expires_after") from exc
     if request.webhook_url:
         try:
             check_url_literal(request.webhook_url, allow_private=settings.webhook_allow_private)
@@ -132,14 +150,16 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
         raise ApiError(400, f"requests holds more than {settings.max_inline_requests} items; "
                        "upload a file instead.", param="requests", code="invalid_request")
 
-    body = _create(request, tenant.id, ctx, window)
+    body = _create(request, tenant, ctx, window, output_lifetime)
     BATCHES_CREATED.inc()
     ctx.queue.batch_changed(body["id"])
     return body
 
 
-def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window: int) -> dict:
+def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, window: int,
+            output_lifetime: int | None) -> dict:
     settings = ctx.settings
+    tenant_id = tenant.id
     inline_file: File | None = None
     try:
         with ctx.db.session() as session:
@@ -148,6 +168,7 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
                     session, ctx.storage, tenant_id=tenant_id, endpoint=request.endpoint,
                     requests=(r.model_dump() for r in request.requests),
                     max_bytes=settings.max_file_bytes, max_lines=settings.max_file_lines,
+                    expires_after=settings.file_expires_after,
                 )
             else:
                 file = get_file(session, tenant_id=tenant_id, file_id=request.input_file_id)
@@ -166,11 +187,26 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
                 input_file_id=file.id, completion_window=request.completion_window,
                 status=VALIDATING, metadata_=request.metadata, model=model,
                 webhook_url=request.webhook_url, priority=request.priority, created_at=now,
+                output_expires_after=output_lifetime, enqueued_tokens=file.enqueued_tokens,
                 expires_at=now + dt.timedelta(seconds=window), num_total=file.num_lines,
             )
+            limit = limit_for(key_limit=tenant.max_enqueued_tokens,
+                              default=settings.max_enqueued_tokens)
+            try:
+                reserve(session, tenant_id=tenant_id, model=model,
+                        tokens=file.enqueued_tokens, limit=limit)
+            except QuotaExceeded as exc:
+                # OpenAI's answer: the batch is created and fails its validation.
+                row.status, row.failed_at, row.enqueued_tokens = FAILED, now, 0
+                row.errors = [{"code": TOKEN_LIMIT_EXCEEDED, "message": str(exc),
+                               "param": None, "line": None}]
             session.add(row)
             session.flush()
-            return batch_object(row)
+            body = batch_object(row)
+            if row.status == FAILED:
+                queue_event(session, tenant_id=tenant_id, event_type="batch.failed",
+                            object_id=row.id, data=body, object_url=row.webhook_url)
+            return body
     except Exception:
         if inline_file is not None:  # its row is rolled back: drop its bytes too
             ctx.storage.delete(inline_file.storage_key)

@@ -18,8 +18,10 @@ from api.uploads import JsonlIngest, MultipartStream
 from metrics.counters import FILES_UPLOADED
 from service import ids
 from service.db import utcnow
+from service.expiry import ExpiresAfterError, expires_at, not_expired, parse_expires_after
 from service.models import File
 from service.objects import file_object
+from service.settings import Settings
 
 router = APIRouter(tags=["files"])
 
@@ -28,9 +30,10 @@ MULTIPART_OVERHEAD = 64 << 10
 
 
 def get_file(session: Session, *, tenant_id: str, file_id: str) -> File:
+    """A file of the tenant's that is neither deleted nor expired (else a 404)."""
     row = session.scalars(
         select(File).where(File.id == file_id, File.tenant_id == tenant_id,
-                           File.deleted_at.is_(None))
+                           not_expired(utcnow()))
     ).first()
     if row is None:
         raise not_found("file", file_id)
@@ -41,7 +44,10 @@ def get_file(session: Session, *, tenant_id: str, file_id: str) -> File:
 UPLOAD_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
     "type": "object", "required": ["file", "purpose"],
     "properties": {"file": {"type": "string", "format": "binary"},
-                   "purpose": {"type": "string", "enum": ["batch"]}},
+                   "purpose": {"type": "string", "enum": ["batch"]},
+                   "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                   "expires_after[seconds]": {"type": "integer", "minimum": 3600,
+                                              "maximum": 2592000}},
 }}}}}
 
 
@@ -68,6 +74,7 @@ async def create_file(request: Request, tenant: TenantDep, ctx: ContextDep) -> d
         if not parser.saw_file:
             raise ApiError(400, "Missing required parameter: 'file'.", param="file",
                            code="invalid_request")
+        lifetime = upload_lifetime(parser.fields, settings)
         await run_in_threadpool(ingest.finish)
     except BaseException:
         await run_in_threadpool(ingest.abort)
@@ -76,6 +83,8 @@ async def create_file(request: Request, tenant: TenantDep, ctx: ContextDep) -> d
     def save() -> dict:
         row = ingest.to_file(tenant_id=tenant.id, filename=parser.filename or "upload.jsonl",
                              purpose="batch")
+        row.created_at = utcnow()
+        row.expires_at = expires_at(row.created_at, lifetime)
         with ctx.db.session() as session:
             session.add(row)
         FILES_UPLOADED.inc()
@@ -86,6 +95,19 @@ async def create_file(request: Request, tenant: TenantDep, ctx: ContextDep) -> d
     except Exception:
         await run_in_threadpool(ctx.storage.delete, ingest.storage_key)
         raise
+
+
+def upload_lifetime(fields: dict[str, str], settings: Settings) -> int | None:
+    """Seconds the upload lives: its ``expires_after`` (the form fields the openai SDK sends,
+    ``expires_after[anchor]`` and ``expires_after[seconds]``), else the deployment's."""
+    anchor = fields.get("expires_after[anchor]")
+    seconds = fields.get("expires_after[seconds]")
+    if anchor is None and seconds is None:
+        return settings.file_expires_after
+    try:
+        return parse_expires_after(anchor, seconds, field="expires_after").seconds
+    except ExpiresAfterError as exc:
+        raise ApiError(400, f"{exc}.", param=exc.param, code="invalid_expires_after") from exc
 
 
 async def _receive(request: Request, parser: MultipartStream) -> None:
@@ -120,7 +142,7 @@ def list_files(
     after: str | None = None,
 ) -> dict:
     with ctx.db.read_session() as session:
-        query = select(File).where(File.tenant_id == tenant.id, File.deleted_at.is_(None))
+        query = select(File).where(File.tenant_id == tenant.id, not_expired(utcnow()))
         if purpose:
             query = query.where(File.purpose == purpose)
         cursor = get_file(session, tenant_id=tenant.id, file_id=after) if after else None

@@ -17,20 +17,22 @@ from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
 from openai_format.sampling import engine_fields
-from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
+from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, RESPONSES_URL
 from service import ids
-from service.lines import sort_key, stored_body
+from service.lines import enqueued_tokens, sort_key, stored_body
 from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
 from service.objects import job_object
 from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
+from service.quotas import TOKEN_LIMIT_EXCEEDED, QuotaExceeded, limit_for, reserve
 from service.webhooks import check_url_literal
 
 router = APIRouter(tags=["jobs"])
 
 
 class JobCreateRequest(BaseModel):
-    """``body`` is a /v1/chat/completions or /v1/completions request body; ``endpoint`` defaults
-    to chat when the body has ``messages``."""
+    """``body`` is a /v1/chat/completions, /v1/completions or /v1/responses request body;
+    ``endpoint`` defaults to chat when the body has ``messages``, to responses when it has
+    ``input``."""
 
     body: dict[str, Any]
     endpoint: str | None = None
@@ -53,7 +55,9 @@ def job_line(session: Session, job_id: str) -> RequestLine | None:
 
 @router.post("/v1/jobs")
 def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) -> dict:
-    endpoint = request.endpoint or (CHAT_URL if "messages" in request.body else COMPLETIONS_URL)
+    endpoint = request.endpoint or (CHAT_URL if "messages" in request.body
+                                    else RESPONSES_URL if "input" in request.body
+                                    else COMPLETIONS_URL)
     if endpoint not in ENDPOINTS:
         raise ApiError(400, f"Invalid endpoint {endpoint!r}: supported are {', '.join(ENDPOINTS)}.",
                        param="endpoint", code="invalid_endpoint")
@@ -73,12 +77,20 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
         raise ApiError(400, parsed.detail, code=parsed.code,
                        param="body")
     shard_id = ids.shard_id(job_id, 0)
+    tokens = enqueued_tokens(parsed)
     with ctx.db.session() as session:
         model = served_model(session, ctx, parsed.body.model)
+        try:
+            reserve(session, tenant_id=tenant.id, model=model, tokens=tokens,
+                    limit=limit_for(key_limit=tenant.max_enqueued_tokens,
+                                    default=ctx.settings.max_enqueued_tokens))
+        except QuotaExceeded as exc:
+            raise ApiError(429, str(exc), code=TOKEN_LIMIT_EXCEEDED,
+                           retry_after=ctx.settings.quota_retry_after) from exc
         job = Job(id=job_id, tenant_id=tenant.id, endpoint=endpoint, model=model,
                   status=JOB_QUEUED,
                   priority=request.priority, webhook_url=request.webhook_url,
-                  metadata_=request.metadata)
+                  metadata_=request.metadata, enqueued_tokens=tokens)
         session.add(job)
         session.flush()
         session.add(Shard(id=shard_id, tenant_id=tenant.id, job_id=job_id, model=model,
@@ -87,6 +99,7 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
             tenant_id=tenant.id, job_id=job_id, shard_id=shard_id, line_no=1, position=0,
             custom_id=job_id, endpoint=endpoint, body=stored_body(parsed),
             engine_fields=engine_fields(parsed.body), sort_key=sort_key(parsed),
+            enqueued_tokens=tokens,
         ))
         session.flush()
         body = job_object(job, None)

@@ -229,3 +229,42 @@ def sched_preempts(steps: list[list[tuple[str, int, int]]]) -> bool:
                 return True
             started.add(rid)
     return False
+
+
+def ranked(rid: str, rank: int, max_tokens: int = 6, priority: int = 0):
+    first = 1 + sum(map(ord, rid)) % 200  # distinct prompts: no prefix to wait for
+    request = make_request(rid, [first, 2, 3, 4, 5], max_tokens=max_tokens, priority=priority)
+    request.rank = rank
+    return request
+
+
+def test_rank_orders_the_waiting_queue_without_preempting_or_capping():
+    sched = make_scheduler(max_num_seqs=2, urgent_bulk_tokens=1)
+    for rid in ("late-a", "late-b", "late-c", "late-d"):
+        sched.add_request(ranked(rid, rank=50))
+    step(sched)
+    assert [r.request_id for r in sched.running] == ["late-a", "late-b"]
+    # A lower rank arrives: it goes ahead of the waiting ones, not of the running ones.
+    sched.add_request(ranked("soon", rank=10, max_tokens=2))
+    assert [r.request_id for r in sched.waiting] == ["soon", "late-c", "late-d"]
+    out, _ = step(sched)
+    assert ids(out) == {"late-a", "late-b"} and out.num_preempted == 0
+    # One priority: the cap on less urgent requests' tokens does not apply to ranks.
+    assert sched._bulk_cap() == (None, None)
+    order = drain(sched)
+    assert sched.num_preemptions == 0
+    assert order.index("soon") < order.index("late-c") < order.index("late-d")
+    assert sched.requests == {}
+
+
+def test_priority_still_displaces_across_ranks():
+    sched = make_scheduler(max_num_seqs=2)
+    sched.add_request(ranked("bulk-a", rank=0, max_tokens=20))
+    sched.add_request(ranked("bulk-b", rank=0, max_tokens=20))
+    step(sched)
+    # More urgent by priority (a deadline at risk), however high its rank: it preempts.
+    sched.add_request(ranked("at-risk", rank=99, max_tokens=2, priority=-1))
+    out, _ = step(sched)
+    assert "at-risk" in ids(out) and out.num_preempted == 1
+    order = drain(sched)
+    assert order[0] == "at-risk"

@@ -95,3 +95,37 @@ def test_openai_client_embedded(embedded):
 def test_openai_client_production(production):
     production.start_worker("w1")
     run_openai_flow(production.base_url, production.api_key)
+
+
+def test_openai_client_responses_and_expiry_embedded(embedded):
+    """/v1/responses lines, expires_after and output_expires_after through the official
+    client's own parameters."""
+    client = openai.OpenAI(base_url=f"{embedded.base_url}/v1", api_key=embedded.api_key,
+                           max_retries=0)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+              "body": {"input": f"Question {i}?", "instructions": "Be brief.",
+                       "max_output_tokens": 4, "temperature": 0}} for i in range(3)]
+    lines.append({"custom_id": "streamed", "method": "POST", "url": "/v1/responses",
+                  "body": {"input": "x", "stream": True}})
+    file = client.files.create(file=("responses.jsonl", jsonl(lines)), purpose="batch",
+                               expires_after={"anchor": "created_at", "seconds": 3600})
+    assert file.expires_at == file.created_at + 3600
+    batch = client.batches.create(
+        input_file_id=file.id, endpoint="/v1/responses", completion_window="24h",
+        output_expires_after={"anchor": "created_at", "seconds": 7200})
+    done = wait_batch(client, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 1)
+    output_file = client.files.retrieve(done.output_file_id)
+    assert output_file.expires_at == output_file.created_at + 7200
+    for raw in client.files.content(done.output_file_id).text.splitlines():
+        line = json.loads(raw)
+        check_line(line, "/v1/responses")
+        response = openai.types.responses.Response.model_validate(line["response"]["body"])
+        assert response.id.startswith("resp_") and response.instructions == "Be brief."
+        assert 1 <= response.usage.output_tokens <= 4 and response.output[0].type == "message"
+    (error,) = [json.loads(x) for x in client.files.content(done.error_file_id).text.splitlines()]
+    assert error["custom_id"] == "streamed" and "body.stream" in error_of(error)["message"]
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("r.jsonl", jsonl(lines)), purpose="batch",
+                            expires_after={"anchor": "created_at", "seconds": 60})

@@ -49,4 +49,5 @@ def test_the_forecast_covers_lines_in_the_engine_and_in_the_queue():
 def test_line_max_tokens_reads_either_field():
     assert line_max_tokens({"max_completion_tokens": 7, "max_tokens": 9}) == 7
     assert line_max_tokens({"max_tokens": 9}) == 9
+    assert line_max_tokens({"input": "x", "max_output_tokens": 5}) == 5  # a /v1/responses body
     assert line_max_tokens({}) is None and line_max_tokens({"max_tokens": True}) is None

@@ -4,7 +4,13 @@ deadline, then batch priority, then tenants round-robin; and what the engine is 
 from __future__ import annotations
 
 from engine.fake_engine import FakeEngine, StepGate
-from service.queue_order import DEADLINE_BUCKET_S, bulk_rank, engine_priority
+from service.queue_order import (
+    AT_RISK_PRIORITY,
+    DEADLINE_BUCKET_S,
+    EngineOrder,
+    bulk_rank,
+    engine_order,
+)
 from tests.conftest_services import chat_line
 from worker.items import LineWork
 from worker.line_queue import LineQueue
@@ -18,10 +24,25 @@ def work(pk: int, tenant: str, *, deadline: float | None, priority: int = 0,
                     "/v1/completions", {}, priority, deadline)
 
 
-def test_engine_priority_puts_jobs_ahead_and_leaves_bulk_order_to_admission():
-    job_low = engine_priority(is_job=True, priority=1000)
-    job_high = engine_priority(is_job=True, priority=1005)
-    assert job_high < job_low < 0 == engine_priority(is_job=False, priority=100)
+def test_engine_order_jobs_first_then_deadline_and_priority_as_rank():
+    job_low = engine_order(is_job=True, priority=1000)
+    job_high = engine_order(is_job=True, priority=1005)
+    assert job_high.priority < job_low.priority < AT_RISK_PRIORITY < 0
+    hour = engine_order(is_job=False, priority=0, deadline=NOW + 3600)
+    day = engine_order(is_job=False, priority=100, deadline=NOW + 86400)
+    day_low = engine_order(is_job=False, priority=0, deadline=NOW + 86400)
+    # Bulk lines share one priority (none displaces another); the rank sorts as bulk_rank.
+    assert hour.priority == day.priority == day_low.priority == 0
+    assert hour.rank < day.rank < day_low.rank
+    assert engine_order(is_job=False, priority=0, deadline=None).rank > day_low.rank
+    for a, b in ((NOW + 3600, 0), (NOW + 3600, 100), (NOW + 7200, 0), (None, 50)):
+        for c, d in ((NOW + 3600, 7), (NOW + 86400, 0), (None, 0)):
+            assert (bulk_rank(a, b) < bulk_rank(c, d)) == (
+                engine_order(is_job=False, priority=b, deadline=a).rank
+                < engine_order(is_job=False, priority=d, deadline=c).rank)
+    # A deadline at risk displaces other bulk lines, never a job.
+    risky = engine_order(is_job=False, priority=0, deadline=NOW + 86400, at_risk=True)
+    assert risky == EngineOrder(AT_RISK_PRIORITY, day_low.rank)
 
 
 def test_deadline_buckets_and_priority_rank_bulk_classes():
@@ -91,6 +112,10 @@ def test_a_shorter_window_overtakes_and_a_job_overtakes_both(make_stack, sqlite_
     assert fast_running == "in_progress" and fast_done["status"] == "completed"
     assert job_finished["completed_at"] <= fast_done["completed_at"]
     stack.wait_status(slow["id"], "completed")
-    # What the engine was told: the job most urgent, every bulk line equal.
+    # What the engine was told: the job most urgent, every bulk line one priority, the 1h
+    # batch's lines a lower rank than the 24h batch's.
     assert sorted(set(engine.priorities.values())) == [
-        engine_priority(is_job=True, priority=1004), 0]
+        engine_order(is_job=True, priority=1004).priority, 0]
+    by_prompt = {rid: rank for rid, rank in engine.ranks.items()
+                 if engine.priorities[rid] == 0}
+    assert len(set(by_prompt.values())) == 2
