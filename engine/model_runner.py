@@ -23,9 +23,8 @@ from engine.layers.linear import (
     pack_linear_weights,
 )
 from engine.layers.torch_attention import TorchAttentionBackend
-from engine.models.llama import LlamaForCausalLM
 from engine.models.no_init import no_init_weights
-from engine.models.registry import get_model_class
+from engine.models.registry import CausalLM, get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler
@@ -91,7 +90,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         hf_config = checkpoint.config
-        model_cls: type[LlamaForCausalLM] = get_model_class(hf_config)
+        model_cls: type[CausalLM] = get_model_class(hf_config)
         # No random init: load_weights fills every parameter (and raises if one is missing).
         with torch.device(self.device), no_init_weights():
             model = model_cls(hf_config, max_position)
@@ -100,7 +99,7 @@ class ModelRunner:
         model.model.rotary_emb.float()
         # Weights stored in the run's dtype are read straight into the parameters (no copy).
         model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
-        self.model: LlamaForCausalLM = model.eval()
+        self.model: CausalLM = model.eval()
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
