@@ -269,6 +269,26 @@ def _existing_path(reference: str, what: str) -> Path:
     return cached
 
 
+# quant_method -> the architectures whose checkpoints the engine dequantises at load
+SUPPORTED_QUANTIZATION = {"mxfp4": ("GptOssForCausalLM",)}
+
+
+def _check_quantization(quantization: Any, architecture: str, config_file: Path) -> None:
+    """A quantised checkpoint the engine cannot read is refused here, naming the field, rather
+    than failing at its first packed tensor (or worse, loading it as something else)."""
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method not in SUPPORTED_QUANTIZATION:
+        known = ", ".join(f"{m} ({'/'.join(a)})" for m, a in SUPPORTED_QUANTIZATION.items())
+        raise ValueError(f"{config_file}: quantization_config.quant_method {method!r} is not "
+                         f"supported; the engine reads {known}")
+    if architecture not in SUPPORTED_QUANTIZATION[method]:
+        raise ValueError(f"{config_file}: quantization_config.quant_method {method!r} is read "
+                         f"for {', '.join(SUPPORTED_QUANTIZATION[method])} only, not "
+                         f"{architecture}")
+
+
 def _load_hf_config(folder: Path) -> Any:
     config_file = folder / "config.json"
     try:
@@ -285,6 +305,7 @@ def _load_hf_config(folder: Path) -> Any:
             f"{config_file} describes {found}, which is not supported; supported architectures "
             f"are {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    _check_quantization(raw.get("quantization_config"), architecture, config_file)
     config = read_model_config(raw)
     if config is None:
         from transformers import AutoConfig

@@ -251,8 +251,8 @@ class MoeForCausalLM(nn.Module):
         experts = self._experts_of(prefix)
         num_experts = experts.config.num_experts
         if expert >= num_experts:
-            raise ValueError(f"checkpoint tensor {name!r} is expert {expert}, but the config's "
-                             f"num_experts is {num_experts}")
+            raise ValueError(f"checkpoint tensor {name!r} is expert {expert}, but the config says "
+                             f"num_experts (num_local_experts) = {num_experts}")
         if proj not in self.EXPERT_PROJECTIONS:
             raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
         stacked, shard = self.EXPERT_PROJECTIONS[proj]
@@ -316,8 +316,9 @@ class MoeForCausalLM(nn.Module):
         message = f"{name}: shape {tuple(tensor.shape)} != {tuple(rows.shape)}"
         moe = self._moe_config_of(name)
         if moe is not None:
-            message += (f" (the config says num_experts={moe.num_experts}, hidden_size="
-                        f"{moe.hidden_size}, expert intermediate size {moe.intermediate_size})")
+            message += (f" (the config says num_experts (num_local_experts)={moe.num_experts}, "
+                        f"hidden_size={moe.hidden_size}, expert intermediate size "
+                        f"{moe.intermediate_size})")
         return message
 
     def _moe_config_of(self, name: str) -> MoeConfig | None:
