@@ -31,6 +31,7 @@ from openai_format.parse import (
     SERVER_ERROR,
     describe_validation_error,
 )
+from openai_format.reasoning import HarmonyTokens, harmony_tokens, split_harmony
 from openai_format.responses import (
     ChoiceResult,
     TokenLogprobResult,
@@ -244,15 +245,21 @@ class Usage:
     cached_tokens: int
 
 
-def _choice(c: Any, tokenizer: Any, tool_mode: ToolCallMode | None) -> ChoiceResult:
+def _choice(c: Any, tokenizer: Any, tool_mode: ToolCallMode | None,
+            harmony: HarmonyTokens | None = None) -> ChoiceResult:
     text, tool_calls = c.text, []
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+    split = split_harmony(list(c.token_ids), tokenizer, harmony) if harmony else None
+    if split is not None:  # a harmony chat completion: the final channel is the answer
+        text, reasoning, reasoning_tokens = split.content, split.reasoning, split.reasoning_tokens
     if tool_mode is not None and c.finish_reason != "length":
         content, tool_calls = tool_calls_from_text(tool_mode, c.text)
         text = content or ""
     return ChoiceResult(
         index=c.index, text=text, num_tokens=len(c.token_ids),
         finish_reason=c.finish_reason, logprobs=_logprobs(tokenizer, c.logprobs),
-        tool_calls=tool_calls,
+        tool_calls=tool_calls, reasoning=reasoning, reasoning_tokens=reasoning_tokens,
     )
 
 
@@ -262,7 +269,9 @@ def response_body(
 ) -> tuple[dict[str, Any], Usage]:
     """The chat.completion or text_completion object for a finished request, and its usage;
     ``hex_id`` (random hex) makes the object's id."""
-    choices = [_choice(c, tokenizer, tool_mode) for c in output.outputs]
+    # gpt-oss (harmony): chat answers split into the final channel and the reasoning
+    harmony = harmony_tokens(tokenizer) if endpoint == CHAT_URL else None
+    choices = [_choice(c, tokenizer, tool_mode, harmony) for c in output.outputs]
     prompt_tokens = output.metrics.num_prompt_tokens or len(output.prompt_token_ids)
     cached_tokens = output.metrics.num_cached_tokens
     build = chat_completion_body if endpoint == CHAT_URL else text_completion_body
