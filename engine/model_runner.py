@@ -23,8 +23,9 @@ from engine.layers.linear import (
     pack_linear_weights,
 )
 from engine.layers.torch_attention import TorchAttentionBackend
+from engine.models.causal_lm import CausalLM
 from engine.models.no_init import no_init_weights
-from engine.models.registry import CausalLM, get_model_class
+from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler
@@ -95,8 +96,7 @@ class ModelRunner:
         with torch.device(self.device), no_init_weights():
             model = model_cls(hf_config, max_position)
         model.to(dtype=self.dtype)
-        # The rotary tables stay fp32 whatever the weights are.
-        model.model.rotary_emb.float()
+        model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
         # Weights stored in the run's dtype are read straight into the parameters (no copy).
         model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
         self.model: CausalLM = model.eval()
@@ -165,7 +165,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, hf_config) -> None:
         start = time.perf_counter()
-        num_kv_heads, head_dim = self.model.model.num_kv_heads, self.model.model.head_dim
+        num_kv_heads, head_dim = self.model.num_kv_heads, self.model.head_dim
         num_layers = hf_config.num_hidden_layers
         per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim
         bytes_per_block = per_block * torch.empty((), dtype=self.dtype).element_size()

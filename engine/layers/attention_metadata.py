@@ -61,5 +61,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,  # each query sees the last `window` positions only
+        soft_cap: float | None = None,  # scores -> soft_cap * tanh(score / soft_cap)
+        sinks: torch.Tensor | None = None,  # [num_heads] logits joining each denominator
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

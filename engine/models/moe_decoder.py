@@ -1,10 +1,11 @@
 """The decoder the mixture-of-experts families share, and their weight loading.
 
-A family file (``qwen3_moe.py``, ``mixtral.py``, ``olmoe.py``, ``gpt_oss.py``) says what its layers
-are: ``make_attention`` and ``make_mlp`` (the MoE block, or a dense MLP on the layers a config
-keeps dense), the norm, and where its checkpoint's expert tensors go (``expert_tensor``). The
-layer itself is the pre-norm residual block every one of them is:
-``h = x + attn(norm(x)); out = h + mlp(norm(h))``.
+A family file (``qwen3_moe.py``, ``qwen2_moe.py``, ``mixtral.py``, ``olmoe.py``, ``gpt_oss.py``)
+says what a layer is (``make_layer``: the shared ``SelfAttention`` with the family's options, the
+MoE block or, on the layers a config keeps dense, a ``GatedMLP``) and how its checkpoint names
+expert tensors. The layer itself is the pre-norm residual block every one of them is:
+``h = x + attn(norm(x)); out = h + mlp(norm(h))``; sliding windows per layer come from the config
+as for the dense families (``causal_lm.layer_windows``).
 
 Loading takes the checkpoint's Hugging Face names. Experts come either one tensor per expert
 (``...experts.3.gate_proj.weight``, how the hub stores Qwen3-MoE, OLMoE and Mixtral's ``w1/w2/w3``)
@@ -23,40 +24,20 @@ from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
-from engine.layers.linear import Linear
 from engine.layers.moe import FusedExperts, MoeConfig, SparseMoeBlock
 from engine.layers.norm import RMSNorm
-from engine.layers.rotary import RotaryEmbedding
-
-
-def rope_parameters(config) -> dict:
-    params = dict(getattr(config, "rope_parameters", None) or {})
-    legacy = getattr(config, "rope_scaling", None)
-    if legacy:
-        params = {**legacy, **params}
-    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
-    return params
-
-
-class GatedMLP(nn.Module):
-    """A dense SwiGLU MLP (``gate_up_proj`` packed), for shared experts and dense layers."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=False)
-        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [num_tokens, intermediate_size] each
-        return self.down_proj(F.silu(gate) * up)
+from engine.layers.rotary import RotaryEmbedding, rope_parameters_of
+from engine.models.causal_lm import CausalLM, check_window, layer_windows
+from engine.models.llama import head_dim_of
 
 
 class MoeDecoderLayer(nn.Module):
+    """``h = x + attn(norm(x)); out = h + mlp(norm(h))``. Like the dense families' layers it
+    returns the MLP's output and the residual before it, which the next norm adds, fused."""
+
     def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int,
                  eps: float) -> None:
         super().__init__()
@@ -66,34 +47,39 @@ class MoeDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor],
-                attn: AttentionBackend, metadata: AttentionMetadata) -> torch.Tensor:
-        residual = hidden_states
-        hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), rotary,
-                                       kv_cache, attn, metadata)
-        residual = residual + hidden_states
-        return residual + self.mlp(self.post_attention_layernorm(residual))
+                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
+                metadata: AttentionMetadata, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn, metadata)
+        hidden_states, residual = self.post_attention_layernorm.add_and_norm(
+            hidden_states, residual)
+        return self.mlp(hidden_states), residual
 
 
 class MoeModel(nn.Module):
-    def __init__(self, layers: list[MoeDecoderLayer], config, rotary: RotaryEmbedding,
-                 num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, config, rotary: RotaryEmbedding, layers: list[MoeDecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = rotary
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = rotary
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
                 metadata: AttentionMetadata) -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
+        residual: torch.Tensor | None = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states = layer(positions, hidden_states, self.rotary_emb, kv_cache, attn,
-                                  metadata)
-        return self.norm(hidden_states)
+            hidden_states, residual = layer(positions, hidden_states, kv_cache, attn, metadata,
+                                            residual)
+        if residual is None:  # no layers
+            return self.norm(hidden_states)
+        return self.norm.add_and_norm(hidden_states, residual)[0]
 
 
 @dataclass(frozen=True)
@@ -125,7 +111,7 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>\
                          r"weight|bias)$")
 
 
-class MoeForCausalLM(nn.Module):
+class MoeForCausalLM(CausalLM):
     """The shared causal LM: a family subclass builds its layers in ``make_layer``."""
 
     # checkpoint projection name inside an expert -> (stacked parameter, shard: 0 gate, 1 up,
@@ -139,22 +125,17 @@ class MoeForCausalLM(nn.Module):
     def __init__(self, config, max_position: int) -> None:
         super().__init__()
         self.config = config
-        layers = [self.make_layer(config, i) for i in range(config.num_hidden_layers)]
-        attention: Any = layers[0].self_attn  # every family's attention has these two
-        head_dim, num_kv_heads = int(attention.head_dim), int(attention.num_kv_heads)
-        rotary = self.make_rotary(config, head_dim, max_position)
-        self.model = MoeModel(layers, config, rotary, num_kv_heads, head_dim)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters_of(config),
+                                 config.max_position_embeddings)
+        windows = [check_window(window) for window in layer_windows(config)]
+        self.model = MoeModel(config, rotary, [
+            self.make_layer(config, i, rotary, window) for i, window in enumerate(windows)])
+        self._finish(config, config.intermediate_size)
 
     # --- what a family defines -------------------------------------------------------------
-    def make_layer(self, config, layer_idx: int) -> MoeDecoderLayer:
+    def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding,
+                   window: int | None) -> MoeDecoderLayer:
         raise NotImplementedError
-
-    def make_rotary(self, config, head_dim: int, max_position: int) -> RotaryEmbedding:
-        return RotaryEmbedding(head_dim, max_position, rope_parameters(config))
 
     def checkpoint_name(self, name: str) -> str:
         """The checkpoint's name in this model's terms (Mixtral's ``block_sparse_moe`` ->
@@ -170,21 +151,7 @@ class MoeForCausalLM(nn.Module):
             return None
         return Slot(f"{prefix}.{names[stored]}", _whole, self._all_experts(prefix, names[stored]))
 
-    # --- forward -----------------------------------------------------------------------------
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn, metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)  # [num_sampled, vocab_size]
-
-    # --- loading -----------------------------------------------------------------------------
-    _PACKED = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
-
+    # --- loading (CausalLM's, plus experts) ---------------------------------------------------
     def _experts_of(self, prefix: str) -> FusedExperts:
         module = self.get_submodule(prefix)
         if not isinstance(module, FusedExperts):

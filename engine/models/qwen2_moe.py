@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
-from engine.models.moe_decoder import GatedMLP
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 
 
@@ -17,6 +17,7 @@ class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):
-            return GatedMLP(config.hidden_size, config.intermediate_size)
-        shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size)
+            return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        shared = GatedMLP(config.hidden_size, config.shared_expert_intermediate_size,
+                          config.hidden_act)
         return SparseMoeBlock(self.moe_config(config), shared, shared_expert_gate=True)

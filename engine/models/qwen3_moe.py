@@ -1,16 +1,20 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): Qwen3's attention (q/k RMSNorm per head) with a
 sparse MoE MLP: softmax over the experts, top ``num_experts_per_tok``, renormalised when
 ``norm_topk_prob``. Layers listed in ``mlp_only_layers`` (or off the ``decoder_sparse_step``)
-keep a dense MLP. No shared experts (Qwen2-MoE has them; see ``qwen2_moe.py``).
+keep a dense MLP. No shared experts (Qwen2-MoE has them: ``qwen2_moe.py``).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from engine.layers.attention import SelfAttention
+from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoeConfig, SparseMoeBlock
-from engine.models.llama import LlamaAttention
-from engine.models.moe_decoder import GatedMLP, MoeDecoderLayer, MoeForCausalLM
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.models.llama import head_dim_of
+from engine.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
@@ -19,6 +23,12 @@ def is_sparse_layer(config, layer_idx: int) -> bool:
     step = getattr(config, "decoder_sparse_step", 1) or 1
     return (layer_idx not in mlp_only and config.num_experts > 0
             and (layer_idx + 1) % step == 0)
+
+
+def check_silu(config) -> None:
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act={config.hidden_act!r} is not implemented for the experts "
+                         "(the engine has silu)")
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
@@ -38,12 +48,18 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         if is_sparse_layer(config, layer_idx):
             return SparseMoeBlock(self.moe_config(config))
-        return GatedMLP(config.hidden_size, config.intermediate_size)
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
-    def make_layer(self, config, layer_idx: int) -> MoeDecoderLayer:
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act={config.hidden_act!r} is not supported (silu only)")
-        attention = LlamaAttention(config, self.qkv_bias or bool(config.attention_bias),
-                                   self.qk_norm)
+    def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding,
+                   window: int | None) -> MoeDecoderLayer:
+        check_silu(config)
+        eps = config.rms_norm_eps
+        attention = SelfAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            head_dim_of(config), rotary,
+            qkv_bias=self.qkv_bias or bool(getattr(config, "attention_bias", False)),
+            qk_norm=(lambda dim: RMSNorm(dim, eps)) if self.qk_norm else None,
+            sliding_window=window,
+        )
         return MoeDecoderLayer(attention, self.make_mlp(config, layer_idx), config.hidden_size,
-                               config.rms_norm_eps)
+                               eps)

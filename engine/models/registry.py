@@ -1,7 +1,10 @@
-"""Model classes by their Hugging Face architecture string."""
+"""Model classes by their Hugging Face architecture string: a family is a line here and a file."""
 
 from __future__ import annotations
 
+from engine.models.causal_lm import CausalLM
+from engine.models.gemma2 import Gemma2ForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -9,22 +12,37 @@ from engine.models.llama import (
     Qwen3ForCausalLM,
 )
 from engine.models.mixtral import MixtralForCausalLM
-from engine.models.moe_decoder import MoeForCausalLM
 from engine.models.olmoe import OlmoeForCausalLM
+from engine.models.phi3 import Phi3ForCausalLM
 from engine.models.qwen2_moe import Qwen2MoeForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
-
-CausalLM = LlamaForCausalLM | MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+}
+# config.json ``model_type`` -> architecture, for configs that do not list one.
+ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 
