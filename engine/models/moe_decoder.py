@@ -149,7 +149,7 @@ class MoeForCausalLM(CausalLM):
         names = {"gate_up_proj": "w13", "down_proj": "w2"}
         if stored not in names:
             return None
-        return Slot(f"{prefix}.{names[stored]}", _whole, self._all_experts(prefix, names[stored]))
+        return Slot(f"{prefix}.{names[stored]}", _whole, self.expert_names(prefix, names[stored]))
 
     # --- loading (CausalLM's, plus experts) ---------------------------------------------------
     def _experts_of(self, prefix: str) -> FusedExperts:
@@ -158,8 +158,9 @@ class MoeForCausalLM(CausalLM):
             raise ValueError(f"{prefix} is not an experts module")
         return module
 
-    def _all_experts(self, prefix: str, param: str) -> tuple[str, ...]:
-        """The per-expert names a whole stacked parameter accounts for."""
+    def expert_names(self, prefix: str, param: str) -> tuple[str, ...]:
+        """The checkpoint names that fill the stacked parameter ``param`` of ``prefix``: one per
+        expert and projection (``...experts.3.gate_proj.weight``); gpt-oss stores them stacked."""
         experts = self._experts_of(prefix)
         kind = "bias" if param.endswith("_bias") else "weight"
         stacked = param.removesuffix("_bias")
@@ -175,7 +176,7 @@ class MoeForCausalLM(CausalLM):
                 continue
             prefix, _, param = name.rpartition(".")
             if isinstance(self.get_submodule(prefix), FusedExperts):
-                names += self._all_experts(prefix, param)
+                names += self.expert_names(prefix, param)
             elif param in ("weight", "bias") and prefix.endswith(("qkv_proj", "gate_up_proj")):
                 base = prefix.rpartition(".")[0]
                 projs = (("q_proj", "k_proj", "v_proj") if prefix.endswith("qkv_proj")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.models.causal_lm import CausalLM
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -29,6 +30,7 @@ MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 # config.json ``model_type`` -> architecture, for configs that do not list one.
 ARCHITECTURE_OF_MODEL_TYPE = {
@@ -43,6 +45,7 @@ ARCHITECTURE_OF_MODEL_TYPE = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 

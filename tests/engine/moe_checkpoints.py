@@ -20,6 +20,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32),
     "olmoe": dict(num_experts=8, num_experts_per_tok=3, intermediate_size=32,
                   norm_topk_prob=False, clip_qkv=3.0),
+    # sliding window 8 on every other layer (prompts run past it), YaRN, a tight SwiGLU clamp
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32,
+                    head_dim=16, num_hidden_layers=4, sliding_window=8, swiglu_limit=1.5,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                     "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "original_max_position_embeddings": 128,
+                                     "truncate": False}),
 }
 
 
