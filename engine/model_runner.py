@@ -357,5 +357,5 @@ class ModelRunner:
                 return torch.log_softmax(
                     self.model.compute_logits(hidden)[:, : self.vocab_size].float(), dim=-1
                 ).cpu()
-        logits = hidden.float() @ weight.float().T  # [num_tokens - 1, vocab]
+        logits = self.model.cap_logits(hidden.float() @ weight.float().T)  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()

@@ -95,6 +95,8 @@ def read_model_config(raw: dict[str, Any]) -> ModelConfig | None:
     model_type = raw.get("model_type")
     if model_type not in DEFAULTS or not _simple_rope(raw):
         return None
+    if model_type in ("qwen2", "qwen3") and raw.get("use_sliding_window"):
+        return None  # which layers slide (max_window_layers -> layer_types): transformers says
     values = {**DEFAULTS[model_type], **copy.deepcopy(raw)}
     if values.get("num_key_value_heads") is None:
         values["num_key_value_heads"] = values["num_attention_heads"]
