@@ -12,7 +12,7 @@ from engine import LLM
 from tests.engine.moe_checkpoints import make_moe_checkpoint
 from tests.engine.test_correctness import MAX_TOKENS, MODES, greedy, hf_greedy, make_prompts
 
-FAMILIES = ["qwen3_moe", "qwen3_moe_unnormed", "qwen2_moe", "mixtral", "olmoe"]
+FAMILIES = ["qwen3_moe", "qwen3_moe_unnormed", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"]
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
