@@ -78,7 +78,8 @@ class LLMEngine:
         # A request must always fit in the cache on its own, or it could never run.
         self.max_model_len = min(model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        self.eos_token_ids = _eos_token_ids(checkpoint.config, self.tokenizer)
+        self.eos_token_ids = _eos_token_ids(checkpoint.config, self.tokenizer,
+                                            checkpoint.generation_eos_token_ids())
         # Built on the first structured request (reading the vocabulary takes a moment).
         self._structured_output: StructuredOutputManager | None = None
         self._user_requests: dict[str, _UserRequest] = {}
@@ -389,9 +390,9 @@ def _timed(function: Callable[[], T]) -> tuple[T, float]:
     return function(), time.perf_counter() - start
 
 
-def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
+def _eos_token_ids(hf_config, tokenizer, generation: list[int]) -> tuple[int, ...]:
     ids: list[int] = []
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id, generation):
         if isinstance(source, int):
             ids.append(source)
         elif isinstance(source, list | tuple):

@@ -81,6 +81,20 @@ class Checkpoint:
                     continue
                 yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
+    def generation_eos_token_ids(self) -> list[int]:
+        """The end-of-sequence ids ``generation_config.json`` adds (gpt-oss stops at
+        ``<|return|>`` and ``<|call|>``; Llama 3 instruct at ``<|eot_id|>``), as transformers'
+        ``generate`` stops at them; [] without the file or the field."""
+        file = self.path / "generation_config.json" if self.path.is_dir() else None
+        if file is None or not file.is_file():
+            return []
+        try:
+            value = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            return []
+        values = value if isinstance(value, list) else [value]
+        return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer, with ``chat_template`` set when the checkpoint has one."""
         return load_tokenizer(self.tokenizer_path or self.path)

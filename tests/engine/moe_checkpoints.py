@@ -56,13 +56,13 @@ def make_moe_config(family: str, vocab_size: int, **overrides):
 
 
 def make_moe_checkpoint(path: Path, family: str, *, seed: int = 0, tie_router_rows: bool = False,
-                        **overrides) -> Path:
+                        tokenizer: Any = None, **overrides) -> Path:
     """Save a random-weight checkpoint of ``family`` into ``path``. ``tie_router_rows`` makes
     experts 1 and 2 score every token alike (equal router rows), so routing ties happen and go
     as transformers sends them."""
     import torch
 
-    tokenizer = build_tokenizer()
+    tokenizer = tokenizer or build_tokenizer()
     arch, config = make_moe_config(
         family, len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)
