@@ -73,3 +73,26 @@ def test_mxfp4_is_refused_outside_gpt_oss(checkpoint, tmp_path):
         quantization_config={"quant_method": "mxfp4"}))
     with pytest.raises(ValueError, match=r"'mxfp4' is read for GptOssForCausalLM only"):
         LLM(str(bad), dtype="float32")
+
+
+def test_stacked_experts_load_like_per_expert_ones(checkpoint, tmp_path):
+    """transformers' in-memory layout (``experts.gate_up_proj [E, 2I, H]``, ``down_proj``)."""
+    import torch
+
+    def stack(weights):
+        for layer in (0,):  # layer 1 is dense (mlp_only_layers)
+            prefix = f"model.layers.{layer}.mlp.experts"
+            count = len([n for n in weights if n.startswith(prefix) and "down_proj" in n])
+            gate_up, down = [], []
+            for e in range(count):
+                gate_up.append(torch.cat((weights.pop(f"{prefix}.{e}.gate_proj.weight"),
+                                          weights.pop(f"{prefix}.{e}.up_proj.weight"))))
+                down.append(weights.pop(f"{prefix}.{e}.down_proj.weight"))
+            weights[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+            weights[f"{prefix}.down_proj"] = torch.stack(down)
+
+    stacked = _copy(checkpoint, tmp_path / "stacked", edit_weights=stack)
+    a = LLM(str(checkpoint), dtype="float32").engine.model_runner.model
+    b = LLM(str(stacked), dtype="float32").engine.model_runner.model
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        assert torch.equal(x, y), name
