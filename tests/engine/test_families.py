@@ -158,3 +158,37 @@ def test_score_tokens_applies_the_final_soft_cap(tmp_path):
         got = llm.engine.model_runner.score_tokens(ids)
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert want.max() - want.min() < 2 * 3.0 + 1e-3  # capped logits span at most 2 * cap
+
+
+def test_windowed_layers_hold_o_window_blocks(tmp_path):
+    """Gemma 3's local layers keep only the blocks their window still reads: one long request
+    never holds more than (window - 1 + chunk) / block_size + 1 of them, its global layers hold
+    the whole context, and everything returns to both pools."""
+    arch, kw = FAMILIES["gemma3"]
+    kw = dict(kw)
+    tie = kw.pop("tie")
+    path = make_checkpoint(tmp_path, arch, tie=tie, **kw)
+    prompt = list(range(3, 80))
+    want = hf_greedy(path, [prompt], [60])[0]
+    llm = LLM(str(path), dtype="float32", block_size=4, max_num_batched_tokens=8)
+    engine = llm.engine
+    window = engine.scheduler.kv.window
+    assert window is not None and window.window == WINDOW
+    engine.add_request("long", prompt, greedy(60))
+    bound = -(-(WINDOW - 1 + 8) // 4) + 1
+    peak_window = peak_full = 0
+    out = None
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            out = o
+        request = engine.scheduler.requests.get("long")
+        if request is not None:
+            held = [b for b in request.window_block_ids if b != 0]
+            peak_window = max(peak_window, len(held))
+            peak_full = max(peak_full, len(request.block_ids))
+            assert len(request.window_block_ids) == len(request.block_ids)
+    assert out is not None and out.token_ids == want
+    assert peak_window <= bound < peak_full == -(-(len(prompt) + 59) // 4)
+    assert window.num_free_blocks == window.num_blocks
+    stats = engine.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
