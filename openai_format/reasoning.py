@@ -35,7 +35,8 @@ class HarmonyTokens:
 
 def harmony_tokens(tokenizer: Any) -> HarmonyTokens | None:
     """The harmony special tokens' ids, or None if the tokenizer lacks any of them."""
-    if tokenizer is None:
+    # a tokenizer without token lookups (a test's fake) has no harmony tokens either
+    if tokenizer is None or not hasattr(tokenizer, "convert_tokens_to_ids"):
         return None
     ids = [tokenizer.convert_tokens_to_ids(token) for token in _SPECIALS]
     # an unknown token comes back as None or as the unknown token's id
