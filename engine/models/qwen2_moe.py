@@ -12,8 +12,10 @@ from engine.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
 
 
 class Qwen2MoeForCausalLM(Qwen3MoeForCausalLM):
-    qkv_bias = True
     qk_norm = False
+
+    def qkv_bias(self, config) -> bool:
+        return bool(getattr(config, "qkv_bias", True))  # Qwen2MoeConfig's field, default on
 
     def make_mlp(self, config, layer_idx: int) -> nn.Module:
         if not is_sparse_layer(config, layer_idx):

@@ -32,8 +32,10 @@ def check_silu(config) -> None:
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):
-    qkv_bias = False
     qk_norm = True
+
+    def qkv_bias(self, config) -> bool:
+        return bool(getattr(config, "attention_bias", False))
 
     def moe_config(self, config) -> MoeConfig:
         return MoeConfig(
@@ -57,7 +59,7 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
         attention = SelfAttention(
             config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
             head_dim_of(config), rotary,
-            qkv_bias=self.qkv_bias or bool(getattr(config, "attention_bias", False)),
+            qkv_bias=self.qkv_bias(config),
             qk_norm=(lambda dim: RMSNorm(dim, eps)) if self.qk_norm else None,
             sliding_window=window,
         )
