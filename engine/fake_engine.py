@@ -136,8 +136,11 @@ class FakeEngine:
             return [ord("x")] * 5000
         return [ord(c) for c in prompt]
 
-    def decode(self, token_ids: list[int]) -> str:
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(t) for t in token_ids)
+
+    def special_token_id(self, token: str) -> int | None:
+        return None  # no special tokens: never a harmony model
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:

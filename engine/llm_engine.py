@@ -22,9 +22,10 @@ from engine.protocol import ChatTemplate
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
-from engine.startup import eos_token_ids, start
+from engine.startup import start
 from engine.stop_strings import match_stop_string
 from engine.structured_output import StructuredOutputManager, accept_token
+from engine.tokenizer import special_token_id
 
 if TYPE_CHECKING:
     from engine.protocol import Engine
@@ -45,7 +46,7 @@ class LLMEngine:
         # A request must always fit in the cache on its own, or it could never run.
         self.max_model_len = min(started.model_len, num_blocks * config.block_size)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
-        self.eos_token_ids = eos_token_ids(started.hf_config, self.tokenizer)
+        self.eos_token_ids = started.eos_token_ids
         # Built on the first structured request (reading the vocabulary takes a moment).
         self._structured_output: StructuredOutputManager | None = None
         self._parents: dict[str, ParentRequest] = {}
@@ -75,6 +76,9 @@ class LLMEngine:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
         return text if isinstance(text, str) else "".join(text)
+
+    def special_token_id(self, token: str) -> int | None:
+        return special_token_id(self.tokenizer, token)
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], *, tools: list[dict[str, Any]] | None = None

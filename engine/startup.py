@@ -30,6 +30,7 @@ class Started:
     model_runner: ModelRunner
     model_len: int  # the model's context, capped by the config's (not yet by the KV cache)
     startup_seconds: dict[str, float]
+    eos_token_ids: tuple[int, ...]  # every id that ends a sequence
 
 
 def start(config: EngineConfig) -> Started:
@@ -60,8 +61,9 @@ def start(config: EngineConfig) -> Started:
         "kernel": kernel_seconds,
         "total": time.perf_counter() - start_at,
     }
+    eos = eos_token_ids(checkpoint.config, tokenizer, checkpoint.generation_eos_token_ids())
     return Started(_model_name(config.model, checkpoint), checkpoint.config, tokenizer,
-                   model_runner, model_len, startup_seconds)
+                   model_runner, model_len, startup_seconds, eos)
 
 
 def _build_runner(config: EngineConfig,
@@ -92,10 +94,12 @@ def timed(function: Callable[[], T]) -> tuple[T, float]:
     return function(), time.perf_counter() - start_at
 
 
-def eos_token_ids(hf_config: Any, tokenizer: PreTrainedTokenizerBase) -> tuple[int, ...]:
-    """Every id that ends a sequence: the model config's (one or several) and the tokenizer's."""
+def eos_token_ids(hf_config: Any, tokenizer: PreTrainedTokenizerBase,
+                  generation: list[int]) -> tuple[int, ...]:
+    """Every id that ends a sequence: the model config's (one or several), the tokenizer's and
+    ``generation_config.json``'s (``Checkpoint.generation_eos_token_ids``)."""
     ids: list[int] = []
-    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id, generation):
         if isinstance(source, int):
             ids.append(source)
         elif isinstance(source, list | tuple):

@@ -74,3 +74,12 @@ def load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
             "tokenizer.ggml.* metadata"
         ) from error
     return tokenizer
+
+
+def special_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | None:
+    """The id of the special token ``token`` (``<|channel|>``) in the vocabulary, else None."""
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    # an unknown token comes back as None or as the unknown token's id
+    if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != token:
+        return None
+    return token_id

@@ -298,8 +298,11 @@ class MeteredEngine:
     def encode(self, prompt: str) -> list[int]:
         return self._engine.encode(prompt)
 
-    def decode(self, token_ids: list[int]) -> str:
-        return self._engine.decode(token_ids)
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._engine.decode(token_ids, skip_special_tokens)
+
+    def special_token_id(self, token: str) -> int | None:
+        return self._engine.special_token_id(token)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], *,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:

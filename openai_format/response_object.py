@@ -56,7 +56,7 @@ def response_object(
             # side effect of computing them.
             "input_tokens_details": {"cached_tokens": cached_tokens, "cache_write_tokens": 0},
             "output_tokens": choice.num_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": choice.reasoning_tokens or 0},
             "total_tokens": prompt_tokens + choice.num_tokens,
         },
     }

@@ -35,6 +35,10 @@ class ChoiceResult:
     logprobs: Sequence[TokenLogprobResult] | None = None
     # OpenAI ``tool_calls`` read from the text; ``text`` is then the content left (may be "").
     tool_calls: Sequence[dict[str, Any]] = ()
+    # A reasoning model's thinking (gpt-oss's analysis channel), kept out of ``text``: the
+    # message's ``reasoning_content``; ``reasoning_tokens`` of ``num_tokens`` were spent on it.
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
 
 
 def _finish_reason(reason: str | None) -> str:
@@ -45,12 +49,16 @@ def _finish_reason(reason: str | None) -> str:
 
 def _usage(choices: Sequence[ChoiceResult], prompt_tokens: int, cached_tokens: int) -> dict:
     completion_tokens = sum(c.num_tokens for c in choices)
-    return {
+    usage: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    reasoning = [c.reasoning_tokens for c in choices if c.reasoning_tokens is not None]
+    if reasoning:
+        usage["completion_tokens_details"] = {"reasoning_tokens": sum(reasoning)}
+    return usage
 
 
 def _bytes(entry: TokenLogprobResult | tuple[str, float]) -> list[int]:
@@ -99,6 +107,8 @@ def _completion_logprobs(entries: Sequence[TokenLogprobResult]) -> dict[str, Any
 
 def _chat_choice(c: ChoiceResult) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+    if c.reasoning is not None:
+        message["reasoning_content"] = c.reasoning
     finish_reason = _finish_reason(c.finish_reason)
     if c.tool_calls:
         message["content"] = c.text or None

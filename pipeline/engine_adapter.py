@@ -34,6 +34,7 @@ from openai_format.parse import (
     Body,
     describe_validation_error,
 )
+from openai_format.reasoning import HarmonyTokens, harmony_tokens, split_harmony
 from openai_format.response_object import response_object
 from openai_format.responses import (
     ChoiceResult,
@@ -227,17 +228,24 @@ class Usage:
     cached_tokens: int
 
 
-def _choice(c: CompletionOutput, engine: Engine,
-            tool_mode: ToolCallMode | None) -> ChoiceResult:
+def _choice(c: CompletionOutput, engine: Engine, tool_mode: ToolCallMode | None,
+            harmony: HarmonyTokens | None = None) -> ChoiceResult:
     text = c.text
     tool_calls: list[dict[str, Any]] = []
+    reasoning: str | None = None
+    reasoning_tokens: int | None = None
+    split = None
+    if harmony is not None:
+        split = split_harmony(list(c.token_ids), lambda ids: engine.decode(ids, True), harmony)
+    if split is not None:  # a harmony chat completion: the final channel is the answer
+        text, reasoning, reasoning_tokens = split.content, split.reasoning, split.reasoning_tokens
     if tool_mode is not None and c.finish_reason != "length":
-        content, tool_calls = tool_calls_from_text(tool_mode, c.text)
+        content, tool_calls = tool_calls_from_text(tool_mode, text)
         text = content or ""
     return ChoiceResult(
         index=c.index, text=text, num_tokens=len(c.token_ids),
         finish_reason=c.finish_reason, logprobs=_logprobs(engine, c.logprobs),
-        tool_calls=tool_calls,
+        tool_calls=tool_calls, reasoning=reasoning, reasoning_tokens=reasoning_tokens,
     )
 
 
@@ -248,7 +256,10 @@ def response_body(
     """The chat.completion, text_completion or response object for a finished request, and
     its usage; ``engine`` decodes logprobs' tokens, ``hex_id`` (random hex) makes the object's
     id. ``response_echo``: a /v1/responses line's ``EngineInput.response_echo``."""
-    choices = [_choice(c, engine, tool_mode) for c in output.outputs]
+    # gpt-oss (harmony): a chat answer splits into the final channel and the reasoning
+    harmony = (harmony_tokens(engine.special_token_id)
+               if endpoint in (CHAT_URL, RESPONSES_URL) else None)
+    choices = [_choice(c, engine, tool_mode, harmony) for c in output.outputs]
     prompt_tokens = output.metrics.num_prompt_tokens or len(output.prompt_token_ids)
     cached_tokens = output.metrics.num_cached_tokens
     usage = Usage(prompt_tokens, sum(c.num_tokens for c in choices), cached_tokens)

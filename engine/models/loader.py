@@ -18,6 +18,7 @@ import torch
 from engine import model_cache
 from engine.models import gguf_cache
 from engine.models.model_config import read_model_config
+from engine.models.registry import ARCHITECTURE_OF_MODEL_TYPE, MODEL_REGISTRY
 from engine.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 if TYPE_CHECKING:
@@ -26,18 +27,9 @@ if TYPE_CHECKING:
 # transformers (its config classes) and gguf are imported only where a start needs them: a GGUF
 # file without a converted folder, or a config.json ``read_model_config`` leaves to transformers.
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)  # SmolLM and SmolLM2 are LlamaForCausalLM
-_ARCHITECTURE_OF_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# SmolLM and SmolLM2 are LlamaForCausalLM; Gemma 3's text-only checkpoints Gemma3ForCausalLM.
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+_ARCHITECTURE_OF_MODEL_TYPE = ARCHITECTURE_OF_MODEL_TYPE
 
 
 _SAFETENSORS_DTYPES = {
@@ -88,6 +80,20 @@ class Checkpoint:
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
                 yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def generation_eos_token_ids(self) -> list[int]:
+        """The end-of-sequence ids ``generation_config.json`` adds (gpt-oss stops at
+        ``<|return|>`` and ``<|call|>``; Llama 3 instruct at ``<|eot_id|>``), as transformers'
+        ``generate`` stops at them; [] without the file or the field."""
+        file = self.path / "generation_config.json" if self.path.is_dir() else None
+        if file is None or not file.is_file():
+            return []
+        try:
+            value = json.loads(file.read_text()).get("eos_token_id")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+            return []
+        values = value if isinstance(value, list) else [value]
+        return [int(v) for v in values if isinstance(v, int) and not isinstance(v, bool)]
 
     def load_tokenizer(self) -> PreTrainedTokenizerBase:
         """The tokenizer, with ``chat_template`` set when the checkpoint has one."""
@@ -261,6 +267,26 @@ def _existing_path(reference: str, what: str) -> Path:
     return cached
 
 
+# quant_method -> the architectures whose checkpoints the engine dequantises at load
+SUPPORTED_QUANTIZATION = {"mxfp4": ("GptOssForCausalLM",)}
+
+
+def _check_quantization(quantization: Any, architecture: str, config_file: Path) -> None:
+    """A quantised checkpoint the engine cannot read is refused here, naming the field, rather
+    than failing at its first packed tensor (or worse, loading it as something else)."""
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method not in SUPPORTED_QUANTIZATION:
+        known = ", ".join(f"{m} ({'/'.join(a)})" for m, a in SUPPORTED_QUANTIZATION.items())
+        raise ValueError(f"{config_file}: quantization_config.quant_method {method!r} is not "
+                         f"supported; the engine reads {known}")
+    if architecture not in SUPPORTED_QUANTIZATION[method]:
+        raise ValueError(f"{config_file}: quantization_config.quant_method {method!r} is read "
+                         f"for {', '.join(SUPPORTED_QUANTIZATION[method])} only, not "
+                         f"{architecture}")
+
+
 def _load_hf_config(folder: Path) -> Any:
     config_file = folder / "config.json"
     try:
@@ -277,10 +303,15 @@ def _load_hf_config(folder: Path) -> Any:
             f"{config_file} describes {found}, which is not supported; supported architectures "
             f"are {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    _check_quantization(raw.get("quantization_config"), architecture, config_file)
     config = read_model_config(raw)
     if config is None:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except Exception as error:  # noqa: BLE001 - transformers' field validation raises
+            # huggingface_hub's StrictDataclassError, no ValueError: the config is what is wrong
+            raise ValueError(f"{config_file}: {error}") from error
     config.architectures = [architecture]
     return config

@@ -1,0 +1,209 @@
+"""The mixture-of-experts block: a top-k router, experts computed grouped by expert, shared experts.
+
+Routing as each family defines it (transformers' ``*TopKRouter`` modules):
+
+- ``softmax_topk``: softmax over all experts in fp32, the top k of the probabilities, optionally
+  renormalised to sum to one (Mixtral always; Qwen3-MoE and OLMoE when ``norm_topk_prob``).
+- ``topk_softmax``: the top k of the logits (router bias included), then a softmax over those k
+  (gpt-oss).
+
+Ties go as ``torch.topk`` sends them, which is what transformers calls on the same values.
+
+Expert compute (``FusedExperts``): the step's ``num_tokens * top_k`` (token, expert) pairs are
+sorted by expert, so each expert's rows are contiguous; each expert's gate/up and down projections
+run as one GEMM over its rows (``torch.nn.functional.grouped_mm`` where this torch has it for the
+device and dtype, else one ``F.linear`` per expert that received rows: a loop over experts, never
+over tokens); the rows are scaled by their routing weight, put back in (token, k) order and summed
+over k. That is transformers' own ``grouped_mm`` experts path, so fp32 outputs agree with it. On
+a GPU the Triton kernel (``engine/kernels/fused_moe.py``) does the same in two launches.
+
+The expert weights are stacked: ``w13`` ``[num_experts, 2 * intermediate, hidden]`` (the gate's
+rows, then the up projection's) and ``w2`` ``[num_experts, hidden, intermediate]``, with optional
+biases; models fill them from whatever layout their checkpoint stores.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+Scoring = Literal["softmax_topk", "topk_softmax"]
+Activation = Literal["silu", "swiglu_clamped"]
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """What a family's MoE block is; ``ValueError`` for values the block cannot run."""
+
+    hidden_size: int
+    intermediate_size: int  # per expert
+    num_experts: int
+    top_k: int
+    scoring: Scoring = "softmax_topk"
+    renormalize: bool = False  # softmax_topk only: the k weights rescaled to sum to 1
+    router_bias: bool = False
+    expert_bias: bool = False
+    activation: Activation = "silu"
+    swiglu_alpha: float = 1.702  # swiglu_clamped: gate * sigmoid(alpha * gate)
+    swiglu_limit: float = 7.0  # swiglu_clamped: gate <= limit, |up| <= limit
+    # Mixtral keeps its routing weights in fp32; the others round them to the hidden dtype.
+    fp32_weights: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_experts < 1:
+            raise ValueError(f"num_experts must be at least 1, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok (top-k) must be between 1 and num_experts "
+                             f"({self.num_experts}), got {self.top_k}")
+        if self.scoring not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"unknown router scoring {self.scoring!r}")
+        if self.activation not in ("silu", "swiglu_clamped"):
+            raise ValueError(f"unknown expert activation {self.activation!r}")
+
+
+class TopKRouter(nn.Module):
+    """``weight [num_experts, hidden]`` (+ ``bias``): each token's top-k experts and weights."""
+
+    def __init__(self, config: MoeConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        self.bias = nn.Parameter(torch.empty(config.num_experts)) if config.router_bias else None
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [num_tokens, hidden]`` -> ``(topk_weights [num_tokens, k], topk_ids [num_tokens,
+        k] int64)``, in ``torch.topk``'s order (descending weight)."""
+        c = self.config
+        logits = F.linear(x, self.weight, self.bias)  # [num_tokens, num_experts]
+        if c.scoring == "topk_softmax":
+            top_logits, topk_ids = torch.topk(logits, c.top_k, dim=-1)
+            return torch.softmax(top_logits, dim=-1), topk_ids
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        topk_weights, topk_ids = torch.topk(probs, c.top_k, dim=-1)
+        if c.renormalize:
+            topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+        if not c.fp32_weights:
+            topk_weights = topk_weights.to(logits.dtype)
+        return topk_weights, topk_ids
+
+
+def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``F.grouped_mm`` runs ``x [rows, k] @ weight[e] [k, n]`` here: this torch has it,
+    the dtype is one it takes on the device, and (CPU) rows and columns are 16-byte aligned."""
+    if not hasattr(F, "grouped_mm") or x.dtype != weight.dtype:
+        return False
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        return False
+    size = x.element_size()
+    return all(dim * size % 16 == 0 for dim in (*x.shape[1:], *weight.shape[1:]))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   sorted_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x[i] @ weight[e].T (+ bias[e])`` for rows grouped by expert: ``x [rows, in]`` sorted so
+    expert e's ``counts[e]`` rows are contiguous, ``weight [num_experts, out, in]``."""
+    w = weight.transpose(1, 2)  # [num_experts, in, out], a view
+    if grouped_mm_available(x, w):
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        out = F.grouped_mm(x, w, offs=offsets)
+    else:
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for expert, count in enumerate(counts.tolist()):  # one GEMM per expert with rows
+            if count:
+                torch.matmul(x[start:start + count], w[expert], out=out[start:start + count])
+                start += count
+    if bias is not None:
+        out = out + bias[sorted_ids]
+    return out
+
+
+def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's gate: ``(clamp(up) + 1) * g * sigmoid(alpha * g)``, ``g = min(gate, limit)``;
+    ``gate_up`` is ``[rows, 2 * intermediate]``, the gate's columns first."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+class FusedExperts(nn.Module):
+    """Every expert's gated MLP, stacked; computed grouped by expert (module docstring)."""
+
+    def __init__(self, config: MoeConfig) -> None:
+        super().__init__()
+        self.config = config
+        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # gate rows, then up rows
+        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.w13_bias = nn.Parameter(torch.empty(e, 2 * i)) if config.expert_bias else None
+        self.w2_bias = nn.Parameter(torch.empty(e, h)) if config.expert_bias else None
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.activation == "swiglu_clamped":
+            return swiglu_clamped(gate_up, c.swiglu_alpha, c.swiglu_limit)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """``x [num_tokens, hidden]``, ``topk_* [num_tokens, k]`` -> ``[num_tokens, hidden]``."""
+        if x.device.type == "cuda":
+            from engine.kernels.fused_moe import fused_moe, fused_moe_supported
+
+            if fused_moe_supported(x, self.w13, self.w2):
+                return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
+                                 self.w13_bias, self.w2_bias, self.activation)
+        return experts_grouped(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_bias,
+                               self.w2_bias, self.activation)
+
+
+def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
+                    activation) -> torch.Tensor:
+    """The grouped torch path (module docstring); ``activation`` maps ``[rows, 2 * inter]``
+    to ``[rows, inter]``."""
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)  # [num_tokens * k], pair p is token p // k
+    sorted_ids, order = torch.sort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0])  # tokens per expert
+    rows = x.index_select(0, order // top_k)  # [num_tokens * k, hidden], grouped by expert
+    hidden = activation(grouped_linear(rows, w13, w13_bias, sorted_ids, counts))
+    out = grouped_linear(hidden, w2, w2_bias, sorted_ids, counts)  # [num_tokens * k, hidden]
+    out = out * topk_weights.reshape(-1)[order].unsqueeze(-1)
+    unsorted = torch.empty_like(out)
+    unsorted[order] = out  # back to (token, k) order
+    return unsorted.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, experts, and (where a family has them) shared experts every token passes through,
+    optionally scaled by a sigmoid gate (Qwen2-MoE's ``shared_expert_gate``)."""
+
+    def __init__(self, config: MoeConfig, shared_expert: nn.Module | None = None,
+                 shared_expert_gate: bool = False) -> None:
+        super().__init__()
+        self.config = config
+        self.gate = TopKRouter(config)
+        self.experts = FusedExperts(config)
+        self.shared_expert = shared_expert
+        self.shared_expert_gate = (nn.Linear(config.hidden_size, 1, bias=False)
+                                   if shared_expert is not None and shared_expert_gate else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
