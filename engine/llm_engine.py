@@ -26,6 +26,7 @@ from engine.startup import start
 from engine.stop_strings import match_stop_string
 from engine.structured_output import StructuredOutputManager, accept_token
 from engine.tokenizer import special_token_id
+from engine.window_kv import WindowBlocks
 
 if TYPE_CHECKING:
     from engine.protocol import Engine
@@ -45,7 +46,12 @@ class LLMEngine:
         num_blocks = self.model_runner.num_kv_blocks
         # A request must always fit in the cache on its own, or it could never run.
         self.max_model_len = min(started.model_len, num_blocks * config.block_size)
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        window = None
+        if self.model_runner.kv_window is not None:
+            size, num_window_blocks = self.model_runner.kv_window
+            window = WindowBlocks(num_window_blocks, config.block_size, size,
+                                  config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, window)
         self.eos_token_ids = started.eos_token_ids
         # Built on the first structured request (reading the vocabulary takes a moment).
         self._structured_output: StructuredOutputManager | None = None
