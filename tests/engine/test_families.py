@@ -160,11 +160,14 @@ def test_score_tokens_applies_the_final_soft_cap(tmp_path):
     assert want.max() - want.min() < 2 * 3.0 + 1e-3  # capped logits span at most 2 * cap
 
 
-def test_windowed_layers_hold_o_window_blocks(tmp_path):
-    """Gemma 3's local layers keep only the blocks their window still reads: one long request
-    never holds more than (window - 1 + chunk) / block_size + 1 of them, its global layers hold
-    the whole context, and everything returns to both pools."""
-    arch, kw = FAMILIES["gemma3"]
+@pytest.mark.parametrize("family", ["gemma3", "mistral-nemo-heads-window"])
+def test_windowed_layers_hold_o_window_blocks(tmp_path, family):
+    """Windowed layers keep only the blocks their window still reads (Gemma 3's local layers;
+    every layer of a windowed Mistral): one long request never holds more than
+    (window - 1 + chunk) / block_size + 1 of them, the full group's table covers the whole
+    context (Gemma 3's global layers; bookkeeping only for Mistral), and everything returns to
+    both pools."""
+    arch, kw = FAMILIES[family]
     kw = dict(kw)
     tie = kw.pop("tie")
     path = make_checkpoint(tmp_path, arch, tie=tie, **kw)

@@ -92,8 +92,14 @@ def test_budget_split_by_what_a_sequence_needs():
     # the same number of sequences' worth in each group
     seqs = layout.num_blocks / (8192 // 16)
     assert abs((layout.num_window_blocks - 1) / window_per_seq - seqs) < 1
-    # one group when nothing (or everything) is windowed, or the window covers the context
+    # one group when nothing is windowed, or the window covers the context
     assert plan_kv_cache(config, [None] * 6, 8192, 1, 256, torch.bfloat16).window is None
-    assert plan_kv_cache(config, [512] * 6, 8192, 1, 256, torch.bfloat16).window is None
+    # every layer windowed (Mistral, Phi-3): the full group is zero-byte bookkeeping, the
+    # budget all goes to the windowed blocks
+    every = plan_kv_cache(config, [512] * 6, 8192, 1, 256, torch.bfloat16)
+    assert every.full_layers == [] and every.bytes_per_block == 0
+    assert every.num_blocks == config.max_num_seqs * (8192 // 16)
+    assert (every.num_window_blocks - 1) * every.window_bytes_per_block <= config.kv_cache_memory
+    assert every.num_window_blocks - 1 == config.kv_cache_memory // (6 * per_layer)
     assert plan_kv_cache(config, [9000] * 5 + [None], 8192, 1, 256,
                          torch.bfloat16).window is None
