@@ -62,7 +62,8 @@ t0 = usage()
 llm = LLM(model, dtype="float32", device="cpu", num_threads=threads,
           max_num_seqs=128, max_num_batched_tokens=2048)
 if prefault_kv:  # commit every page of the cache now, as torch.zeros did (both checkouts have it)
-    llm.engine.model_runner.kv_cache.zero_()
+    for tensor in llm.engine.model_runner.kv.tensors:  # every KV group (windowed too)
+        tensor.zero_()
 workload = make_workload(llm.tokenizer, num_requests=num_requests,
                          prompt_range=(30, 100) if quick else (30, 400),
                          output_range=(8, 32) if quick else (16, 256), seed=0)
