@@ -13,6 +13,7 @@ import torch
 from engine.allocator import keep_step_buffers_on_heap
 from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
+from engine.lora.adapter import LoRAError
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_checkpoint
 from engine.outputs import (
@@ -147,8 +148,13 @@ class LLMEngine:
         *,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Queue one request (``params.n`` sequences) for the next steps.
+
+        ``lora_name``: a registered LoRA adapter (``EngineConfig.lora_modules``) to run it
+        under; None runs the base model. An unknown or unreadable adapter raises ``LoRAError``
+        (a ValueError naming it).
 
         ``priority``: lower values are more urgent (vLLM's convention), 0 by default. The
         waiting queue is ordered by (priority, arrival); a request more urgent than a running one
@@ -159,6 +165,8 @@ class LLMEngine:
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id in self._user_requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if lora_name is not None:
+            self._check_lora(lora_name)
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
@@ -191,12 +199,33 @@ class LLMEngine:
                 priority=priority,
                 generator=generator,
                 grammar=None if matchers is None else matchers[index],
+                lora_name=lora_name,
             )
             user.children.append(child)
             self._child_to_user[child_id] = request_id
         self._user_requests[request_id] = user
         for child in user.children:
             self.scheduler.add_request(child)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The registered LoRA adapters, in registration order (empty: LoRA is off)."""
+        lora = self.model_runner.lora
+        return [] if lora is None else lora.names
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register (or replace) an adapter while the engine runs; its folder is read now."""
+        lora = self.model_runner.lora
+        if lora is None:
+            raise LoRAError(name, "LoRA is off in this engine (start it with lora_modules)")
+        lora.add_adapter(name, path)
+
+    def _check_lora(self, name: str) -> None:
+        lora = self.model_runner.lora
+        if lora is None:
+            raise LoRAError(name, "LoRA is off in this engine (no lora_modules registered)")
+        lora.check(name)
+        lora.get(name)  # read it now if the LRU dropped it: a bad file fails this request
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

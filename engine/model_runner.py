@@ -22,11 +22,13 @@ from engine.layers.linear import (
     mkl_packing_available,
     pack_linear_weights,
 )
+from engine.layers.lora import lora_batch, wrap_lora_linears
 from engine.layers.torch_attention import TorchAttentionBackend
+from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
-from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprob
 from engine.request import Request
 from engine.sampler import Sampler
 
@@ -105,12 +107,24 @@ class ModelRunner:
         self.attn = self._make_attention_backend()
         self.packed_weights = False
         self.greedy_screen: GreedyScreen | None = None
+        self.lora: LoRAManager | None = None
+        if config.lora_modules:
+            self._enable_lora(checkpoint)
         if self._native_cpu_path():
             self._pack_weights()
         self._allocate_kv_cache(hf_config)
         self.graphs: CUDAGraphRunner | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cuda_graphs()
+
+    def _enable_lora(self, checkpoint) -> None:
+        """Wrap the projections in ``LoRALinear`` (before packing: packing finds the base
+        linears inside) and read every registered adapter, so a bad one fails the start."""
+        linears, targets = wrap_lora_linears(self.model)
+        stacked = self.device.type == "cuda" or self.config.attention_backend == "triton"
+        self.lora = LoRAManager(self.config, linears, targets, dtype=self.dtype,
+                                device=self.device, base_names=base_model_names(
+                                    self.config.model, checkpoint), stacked=stacked)
 
     def _capture_cuda_graphs(self) -> None:
         """Decode-only steps replay CUDA graphs captured at bucketed batch sizes."""
@@ -203,8 +217,7 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
         """Flatten the step: decodes (one token each) first, then prefill chunks."""
         bs = self.block_size
-        decodes = [s for s in scheduler_output.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduler_output.scheduled if s.num_new_tokens > 1]
+        decodes, prefills = self._flat_order(scheduler_output, requests)
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -264,6 +277,28 @@ class ModelRunner:
             sample_requests,
         )
 
+    def _flat_order(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+                    ) -> tuple[list[ScheduledRequest], list[ScheduledRequest]]:
+        """The step's decodes and prefills in flat-batch order; with LoRA on, each ordered by
+        adapter (base first), so an adapter's rows are contiguous (``layers/lora.py``)."""
+        decodes = [s for s in scheduler_output.scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduler_output.scheduled if s.num_new_tokens > 1]
+        if self.lora is not None:
+            def by_adapter(s: ScheduledRequest) -> tuple[bool, str]:
+                name = requests[s.request_id].lora_name
+                return name is not None, name or ""
+
+            decodes.sort(key=by_adapter)
+            prefills.sort(key=by_adapter)
+        return decodes, prefills
+
+    def _lora_batch(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]):
+        if self.lora is None:
+            return None
+        decodes, prefills = self._flat_order(scheduler_output, requests)
+        return self.lora.step_batch([(requests[s.request_id].lora_name, s.num_new_tokens)
+                                     for s in (*decodes, *prefills)])
+
     @torch.inference_mode()
     def execute(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
@@ -271,14 +306,17 @@ class ModelRunner:
         input_ids, positions, metadata, sample_indices, sample_requests = self.prepare_inputs(
             scheduler_output, requests
         )
-        if self.graphs is not None and metadata.num_prefills == 0:
+        lora = self._lora_batch(scheduler_output, requests)
+        # The graphs were captured base-only: a step with adapter rows runs eagerly.
+        if self.graphs is not None and metadata.num_prefills == 0 and lora is None:
             hidden = self.graphs.run(
                 input_ids, positions, metadata.decode_block_tables,
                 metadata.decode_context_lens, metadata.slot_mapping,
             )
         else:
             self.attn.prepare(metadata)
-            hidden = self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
+            with lora_batch(lora):
+                hidden = self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
         if not sample_indices:
             return ModelRunnerOutput({})
         # Only the rows we sample from go through the (large) output projection; plain greedy
@@ -359,3 +397,16 @@ class ModelRunner:
                 ).cpu()
         logits = hidden.float() @ weight.float().T  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def base_model_names(model: str, checkpoint) -> set[str]:
+    """The names an adapter's ``base_model_name_or_path`` may give for this model: the setting,
+    its last part, the checkpoint folder's name and the name its config was saved under."""
+    names = {model, os.path.basename(model.rstrip("/"))}
+    for path in (checkpoint.path, checkpoint.source):
+        if path is not None:
+            names |= {str(path), path.name, path.stem}
+    saved = getattr(checkpoint.config, "_name_or_path", None) or ""
+    if saved:
+        names |= {saved, os.path.basename(saved.rstrip("/"))}
+    return {n for n in names if n}
