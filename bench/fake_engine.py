@@ -69,6 +69,7 @@ class FakeEngine:
         self.config = FakeConfig(max_num_seqs, max_num_batched_tokens=8 * max_num_seqs)
         self.tokenizer = FakeTokenizer()
         self.model_name = "bench-fake"
+        self.lora_names: list[str] = []
         self.max_model_len = max_model_len
         self.lines_per_s = lines_per_s
         # Instant: one step per request. Paced: a full batch finishes lines_per_s a second.

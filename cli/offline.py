@@ -44,11 +44,13 @@ class BatchEngine(Protocol):
     tokenizer: Any
     max_model_len: int
     model_name: str
+    lora_names: list[str]  # the LoRA adapters a line's model may name besides the base
 
     def encode(self, prompt: str) -> list[int]: ...
     def apply_chat_template(self, messages: list[dict], *,
                             tools: list[dict] | None = None) -> list[int]: ...
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+                    lora_name: str | None = None) -> None:
         ...
     def step(self) -> list[RequestOutput]: ...
     def has_unfinished_requests(self) -> bool: ...
@@ -60,6 +62,7 @@ class _InFlight:
     line: BatchLine
     request_id: str  # the engine's id; the response's request_id is ``req_`` + it
     tool_mode: ToolCallMode | None = None
+    lora_name: str | None = None  # the adapter the line named as its model
 
 
 @dataclass
@@ -222,6 +225,7 @@ class _Runner:
         self.e2es: list[float] = []
         self.endpoint = endpoint
         self.model_names = _served_names(engine, model_name)
+        self.lora_names = set(engine.lora_names)
         self.started = time.monotonic()
 
     def run(self, lines: Iterator[tuple[int, bytes]], out: IO[str], err: IO[str], bar: Any) -> None:
@@ -271,9 +275,11 @@ class _Runner:
         if duplicate is not None:
             return duplicate
         model = getattr(parsed.body, "model", None)
-        if model is not None and model not in self.model_names:
-            # The service refuses a batch naming a model it does not serve; a run serves one.
-            served = ", ".join(sorted(self.model_names))
+        lora_name = model if model in self.lora_names else None
+        if model is not None and model not in self.model_names and lora_name is None:
+            # The service refuses a batch naming a model it does not serve; a run serves one
+            # base model and the LoRA adapters registered with --lora-modules.
+            served = ", ".join([*sorted(self.model_names), *sorted(self.lora_names)])
             return LineError("model_not_found",
                              f"body.model {model!r} is not served by this run (it serves: "
                              f"{served}); name one of those or leave model out", line_no,
@@ -283,11 +289,14 @@ class _Runner:
         request_id = new_id()
         engine_input = prepare(self.engine, parsed.url, parsed.body)
         if not isinstance(engine_input, PrepareError):
-            engine_input = add_to_engine(self.engine, request_id, engine_input) or engine_input
+            extra = {} if lora_name is None else {"lora_name": lora_name}
+            engine_input = (add_to_engine(self.engine, request_id, engine_input, **extra)
+                            or engine_input)
         if isinstance(engine_input, PrepareError):
             return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id,
                              numbered=False, param=engine_input.param)
-        self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode)
+        self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode,
+                                               lora_name)
         return None
 
     def write_error(self, error: LineError, f: IO[str]) -> None:
@@ -305,7 +314,7 @@ class _Runner:
         entry = self.in_flight.pop(request_output.request_id)
         metrics = request_output.metrics
         body, usage = response_body(
-            request_output, endpoint=entry.line.url, model=self.model_name,
+            request_output, endpoint=entry.line.url, model=entry.lora_name or self.model_name,
             tokenizer=self.engine.tokenizer, hex_id=new_id(), tool_mode=entry.tool_mode,
         )
         _write(f, output_line(entry.line.custom_id, body, request_id=f"req_{entry.request_id}"))

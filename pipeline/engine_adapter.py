@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.lora.adapter import LoRAError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from engine.structured_output import StructuredOutputError
@@ -165,6 +166,8 @@ def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
     except StructuredOutputError as exc:
         return PrepareError(INVALID_VALUE, f"{engine_input.format_field or 'body'}: {exc}",
                             engine_input.format_field)
+    except LoRAError as exc:  # the adapter the line names as its model cannot be served
+        return PrepareError(INVALID_VALUE, str(exc), "model")
     except ValueError as exc:
         return PrepareError(INVALID_VALUE, f"the engine refused the request: {exc}")
     except Exception as exc:  # noqa: BLE001 - e.g. the grammar library failing on one format

@@ -64,7 +64,7 @@ class LoRAManager:
     def check(self, name: str) -> None:
         """LoRAError unless ``name`` is registered (``add_request`` calls it)."""
         if name not in self.paths:
-            raise LoRAError(name, f"is not registered; registered adapters: "
+            raise LoRAError(name, f"not registered; registered adapters: "
                                   f"{', '.join(self.paths) or '(none)'}")
 
     def get(self, name: str) -> LoRAAdapter:

@@ -43,6 +43,7 @@ class FakeEngine:
         self.config = FakeConfig()
         self.max_model_len = max_model_len
         self.model_name = "fake-model"
+        self.lora_names: list[str] = []
         self.requests: dict[str, tuple[list[int], SamplingParams, RequestMetrics, list[int]]] = {}
         self.max_seen = 0
         self.num_added = 0

@@ -113,7 +113,8 @@ def test_mixed_adapters_match_peft(lora_reference, mode):
         # another adapter shares nothing (the block hash carries the adapter)
         assert outs[-1].metrics.num_cached_tokens >= 48
         assert [o.metrics.num_cached_tokens for o in outs[-6:-1]] == [0] * 5
-    assert max(stats.batch_size_hist) >= len(NAMES)  # base and adapters shared steps
+    if LORA_MODES[mode].get("max_num_seqs", 128) >= len(NAMES):
+        assert max(stats.batch_size_hist) >= len(NAMES)  # base and adapters shared steps
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
     assert stats.num_running == stats.num_waiting == 0
 

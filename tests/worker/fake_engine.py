@@ -40,6 +40,7 @@ class FakeEngine:
         self.config = FakeConfig(max_num_seqs=max_num_seqs)
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
+        self.lora_names: list[str] = []
         self.max_model_len = max_model_len
         self.step_time = step_time
         self._waiting: list[str] = []
