@@ -144,11 +144,11 @@ def load_adapter(name: str, path: str | Path, *, targets: dict[str, LoRATarget],
                               f"LoRA targets: {', '.join(known)})")
     listed = config.get("target_modules")
     if isinstance(listed, list):  # a string is a regex PEFT matched: the tensors tell
-        known = {k.rsplit(".", 1)[-1] for k in targets}
-        missing = sorted(set(listed) - known)
+        target_names = {k.rsplit(".", 1)[-1] for k in targets}
+        missing = sorted(set(listed) - target_names)
         if missing:
             raise LoRAError(name, f"target modules {missing} are not in the served model (its "
-                                  f"LoRA targets: {', '.join(sorted(known))})")
+                                  f"LoRA targets: {', '.join(sorted(target_names))})")
     alpha = config.get("lora_alpha", 8)
     alphas = dict(config.get("alpha_pattern") or {})
     rslora = bool(config.get("use_rslora", False))
