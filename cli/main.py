@@ -25,7 +25,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cli.kv_sizing import kv_blocks_needed
     from cli.offline import IN_FLIGHT_PER_SEQ, run_batch_file, write_metrics_json
     from engine import EngineConfig, LLMEngine
-    from engine.lora.adapter import LoRAError
+    from engine.lora.errors import LoRAError
     from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
 
     kwargs = engine_config_kwargs(args)

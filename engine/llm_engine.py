@@ -13,7 +13,7 @@ import torch
 from engine.allocator import keep_step_buffers_on_heap
 from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
-from engine.lora.adapter import LoRAError
+from engine.lora.errors import LoRAError
 from engine.model_runner import ModelRunner
 from engine.models.loader import load_checkpoint
 from engine.outputs import (

@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.lora.adapter import LoRAError
+from engine.lora.errors import LoRAError
 from engine.outputs import RequestOutput, TokenLogprob
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from engine.structured_output import StructuredOutputError
@@ -38,7 +38,7 @@ from openai_format.responses import (
     chat_completion_body,
     text_completion_body,
 )
-from openai_format.sampling import engine_fields, sampling_kwargs
+from openai_format.sampling import LORA_FIELD, engine_fields, sampling_kwargs
 from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
 from openai_format.types import (
     CHAT_URL,
@@ -59,6 +59,8 @@ class EngineInput:
     # The body field a grammar came from, to name it when the engine cannot compile it.
     format_field: str | None = None
     tool_mode: ToolCallMode | None = None
+    # The LoRA adapter the line runs under (its batch's model when that is an adapter).
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -154,13 +156,15 @@ def _prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | Prepar
         )
     except ValueError as exc:
         return PrepareError(INVALID_VALUE, f"body: {exc}")
-    return EngineInput(prompt, params, format_field, tool_mode)
+    return EngineInput(prompt, params, format_field, tool_mode, fields.get(LORA_FIELD))
 
 
 def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
                   **kwargs: Any) -> PrepareError | None:
     """``engine.add_request``; a request the engine refuses (a schema its grammar compiler
     cannot take) becomes the line's error."""
+    if engine_input.lora_name is not None:
+        kwargs.setdefault("lora_name", engine_input.lora_name)
     try:
         engine.add_request(request_id, engine_input.prompt, engine_input.params, **kwargs)
     except StructuredOutputError as exc:

@@ -26,19 +26,12 @@ from typing import Any
 import torch
 
 from engine.layers.lora import LoRALinear, LoRAPiece, LoRATarget, ModuleLoRA
+from engine.lora.errors import LoRAError
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 _PREFIX = "base_model.model."
 _KEY = re.compile(r"^(?P<module>.+)\.lora_(?P<ab>[AB])\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served; the message names it and says why."""
-
-    def __init__(self, name: str, reason: str) -> None:
-        self.adapter = name
-        super().__init__(f"LoRA adapter {name!r}: {reason}")
 
 
 @dataclass

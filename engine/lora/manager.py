@@ -20,7 +20,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.layers.lora import LoRABatch, LoRALinear, LoRASegment, LoRATarget
-from engine.lora.adapter import LoRAAdapter, LoRAError, load_adapter
+from engine.lora.adapter import LoRAAdapter, load_adapter
+from engine.lora.errors import LoRAError
 
 
 class LoRAManager:

@@ -41,6 +41,7 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.model_name = "fake-model"
         self.lora_names: list[str] = []
+        self.loras: dict[str, str | None] = {}  # request id -> the adapter it was added with
         self.max_model_len = max_model_len
         self.step_time = step_time
         self._waiting: list[str] = []
@@ -67,10 +68,14 @@ class FakeEngine:
         return self.encode(text)
 
     def add_request(self, request_id: str, prompt, params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_name: str | None = None) -> None:
         self.thread_ids.add(threading.get_ident())
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
+        if lora_name is not None and lora_name not in self.lora_names:
+            raise ValueError(f"LoRA adapter {lora_name!r}: not registered")
+        self.loras[request_id] = lora_name
         token_ids = prompt_token_ids(self, prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))
         self._requests[request_id] = (token_ids, params, [], metrics)
