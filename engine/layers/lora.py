@@ -25,7 +25,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -81,10 +81,7 @@ class LoRABatch:
     seg_len: torch.Tensor | None = None
     seg_slot: torch.Tensor | None = None
     max_seg_len: int = 0
-    num_rows: int = 0
-    # Per-segment actual rank per linear is not needed on the stacked path: padded ranks hold
-    # zeros. Kept for the step's LoRA share (bench.lora).
-    meta: dict = field(default_factory=dict)
+    num_rows: int = 0  # rows under an adapter
 
 
 _CURRENT: ContextVar[LoRABatch | None] = ContextVar("boxcar_lora_batch", default=None)
