@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from bench.fake_engine import prompt_token_ids
+from engine.lora.errors import LoRAError
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, RequestProgress
 from engine.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ class FakeEngine:
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
         if lora_name is not None and lora_name not in self.lora_names:
-            raise ValueError(f"LoRA adapter {lora_name!r}: not registered")
+            raise LoRAError(lora_name, "not registered")
         self.loras[request_id] = lora_name
         token_ids = prompt_token_ids(self, prompt)
         metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(token_ids))

@@ -13,6 +13,7 @@ from sqlalchemy import select
 from service.models import RequestLine, Shard
 from service.storage import LocalStorage, put_bytes
 from tests.conftest_services import chat_line, wait_for
+from tests.openai_shapes import error_of
 from tests.worker.fake_engine import FakeEngine
 from worker.lora_files import local_lora_modules
 
@@ -77,6 +78,22 @@ def test_adapter_batches_and_jobs_run_on_the_base_workers(make_stack, sqlite_url
         assert fields.get("lora_name") == (None if model == BASE else model)
     used = sorted(name or "" for name in engine.loras.values())
     assert used.count("fr-support") == 6 and used.count("legal") == 6 and used.count("") == 4
+
+
+def test_a_line_whose_adapter_the_worker_lacks_fails_alone(make_stack, sqlite_url):
+    stack = make_stack(sqlite_url, **ADAPTERS)
+    engine = FakeEngine()
+    engine.lora_names = ["fr-support"]  # this worker could not register 'legal'
+    stack.add_worker(engine)
+    legal = stack.create_batch([chat_line(f"l{i}", "x", model="legal") for i in range(3)])
+    base = stack.create_batch([chat_line(f"b{i}", "y") for i in range(3)])
+    done = stack.wait_status(legal["id"], "completed")
+    errors = stack.lines_of(done["error_file_id"])
+    assert len(errors) == 3
+    for line in errors:
+        error = error_of(line)
+        assert error["code"] == "invalid_value" and "LoRA adapter 'legal'" in error["message"]
+    assert stack.wait_status(base["id"], "completed")["request_counts"]["completed"] == 3
 
 
 def test_object_storage_adapter_is_downloaded_once(tmp_path):
