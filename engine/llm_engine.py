@@ -27,6 +27,7 @@ from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.structured_output import StructuredOutputManager, accept_token
+from engine.window_kv import WindowBlocks
 
 T = TypeVar("T")
 
@@ -78,7 +79,12 @@ class LLMEngine:
         num_blocks = self.model_runner.num_kv_blocks
         # A request must always fit in the cache on its own, or it could never run.
         self.max_model_len = min(model_len, num_blocks * config.block_size)
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        window = None
+        if self.model_runner.kv_window is not None:
+            size, num_window_blocks = self.model_runner.kv_window
+            window = WindowBlocks(num_window_blocks, config.block_size, size,
+                                  config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, window)
         self.eos_token_ids = _eos_token_ids(checkpoint.config, self.tokenizer)
         # Built on the first structured request (reading the vocabulary takes a moment).
         self._structured_output: StructuredOutputManager | None = None
@@ -99,10 +105,6 @@ class LLMEngine:
         start = time.perf_counter()
         hf_config = checkpoint.config
         model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-        window = getattr(hf_config, "sliding_window", None)
-        if window and getattr(hf_config, "use_sliding_window", True):
-            # Attention here is full attention: stay inside the window where the two agree.
-            model_len = min(model_len, int(window))
         if config.max_model_len is not None:
             if config.max_model_len > model_len:
                 raise ValueError(

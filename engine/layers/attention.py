@@ -58,6 +58,8 @@ class Attention(nn.Module):
         attn: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if self.sliding_window is not None and metadata.window is not None:
+            metadata = metadata.window  # this layer's blocks live in the windowed group
         return attn.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale,
                             window=self.sliding_window, soft_cap=self.soft_cap,
                             sinks=self.sinks)

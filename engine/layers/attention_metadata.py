@@ -38,6 +38,9 @@ class AttentionMetadata:
     decode_context_lens_list: list[int] = field(default_factory=list)
     # Backend-private precomputed state (e.g. gather indices), filled by ``prepare``.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Where the sliding-window layers keep their own blocks (engine/window_kv.py): the same step
+    # with their slot mapping and block tables; None when every layer shares one table.
+    window: AttentionMetadata | None = None
 
     @property
     def num_decode_tokens(self) -> int:

@@ -103,6 +103,11 @@ class LlamaForCausalLM(CausalLM):
         qkv_bias = self.qkv_bias or bool(getattr(config, "attention_bias", False))
         if getattr(config, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not implemented")
+        for field in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, field, None) is not None:
+                # transformers' Llama-family models ignore it; refusing beats a silent difference
+                raise ValueError(f"{field} is not part of {type(self).__name__} (transformers "
+                                 "ignores it); remove it from the config")
         self.model = LlamaModel(config, qkv_bias, self.qk_norm, max_position)
         self._finish(config, config.intermediate_size)
 

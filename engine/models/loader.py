@@ -273,6 +273,10 @@ def _load_hf_config(folder: Path) -> Any:
     if config is None:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except Exception as error:  # noqa: BLE001 - transformers' field validation raises
+            # huggingface_hub's StrictDataclassError, no ValueError: the config is what is wrong
+            raise ValueError(f"{config_file}: {error}") from error
     config.architectures = [architecture]
     return config
