@@ -40,7 +40,8 @@ def save_adapter(base_path, folder, seed: int, **kwargs) -> str:
 
 
 def reference_greedy(base_path, adapter_path, prompts, max_tokens) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        base_path, dtype=torch.float32, attn_implementation="eager")
     if adapter_path is not None:
         model = peft.PeftModel.from_pretrained(model, adapter_path)
     model.eval()
@@ -132,3 +133,56 @@ def test_stacked_kernels_path_matches_peft(lora_reference):
     for out, (prompt, _, name) in zip(outs, subset, strict=True):
         assert out.token_ids == expected[name][prompts.index(prompt)][:4], name
     assert runner.lora.num_slot_writes >= 3
+
+
+# Every family gets LoRA from the shared layers: Gemma 2 / 3 (windows, soft-caps) and Phi-3,
+# whose checkpoint (and so PEFT) has q/k/v and gate/up fused: an adapter on a whole packed module.
+FAMILY_ADAPTERS = {
+    "gemma2": {"attn-mlp": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                  "up_proj"]),
+               "rest": dict(r=8, lora_alpha=4, use_rslora=True,
+                            target_modules=["k_proj", "o_proj", "gate_proj", "down_proj"])},
+    "gemma3": {"attn-mlp": dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj",
+                                                                  "up_proj"]),
+               "rest": dict(r=8, lora_alpha=64, target_modules=["k_proj", "o_proj",
+                                                                "down_proj"])},
+    "phi3-longrope-window": {
+        "packed": dict(r=4, lora_alpha=8, target_modules=["qkv_proj", "gate_up_proj"]),
+        "out": dict(r=6, lora_alpha=12, target_modules=["o_proj", "down_proj"])},
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILY_ADAPTERS))
+def family_reference(request, tmp_path_factory):
+    from tests.engine.test_families import FAMILIES
+
+    arch, kw = FAMILIES[request.param]
+    kw = dict(kw)
+    tie = kw.pop("tie")
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    path = make_checkpoint(root / "base", arch, tie=tie, **kw)
+    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (7, 30, 19)]
+    max_tokens = [16, 9, 20]
+    adapters = {name: save_adapter(path, root / name, seed, **kwargs) for seed, (name, kwargs)
+                in enumerate(FAMILY_ADAPTERS[request.param].items())}
+    expected = {name: reference_greedy(path, adapters.get(name) if name else None, prompts,
+                                       max_tokens) for name in [None, *adapters]}
+    for name in adapters:
+        assert expected[name] != expected[None]
+    return path, adapters, prompts, max_tokens, expected
+
+
+@pytest.mark.parametrize("mode", ["default", "chunked-tiny-budget"])
+def test_every_family_gets_lora(family_reference, mode):
+    path, adapters, prompts, max_tokens, expected = family_reference
+    llm = LLM(str(path), dtype="float32", lora_modules=lora_modules(adapters),
+              **({"max_num_batched_tokens": 16, "block_size": 8} if mode != "default" else {}))
+    names = [None, *adapters]
+    lines = [(i, name) for name in names for i in range(len(prompts))]
+    outs = llm.generate([prompts[i] for i, _ in lines],
+                        [greedy(max_tokens[i]) for i, _ in lines],
+                        lora_name=[name for _, name in lines])
+    for out, (i, name) in zip(outs, lines, strict=True):
+        assert out.token_ids == expected[name][i], (mode, name, i)
