@@ -126,15 +126,23 @@ def test_request_errors_name_the_adapter_and_lose_nothing(base_and_adapter):
     (second / "adapter_model.safetensors").write_bytes(b"broken")
     with pytest.raises(LoRAError, match="'second'.*not a readable safetensors"):
         engine.add_request("second", [5, 6, 7], params, lora_name="second")
+    with pytest.raises(LoRAError, match="'third'.*is not a folder"):
+        engine.add_lora("third", str(root / "nowhere"))
+    engine.add_lora("third", adapter)  # registered while the engine runs
+    assert engine.lora_names == ["good", "second", "third"]
+    engine.add_request("third", [5, 6, 7], params, lora_name="third")
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             done[out.request_id] = out
-    assert sorted(done) == ["base", "good"]
+    assert sorted(done) == ["base", "good", "third"]
+    assert done["third"].outputs[0].token_ids == done["good"].outputs[0].token_ids
     assert all(len(o.outputs[0].token_ids) == 4 for o in done.values())
     plain = LLM(str(path), dtype="float32")
     with pytest.raises(LoRAError, match="LoRA is off"):
         plain.engine.add_request("x", [5, 6], params, lora_name="good")
+    with pytest.raises(LoRAError, match="LoRA is off"):
+        plain.engine.add_lora("good", adapter)
 
 
 def test_scheduler_counts_adapters_a_step_like_seats():
