@@ -192,3 +192,19 @@ def test_windowed_layers_hold_o_window_blocks(tmp_path):
     assert window.num_free_blocks == window.num_blocks
     stats = engine.get_stats()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_sharded_safetensors_folder(reference, tmp_path):
+    """The same weights re-saved as shards listed in model.safetensors.index.json."""
+    name, path, prompts, expected = reference
+    if name not in ("gemma3", "phi3-longrope-window"):
+        pytest.skip("one Gemma and one fused-checkpoint family cover sharding")
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    sharded = tmp_path / "sharded"
+    model.save_pretrained(sharded, max_shard_size="100KB")
+    transformers.AutoTokenizer.from_pretrained(path).save_pretrained(sharded)
+    assert (sharded / "model.safetensors.index.json").is_file()
+    assert len(list(sharded.glob("model-*.safetensors"))) > 1
+    llm = LLM(str(sharded), dtype="float32")
+    outs = llm.generate(prompts[:2], [greedy(n) for n in MAX_TOKENS[:2]])
+    assert [o.token_ids for o in outs] == expected[:2]
