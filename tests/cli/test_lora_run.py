@@ -88,3 +88,20 @@ def test_lora_options_come_from_the_config_fields():
     assert cli.engine_config_kwargs(args) == {
         "model": args.model, "lora_modules": ["a=/x", "b=/y"], "max_loras": 4,
         "max_lora_rank": 32, "max_cpu_loras": 6}
+
+
+@pytest.mark.parametrize("command", ["serve", "worker"])
+def test_serve_and_worker_take_lora_modules_into_the_settings(command, monkeypatch):
+    from cli.service_commands import _settings_from
+    from service.served_models import configured_adapters
+
+    for name in ("BOXCAR_ENGINE_OPTIONS", "BOXCAR_MODEL", "BOXCAR_SERVED_MODEL_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    args = cli.build_parser().parse_args([
+        command, "--lora-modules", "fr=adapters/fr", "--lora-modules", "legal=/srv/legal",
+        "--max-loras", "2"])
+    settings = _settings_from(args)
+    assert settings.engine_options == {"lora_modules": ["fr=adapters/fr", "legal=/srv/legal"],
+                                       "max_loras": 2}
+    assert configured_adapters(settings) == {"fr": "SmolLM2-135M-Instruct",
+                                             "legal": "SmolLM2-135M-Instruct"}
