@@ -60,6 +60,12 @@ _HELP: dict[str, dict[str, Any]] = {
     "attention_backend": {"choices": ("cpu", "torch", "triton"),
                           "help": "attention kernels (default: chosen by device)"},
     "enforce_eager": {"help": "no CUDA graphs"},
+    "lora_modules": {"action": "append", "type": str, "metavar": "NAME=PATH",
+                     "help": "a LoRA adapter (a PEFT folder; for serve and worker also an "
+                             "object-storage key) lines may name as their model; repeatable"},
+    "max_loras": {"help": "most LoRA adapters in one step"},
+    "max_lora_rank": {"help": "largest LoRA rank accepted"},
+    "max_cpu_loras": {"help": "LoRA adapters kept loaded (default: --max-loras)"},
 }
 _TYPES = {"int": int, "float": float, "str": str}
 
@@ -82,8 +88,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         if field.type == "bool":
             group.add_argument(flag, dest=field.name, action="store_true", default=None, **extra)
             continue
-        base = field.type.split("|")[0].strip()
-        extra.setdefault("type", _TYPES[base])
+        if "type" not in extra:
+            extra["type"] = _TYPES[field.type.split("|")[0].strip()]
         group.add_argument(flag, dest=field.name, default=None, **extra)
 
 

@@ -25,6 +25,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cli.kv_sizing import kv_blocks_needed
     from cli.offline import IN_FLIGHT_PER_SEQ, run_batch_file, write_metrics_json
     from engine import EngineConfig, LLMEngine
+    from engine.lora.errors import LoRAError
     from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
 
     kwargs = engine_config_kwargs(args)
@@ -39,7 +40,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"boxcar run: {exc}", file=sys.stderr)
         return 2
-    engine = LLMEngine(config)
+    try:
+        engine = LLMEngine(config)
+    except LoRAError as exc:  # a --lora-modules adapter that cannot be served
+        print(f"boxcar run: {exc}", file=sys.stderr)
+        return 2
     recorder = EngineRecorder(engine_config(engine))
     max_in_flight = args.max_in_flight or IN_FLIGHT_PER_SEQ * config.max_num_seqs
     summary = run_batch_file(

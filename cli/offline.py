@@ -44,6 +44,7 @@ class _InFlight:
     request_id: str  # the engine's id; the response's request_id is ``req_`` + it
     tool_mode: ToolCallMode | None = None
     response_echo: dict[str, Any] | None = None  # a /v1/responses line's
+    lora_name: str | None = None  # the adapter the line named as its model
 
 
 @dataclass
@@ -203,6 +204,7 @@ class _Runner:
         self.e2es: list[float] = []
         self.endpoint = endpoint
         self.model_names = _served_names(engine, model_name)
+        self.lora_names = set(engine.lora_names)
         self.started = time.monotonic()
 
     def run(self, lines: Iterator[tuple[int, bytes]], out: IO[str], err: IO[str], bar: Any) -> None:
@@ -252,9 +254,11 @@ class _Runner:
         if duplicate is not None:
             return duplicate
         model = getattr(parsed.body, "model", None)
-        if model is not None and model not in self.model_names:
-            # The service refuses a batch naming a model it does not serve; a run serves one.
-            served = ", ".join(sorted(self.model_names))
+        lora_name = model if model in self.lora_names else None
+        if model is not None and model not in self.model_names and lora_name is None:
+            # The service refuses a batch naming a model it does not serve; a run serves one
+            # base model and the LoRA adapters registered with --lora-modules.
+            served = ", ".join([*sorted(self.model_names), *sorted(self.lora_names)])
             return LineError("model_not_found",
                              f"body.model {model!r} is not served by this run (it serves: "
                              f"{served}); name one of those or leave model out", line_no,
@@ -264,12 +268,13 @@ class _Runner:
         request_id = new_id()
         engine_input = prepare(self.engine, parsed.url, parsed.body)
         if not isinstance(engine_input, PrepareError):
-            engine_input = add_to_engine(self.engine, request_id, engine_input) or engine_input
+            engine_input = (add_to_engine(self.engine, request_id, engine_input,
+                                          lora_name=lora_name) or engine_input)
         if isinstance(engine_input, PrepareError):
             return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id,
                              numbered=False, param=engine_input.param)
         self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode,
-                                               engine_input.response_echo)
+                                               engine_input.response_echo, lora_name)
         return None
 
     def write_error(self, error: LineError, f: IO[str]) -> None:
@@ -287,7 +292,7 @@ class _Runner:
         entry = self.in_flight.pop(request_output.request_id)
         metrics = request_output.metrics
         body, usage = response_body(
-            request_output, endpoint=entry.line.url, model=self.model_name,
+            request_output, endpoint=entry.line.url, model=entry.lora_name or self.model_name,
             engine=self.engine, hex_id=new_id(), tool_mode=entry.tool_mode,
             response_echo=entry.response_echo,
         )

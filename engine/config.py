@@ -42,6 +42,14 @@ class EngineConfig:
     # 128 decodes took 3.5x one of 16). None: no cap (a GPU's decode step barely grows with its
     # rows). No effect while every priority is equal.
     urgent_bulk_tokens: int | None = 64
+    # LoRA adapters (docs/lora.md): NAME=PATH pairs, PATH a local PEFT folder. Empty: no LoRA
+    # (the model's linears stay plain). ``max_loras``: distinct adapters in one step (a request
+    # whose adapter would be one more waits); ``max_lora_rank``: the largest rank accepted;
+    # ``max_cpu_loras``: adapters kept loaded, least recently used dropped (None: max_loras).
+    lora_modules: tuple[str, ...] = ()
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -75,8 +83,39 @@ class EngineConfig:
                 f"urgent_bulk_tokens must be >= 1 (or None: no cap), "
                 f"got {self.urgent_bulk_tokens}"
             )
+        self._check_lora()
         if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be 'cpu', 'torch' or 'triton', "
                 f"got {self.attention_backend!r}"
             )
+
+    def _check_lora(self) -> None:
+        if isinstance(self.lora_modules, str):
+            raise ValueError("lora_modules must be a list of NAME=PATH entries, not one string")
+        object.__setattr__(self, "lora_modules", tuple(self.lora_modules))
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be >= 1, got {self.max_loras}")
+        if self.max_lora_rank < 1:
+            raise ValueError(f"max_lora_rank must be >= 1, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras "
+                             f"({self.max_loras}): a step's adapters must all be loaded")
+        names = [parse_lora_module(m)[0] for m in self.lora_modules]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"lora_modules names {duplicates} more than once")
+
+    @property
+    def lora_paths(self) -> dict[str, str]:
+        """``lora_modules`` as name -> path, in the order given."""
+        return dict(parse_lora_module(m) for m in self.lora_modules)
+
+
+def parse_lora_module(text: str) -> tuple[str, str]:
+    """``NAME=PATH`` -> (name, path); ValueError naming the entry when it is not that."""
+    name, sep, path = text.partition("=")
+    name, path = name.strip(), path.strip()
+    if not sep or not name or not path:
+        raise ValueError(f"lora_modules entry {text!r} must be NAME=PATH")
+    return name, path

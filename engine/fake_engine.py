@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.lora.errors import LoRAError
 from engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -95,6 +96,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.priorities: dict[str, int] = {}  # request id -> the priority it was added with
         self.ranks: dict[str, int] = {}  # request id -> the rank it was added with
+        self.lora_names: list[str] = []  # adapters a request may name (add_lora registers one)
+        self.loras: dict[str, str | None] = {}  # request id -> the adapter it was added with
         self.num_steps = 0
         self.max_batch = 0
         self.thread_ids: set[int] = set()  # threads that added requests or stepped
@@ -153,10 +156,13 @@ class FakeEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    rank: int = 0) -> None:
+                    rank: int = 0, lora_name: str | None = None) -> None:
         self.thread_ids.add(threading.get_ident())
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
+        if lora_name is not None and lora_name not in self.lora_names:
+            raise LoRAError(lora_name, "not registered")
+        self.loras[request_id] = lora_name
         token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         # Refused as the real engine refuses it: empty, or no room left to generate.
         if not token_ids:
@@ -175,6 +181,10 @@ class FakeEngine:
         # Waiting in the engine's order: (priority, rank, arrival), lower first (a stable sort).
         self._waiting.sort(key=lambda rid: (self.priorities[rid], self.ranks[rid]))
         self.added.append(request_id)
+
+    def add_lora(self, name: str, path: str) -> None:
+        if name not in self.lora_names:
+            self.lora_names.append(name)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

@@ -53,10 +53,14 @@ class KVCacheManager:
         bs = self.block_size
         hashes = request.block_hashes
         num_full = request.num_tokens // bs
+        # The adapter is an extra key of every block: one prompt under two adapters has two
+        # KVs (vLLM's extra keys); under one adapter it is shared.
+        extra = (f"lora:{request.lora_name}",) if request.lora_name is not None else ()
         while len(hashes) < num_full:
             i = len(hashes)
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.token_ids[i * bs : (i + 1) * bs]))
+            hashes.append(hash_block_tokens(parent, request.token_ids[i * bs : (i + 1) * bs],
+                                            extra))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """The longest cached run of the request's full blocks, and the tokens it covers.

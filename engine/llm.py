@@ -34,8 +34,10 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = False,
+        lora_name: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in input order."""
+        """Run every prompt to completion; outputs come back in input order. ``lora_name``: one
+        registered adapter for every prompt, or one (or None: the base model) per prompt."""
         prompt_list: list[str | list[int]]
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompt_list = [prompts]  # type: ignore[list-item]
@@ -51,11 +53,18 @@ class LLM:
                 raise ValueError(
                     f"got {len(params_list)} SamplingParams for {len(prompt_list)} prompts"
                 )
+        loras: list[str | None]
+        if lora_name is None or isinstance(lora_name, str):
+            loras = [lora_name] * len(prompt_list)
+        else:
+            loras = list(lora_name)
+            if len(loras) != len(prompt_list):
+                raise ValueError(f"got {len(loras)} lora names for {len(prompt_list)} prompts")
         ids = []
-        for prompt, p in zip(prompt_list, params_list, strict=True):
+        for prompt, p, lora in zip(prompt_list, params_list, loras, strict=True):
             request_id = f"gen-{self._counter}"
             self._counter += 1
-            self.engine.add_request(request_id, prompt, p)
+            self.engine.add_request(request_id, prompt, p, lora_name=lora)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 

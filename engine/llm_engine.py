@@ -16,6 +16,7 @@ import torch
 
 from engine.allocator import keep_step_buffers_on_heap
 from engine.config import EngineConfig
+from engine.lora.errors import LoRAError
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
 from engine.parallel_sampling import ParentRequest
 from engine.protocol import ChatTemplate
@@ -116,8 +117,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         priority: int = 0,
         rank: int = 0,
+        lora_name: str | None = None,
     ) -> None:
         """Queue one request (``params.n`` sequences) for the next steps.
+
+        ``lora_name``: a registered LoRA adapter (``EngineConfig.lora_modules``) to run it
+        under; None runs the base model. An unknown or unreadable adapter raises ``LoRAError``
+        (a ValueError naming it).
 
         ``priority``: lower values are more urgent (vLLM's convention), 0 by default. The
         waiting queue is ordered by (priority, rank, arrival); a request more urgent than a
@@ -132,6 +138,8 @@ class LLMEngine:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if lora_name is not None:
+            self._check_lora(lora_name)
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
@@ -146,12 +154,32 @@ class LLMEngine:
             request_id, text, prompt_ids, params, max_tokens=max_tokens,
             eos_token_ids=self.eos_token_ids,
             arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority, rank=rank, grammars=matchers)
+            priority=priority, rank=rank, lora_name=lora_name, grammars=matchers)
         self._parents[request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request_id] = request_id
         for child in parent.children:
             self.scheduler.add_request(child)
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The registered LoRA adapters, in registration order (empty: LoRA is off)."""
+        lora = self.model_runner.lora
+        return [] if lora is None else lora.names
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register (or replace) an adapter while the engine runs; its folder is read now."""
+        lora = self.model_runner.lora
+        if lora is None:
+            raise LoRAError(name, "LoRA is off in this engine (start it with lora_modules)")
+        lora.add_adapter(name, path)
+
+    def _check_lora(self, name: str) -> None:
+        lora = self.model_runner.lora
+        if lora is None:
+            raise LoRAError(name, "LoRA is off in this engine (no lora_modules registered)")
+        lora.check(name)
+        lora.get(name)  # read it now if the LRU dropped it: a bad file fails this request
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
         if not prompt_ids:

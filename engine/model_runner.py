@@ -23,11 +23,13 @@ from engine.layers.linear import (
     mkl_packing_available,
     pack_linear_weights,
 )
+from engine.layers.lora import lora_batch, wrap_lora_linears
 from engine.layers.torch_attention import TorchAttentionBackend
+from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request
 from engine.sampler import Sampler
 
@@ -90,6 +92,9 @@ class ModelRunner:
         self.attn = self._make_attention_backend()
         self.packed_weights = False
         self.greedy_screen: GreedyScreen | None = None
+        self.lora: LoRAManager | None = None
+        if config.lora_modules:
+            self._enable_lora(checkpoint)
         if self._native_cpu_path():
             self._pack_weights()
         self._allocate_kv_cache(hf_config)
@@ -98,6 +103,15 @@ class ModelRunner:
         if (self.device.type == "cuda" and not config.enforce_eager
                 and self.kv_window is None):
             self._capture_cuda_graphs()
+
+    def _enable_lora(self, checkpoint) -> None:
+        """Wrap the projections in ``LoRALinear`` (before packing: packing finds the base
+        linears inside) and read every registered adapter, so a bad one fails the start."""
+        linears, targets = wrap_lora_linears(self.model)
+        stacked = self.device.type == "cuda" or self.config.attention_backend == "triton"
+        self.lora = LoRAManager(self.config, linears, targets, dtype=self.dtype,
+                                device=self.device, base_names=base_model_names(
+                                    self.config.model, checkpoint), stacked=stacked)
 
     def _capture_cuda_graphs(self) -> None:
         """Decode-only steps replay CUDA graphs captured at bucketed batch sizes."""
@@ -171,7 +185,7 @@ class ModelRunner:
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> tuple[InputBatch, list[Request]]:
         """The step's flat batch, and the requests that sample, in its sample order."""
-        scheduled = scheduler_output.scheduled
+        scheduled = self._ordered(scheduler_output, requests)
         rows = []
         for s in scheduled:
             request = requests[s.request_id]
@@ -181,13 +195,39 @@ class ModelRunner:
                                   with_window=self.kv_window is not None)
         return batch, [requests[scheduled[i].request_id] for i in batch.sample_rows]
 
+    def _ordered(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+                 ) -> list[ScheduledRequest]:
+        """The step's requests; with LoRA on, ordered by adapter (base first, stable), so the
+        flat batch (decodes, then prefills, each in this order) holds an adapter's rows
+        contiguously (``layers/lora.py``)."""
+        scheduled = list(scheduler_output.scheduled)
+        if self.lora is not None:
+            def by_adapter(s: ScheduledRequest) -> tuple[bool, str]:
+                name = requests[s.request_id].lora_name
+                return name is not None, name or ""
+
+            scheduled.sort(key=by_adapter)
+        return scheduled
+
+    def _lora_batch(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]):
+        """The step's LoRA segments in the flat batch's row order (None: no adapter rows)."""
+        if self.lora is None:
+            return None
+        scheduled = self._ordered(scheduler_output, requests)
+        flat = ([s for s in scheduled if s.num_new_tokens == 1]
+                + [s for s in scheduled if s.num_new_tokens > 1])
+        return self.lora.step_batch([(requests[s.request_id].lora_name, s.num_new_tokens)
+                                     for s in flat])
+
     @torch.inference_mode()
     def execute(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> ModelRunnerOutput:
         batch, sample_requests = self.prepare_inputs(scheduler_output, requests)
         metadata = batch.metadata
-        if self.graphs is not None and metadata.num_prefills == 0:
+        lora = self._lora_batch(scheduler_output, requests)
+        # The graphs were captured base-only: a step with adapter rows runs eagerly.
+        if self.graphs is not None and metadata.num_prefills == 0 and lora is None:
             hidden = self.graphs.run(
                 batch.input_ids, batch.positions, metadata.decode_block_tables,
                 metadata.decode_context_lens, metadata.slot_mapping,
@@ -196,8 +236,9 @@ class ModelRunner:
             self.attn.prepare(metadata)
             if metadata.window is not None:
                 self.attn.prepare(metadata.window)
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attn,
-                                metadata)
+            with lora_batch(lora):
+                hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attn,
+                                    metadata)
         if not batch.sample_indices:
             return ModelRunnerOutput({})
         # Only the rows we sample from go through the (large) output projection; plain greedy
@@ -249,3 +290,16 @@ class ModelRunner:
                 ).cpu()
         logits = self.model.cap_logits(hidden.float() @ weight.float().T)  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def base_model_names(model: str, checkpoint) -> set[str]:
+    """The names an adapter's ``base_model_name_or_path`` may give for this model: the setting,
+    its last part, the checkpoint folder's name and the name its config was saved under."""
+    names = {model, os.path.basename(model.rstrip("/"))}
+    for path in (checkpoint.path, checkpoint.source):
+        if path is not None:
+            names |= {str(path), path.name, path.stem}
+    saved = getattr(checkpoint.config, "_name_or_path", None) or ""
+    if saved:
+        names |= {saved, os.path.basename(saved.rstrip("/"))}
+    return {n for n in names if n}

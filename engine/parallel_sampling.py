@@ -35,6 +35,7 @@ class ParentRequest:
     def fan_out(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                 params: SamplingParams, *, max_tokens: int, eos_token_ids: tuple[int, ...],
                 arrival_time: float, priority: int, rank: int,
+                lora_name: str | None = None,
                 grammars: list[Any] | None = None) -> ParentRequest:
         """The parent and its ``params.n`` children (``grammars``: one matcher per child)."""
         num_prompt = len(prompt_token_ids)
@@ -55,6 +56,7 @@ class ParentRequest:
                 index=index,
                 priority=priority,
                 rank=rank,
+                lora_name=lora_name,
                 generator=generator,
                 grammar=None if grammars is None else grammars[index],
             ))

@@ -77,8 +77,18 @@ class Engine(Protocol):
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    rank: int = 0) -> None:
-        """Queue one request; raises ``ValueError`` for one the engine cannot run."""
+                    rank: int = 0, lora_name: str | None = None) -> None:
+        """Queue one request; raises ``ValueError`` for one the engine cannot run
+        (``LoRAError`` for an adapter it cannot serve)."""
+        ...
+
+    @property
+    def lora_names(self) -> list[str]:
+        """The registered LoRA adapters a request may name (empty: LoRA is off)."""
+        ...
+
+    def add_lora(self, name: str, path: str) -> None:
+        """Register (or replace) an adapter; raises ``LoRAError`` for one it cannot read."""
         ...
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]: ...

@@ -65,6 +65,8 @@ class Request:
     generator: torch.Generator | None = None
     # The structured-output matcher: advanced once per sampled token, never on recompute.
     grammar: xgr.GrammarMatcher | None = None
+    # The LoRA adapter it runs under (None: the base model); keys its prefix-cache blocks.
+    lora_name: str | None = None
 
     token_ids: list[int] = field(init=False)
     # Arrival order in the scheduler (set by Scheduler.add_request): breaks priority ties.

@@ -32,6 +32,8 @@ class Scheduler:
         self.num_preemptions = 0
         # Waiting requests passed over in a step because a running one was computing their prefix.
         self.num_prefix_holds = 0
+        # ... or because their LoRA adapter would have been one more than max_loras.
+        self.num_lora_holds = 0
         self.num_steps = 0
         self.batch_size_hist: Counter[int] = Counter()
         self.scheduled_tokens_hist: Counter[int] = Counter()
@@ -94,7 +96,10 @@ class Scheduler:
         step and the rest skip the step, keeping their blocks, so each step stays short on a
         device whose step time grows with its tokens; the urgent requests' own tokens are not
         capped. Otherwise no request is admitted in a step that had to preempt, and the first
-        one that does not fit stops admission.
+        one that does not fit stops admission. The adapters of the running requests are counted
+        as seats are: a waiting request whose LoRA adapter is not among them while there are
+        ``max_loras`` already is passed over (it waits for one to finish) and the requests
+        behind it are still admitted.
         """
         step = _Step(self.config.max_num_batched_tokens)
         step.urgent_priority, step.bulk_budget = self._bulk_cap()
@@ -148,6 +153,7 @@ class Scheduler:
         config = self.config
         preempted_by_running = step.num_preempted > 0
         num_held = 0
+        loras = {r.lora_name for r in self.running if r.lora_name is not None}
         i = 0
         while i < len(self.waiting):
             request = self.waiting[i]
@@ -156,6 +162,14 @@ class Scheduler:
             outranks = bool(self.running) and self.running[-1].priority > request.priority
             if preempted_by_running and not outranks:
                 break
+            lora = request.lora_name
+            if lora is not None and lora not in loras and len(loras) >= config.max_loras:
+                self.num_lora_holds += 1  # its adapter would be one too many this step
+                num_held += 1
+                if num_held >= config.max_num_seqs:
+                    break
+                i += 1
+                continue
             computed_blocks: list = []
             num_hit = 0
             if request.num_computed_tokens == 0:
@@ -207,6 +221,8 @@ class Scheduler:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             insort(self.running, request, key=_sort_key)
+            if lora is not None:
+                loras.add(lora)
             step.add(self._scheduled(request, num_new), request)
 
     def _take_budget(self, request: Request, num_tokens: int, step: _Step) -> bool:

@@ -246,10 +246,10 @@ class MeteredEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
-                    rank: int = 0) -> None:
+                    rank: int = 0, lora_name: str | None = None) -> None:
         try:
             self._engine.add_request(request_id, prompt, params, arrival_time=arrival_time,
-                                     priority=priority, rank=rank)
+                                     priority=priority, rank=rank, lora_name=lora_name)
         except ValueError:
             self.recorder.observe_rejected()
             raise
@@ -294,6 +294,13 @@ class MeteredEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return self._engine.num_unfinished_requests
+
+    @property
+    def lora_names(self) -> list[str]:
+        return self._engine.lora_names
+
+    def add_lora(self, name: str, path: str) -> None:
+        self._engine.add_lora(name, path)
 
     def encode(self, prompt: str) -> list[int]:
         return self._engine.encode(prompt)

@@ -101,3 +101,14 @@ def sampling_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
     bias = sampling.get("logit_bias")
     sampling["logit_bias"] = None if bias is None else {int(t): float(b) for t, b in bias}
     return sampling
+
+
+# The ``engine_fields`` key naming the LoRA adapter a line runs under: its batch's (or job's)
+# model when that is an adapter (docs/lora.md), so the worker needs no batch row to know it.
+LORA_FIELD = "lora_name"
+
+
+def line_engine_fields(body: Any, lora: str | None) -> dict[str, Any]:
+    """A stored line's ``engine_fields``: ``engine_fields(body)`` and the adapter, if any."""
+    fields = engine_fields(body)
+    return fields if lora is None else {**fields, LORA_FIELD: lora}

@@ -22,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.lora.errors import LoRAError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
@@ -42,7 +43,7 @@ from openai_format.responses import (
     chat_completion_body,
     text_completion_body,
 )
-from openai_format.sampling import engine_fields, sampling_kwargs
+from openai_format.sampling import LORA_FIELD, engine_fields, sampling_kwargs
 from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
 from openai_format.types import CHAT_URL, INVALID_VALUE, RESPONSES_URL
 
@@ -60,6 +61,8 @@ class EngineInput:
     tool_mode: ToolCallMode | None = None
     # A /v1/responses line: the request fields its Response object repeats.
     response_echo: dict[str, Any] | None = None
+    # The LoRA adapter the line runs under (its batch's model when that is an adapter).
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True)
@@ -152,19 +155,25 @@ def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | Pre
         )
     except ValueError as exc:
         return PrepareError(INVALID_VALUE, f"body: {exc}")
-    return EngineInput(prompt, params, format_field, tool_mode, fields.get("response"))
+    return EngineInput(prompt, params, format_field, tool_mode, fields.get("response"),
+                       fields.get(LORA_FIELD))
 
 
 def add_to_engine(engine: Engine, request_id: str, engine_input: EngineInput, *,
-                  priority: int = 0, rank: int = 0) -> PrepareError | None:
+                  priority: int = 0, rank: int = 0,
+                  lora_name: str | None = None) -> PrepareError | None:
     """``engine.add_request``; a request the engine refuses (a schema its grammar compiler
-    cannot take) becomes the line's error."""
+    cannot take, an adapter it cannot serve) becomes the line's error. ``lora_name``: the
+    line's adapter when it is not in its stored fields (``boxcar run`` reads it off the line)."""
     try:
         engine.add_request(request_id, engine_input.prompt, engine_input.params,
-                           priority=priority, rank=rank)
+                           priority=priority, rank=rank,
+                           lora_name=lora_name or engine_input.lora_name)
     except StructuredOutputError as exc:
         return PrepareError(INVALID_VALUE, f"{engine_input.format_field or 'body'}: {exc}",
                             engine_input.format_field)
+    except LoRAError as exc:  # the adapter the line names as its model cannot be served
+        return PrepareError(INVALID_VALUE, str(exc), "model")
     except ValueError as exc:
         return PrepareError(INVALID_VALUE, f"the engine refused the request: {exc}")
     except Exception as exc:  # noqa: BLE001 - e.g. the grammar library failing on one format

@@ -56,6 +56,9 @@ class ModelEntry:
     created: dt.datetime | None  # first announced by a worker; None: configured, never seen
     num_workers: int  # live workers loading it now
     configured: bool
+    # A LoRA adapter's base model (its id); None for a base model. An adapter's work goes to
+    # its parent's queue: any worker serving the parent loads the adapter.
+    parent: str | None = None
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -82,6 +85,23 @@ def default_model(settings: Settings) -> str:
     if settings.models:
         return model_id(settings.models[0])
     return model_id(settings.model, settings.served_model_name)
+
+
+def configured_adapters(settings: Settings) -> dict[str, str]:
+    """The LoRA adapters the workers register (``lora_modules`` of ``BOXCAR_ENGINE_OPTIONS``,
+    ``NAME=PATH`` each): adapter id -> the id of the base model they are served on."""
+    parent = model_id(settings.model, settings.served_model_name)
+    adapters: dict[str, str] = {}
+    for entry in settings.engine_options.get("lora_modules") or ():
+        name = str(entry).partition("=")[0].strip()
+        if name:
+            adapters[name] = parent
+    return adapters
+
+
+def queue_model(settings: Settings, model: str) -> str:
+    """The model whose workers run work on ``model``: an adapter's parent, else itself."""
+    return configured_adapters(settings).get(model, model)
 
 
 def configured_models(settings: Settings) -> dict[str, list[str]]:
@@ -116,6 +136,12 @@ def served_models(session: Session, settings: Settings,
             id=model, aliases=tuple(a for a in dict.fromkeys(aliases) if a != model),
             created=row.created_at if row else None, num_workers=int(live.get(model, 0)),
             configured=model in configured))
+    workers = {entry.id: entry.num_workers for entry in entries}
+    for adapter, parent in configured_adapters(settings).items():
+        if adapter not in workers:
+            entries.append(ModelEntry(id=adapter, aliases=(), created=None,
+                                      num_workers=workers.get(parent, 0), configured=True,
+                                      parent=parent))
     return entries
 
 

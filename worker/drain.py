@@ -30,6 +30,7 @@ from metrics.counters import ENGINE_STEPS, LINES_FINISHED
 from metrics.forecast import OutputLengths
 from openai_format.ids import new_id
 from openai_format.parse import SERVER_ERROR
+from openai_format.sampling import LORA_FIELD
 from openai_format.tools import ToolCallMode
 from pipeline.engine_adapter import (
     PrepareError,
@@ -216,7 +217,8 @@ class Drainer:
         hex_id = new_id()
         try:
             body, usage = response_body(
-                output, endpoint=work.endpoint, model=self.model_name,
+                output, endpoint=work.endpoint,
+                model=(work.engine_fields or {}).get(LORA_FIELD) or self.model_name,
                 engine=self.engine, hex_id=hex_id,
                 tool_mode=tool_mode, response_echo=response_echo,
             )

@@ -23,6 +23,7 @@ from service.db import Database, utcnow
 from service.expiry import delete_expired
 from service.loop import RoundLoop
 from service.models import VALIDATING, Batch
+from service.served_models import configured_adapters
 from service.settings import Settings
 from service.storage import ObjectStorage
 from worker.finalize import finalizable_batches, finalize_batch
@@ -106,7 +107,8 @@ class Housekeeper(RoundLoop):
     def prepare(self, batch_id: str) -> list[str] | None:
         shard_ids = self._attempt("prepare", batch_id, lambda: prepare_batch(
             self.db, self.storage, batch_id, worker_id=self.worker_id,
-            shard_size=self.settings.shard_size, mixed_endpoints=self.settings.mixed_endpoints))
+            shard_size=self.settings.shard_size, mixed_endpoints=self.settings.mixed_endpoints,
+            adapters=configured_adapters(self.settings)))
         if shard_ids:
             self._on_prepared(shard_ids)
         elif shard_ids is not None:  # failed at prepare: final, its event is queued

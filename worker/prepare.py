@@ -22,7 +22,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from openai_format.parse import CustomIdTracker, LineError, parse_line
-from openai_format.sampling import engine_fields
+from openai_format.sampling import line_engine_fields
 from service import counters, ids
 from service.counters import CounterDelta
 from service.db import Database, utcnow
@@ -72,7 +72,7 @@ def claim_batch_lease(
 
 def _line_rows(
     storage: ObjectStorage, file: File, batch: Batch, errors: list[dict], *, mixed_endpoints: bool,
-    estimates: list[int], json_value: Callable[[dict], Any],
+    estimates: list[int], json_value: Callable[[dict], Any], lora: str | None = None,
 ) -> Iterator[dict]:
     """The rows of the file's lines; ``estimates`` collects [prompt, output] token estimates
     of the valid ones. The JSON columns hold ``json_value`` of their dicts."""
@@ -103,7 +103,7 @@ def _line_rows(
         estimates[1] += output_tokens
         yield _row(tenant_id, batch_id, line_no, parsed.url, LINE_PENDING, sort_key(parsed),
                    parsed.custom_id, json_value(stored_body(parsed)),
-                   json_value(engine_fields(parsed.body)), None, None,
+                   json_value(line_engine_fields(parsed.body, lora)), None, None,
                    enqueued_tokens(parsed))
 
 
@@ -179,20 +179,24 @@ def _copy_lines(session: Session, rows: list[dict]) -> None:
 
 def prepare_batch(
     db: Database, storage: ObjectStorage, batch_id: str, *, worker_id: str, shard_size: int,
-    mixed_endpoints: bool = False,
+    mixed_endpoints: bool = False, adapters: dict[str, str] | None = None,
 ) -> list[str] | None:
     """Turn a validating batch into lines and shards. Returns the new shard ids, or None when
     the batch was not this worker's to prepare (not validating, or leased by another).
 
     ``mixed_endpoints``: lines may name either endpoint; otherwise (the default) a line whose
-    url is not the batch's endpoint is an error line, as with OpenAI."""
+    url is not the batch's endpoint is an error line, as with OpenAI.
+
+    ``adapters``: the LoRA adapters served (id -> base model id,
+    ``service.served_models.configured_adapters``): a batch on one goes to its base model's
+    queue and its lines run under the adapter."""
     with db.session() as session:
         if not claim_batch_lease(session, batch_id, statuses=(VALIDATING,), worker_id=worker_id,
                                  seconds=PREPARE_LEASE_SECONDS):
             return None
     try:
         return _prepare(db, storage, batch_id, shard_size=shard_size,
-                        mixed_endpoints=mixed_endpoints)
+                        mixed_endpoints=mixed_endpoints, adapters=adapters or {})
     except Exception:
         log.exception("preparing %s failed", batch_id)
         with db.session() as session:
@@ -204,7 +208,7 @@ def prepare_batch(
 
 def _prepare(
     db: Database, storage: ObjectStorage, batch_id: str, *, shard_size: int,
-    mixed_endpoints: bool,
+    mixed_endpoints: bool, adapters: dict[str, str],
 ) -> list[str]:
     with db.session() as session:
         batch = session.scalars(select(Batch).where(Batch.id == batch_id)).one()
@@ -216,8 +220,9 @@ def _prepare(
             return []
         errors: list[dict] = []
         estimates = [0, 0]
+        lora = batch.model if batch.model in adapters else None
         rows = list(_line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints,
-                               estimates=estimates,
+                               estimates=estimates, lora=lora,
                                json_value=_json_text if _copies(session) else _as_is))
         num_shards = _assign_shards(rows, batch_id=batch.id, shard_size=shard_size)
         num_failed = sum(1 for r in rows if r["status"] == LINE_FAILED)
@@ -233,7 +238,8 @@ def _prepare(
         shard_ids = [ids.shard_id(batch.id, k) for k in range(num_shards)]
         session.execute(insert(Shard), [
             {"id": sid, "tenant_id": batch.tenant_id, "batch_id": batch.id, "job_id": None,
-             "model": batch.model, "priority": batch.priority, "status": "pending", "attempts": 0,
+             "model": adapters.get(batch.model, batch.model) if batch.model else batch.model,
+             "priority": batch.priority, "status": "pending", "attempts": 0,
              "num_lines": min(shard_size, num_valid - k * shard_size), "created_at": now}
             for k, sid in enumerate(shard_ids)
         ])

@@ -48,6 +48,7 @@ from worker.forecaster import Forecaster
 from worker.housekeeper import Housekeeper
 from worker.items import HeldShards
 from worker.lease_keeper import LeaseKeeper
+from worker.lora_files import local_lora_modules
 from worker.result_writer import ResultWriter
 from worker.webhook_sender import WebhookSender
 
@@ -69,11 +70,15 @@ def new_worker_id() -> str:
     return new_id(f"{socket.gethostname()}:{os.getpid()}:", nbytes=3)
 
 
-def build_engine(settings: Settings) -> Engine:
-    """The engine the settings describe (imported here: torch is heavy)."""
+def build_engine(settings: Settings, storage: ObjectStorage | None = None) -> Engine:
+    """The engine the settings describe (imported here: torch is heavy). LoRA adapters named
+    by an object-storage key are downloaded (once) from ``storage`` first."""
     from engine import EngineConfig, LLMEngine
 
-    return LLMEngine(EngineConfig(model=settings.model, **settings.engine_options))
+    options = dict(settings.engine_options)
+    if options.get("lora_modules") and storage is not None:
+        options["lora_modules"] = local_lora_modules(list(options["lora_modules"]), storage)
+    return LLMEngine(EngineConfig(model=settings.model, **options))
 
 
 class _EngineThread(threading.Thread):
@@ -171,7 +176,8 @@ class WorkerService:
         self._engine_thread.start()
         if self.engine is None:
             try:
-                self.engine = self._engine_thread.call(lambda: build_engine(settings))
+                self.engine = self._engine_thread.call(
+                    lambda: build_engine(settings, self.storage))
             except BaseException:
                 self._engine_thread.finish()
                 raise

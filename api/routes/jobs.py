@@ -16,7 +16,7 @@ from api.pagination import paginate
 from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
-from openai_format.sampling import engine_fields
+from openai_format.sampling import line_engine_fields
 from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, RESPONSES_URL
 from service import ids
 from service.lines import enqueued_tokens, sort_key, stored_body
@@ -24,6 +24,7 @@ from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shar
 from service.objects import job_object
 from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
 from service.quotas import TOKEN_LIMIT_EXCEEDED, QuotaExceeded, limit_for, reserve
+from service.served_models import queue_model
 from service.webhooks import check_url_literal
 
 router = APIRouter(tags=["jobs"])
@@ -93,18 +94,20 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
                   metadata_=request.metadata, enqueued_tokens=tokens)
         session.add(job)
         session.flush()
-        session.add(Shard(id=shard_id, tenant_id=tenant.id, job_id=job_id, model=model,
+        queue = queue_model(ctx.settings, model)  # an adapter's job goes to its base's workers
+        lora = model if queue != model else None
+        session.add(Shard(id=shard_id, tenant_id=tenant.id, job_id=job_id, model=queue,
                           priority=JOB_PRIORITY_BASE + request.priority, num_lines=1))
         session.add(RequestLine(
             tenant_id=tenant.id, job_id=job_id, shard_id=shard_id, line_no=1, position=0,
             custom_id=job_id, endpoint=endpoint, body=stored_body(parsed),
-            engine_fields=engine_fields(parsed.body), sort_key=sort_key(parsed),
+            engine_fields=line_engine_fields(parsed.body, lora), sort_key=sort_key(parsed),
             enqueued_tokens=tokens,
         ))
         session.flush()
         body = job_object(job, None)
     JOBS_CREATED.inc()
-    ctx.queue.shards_ready([shard_id], jobs=True, model=model)
+    ctx.queue.shards_ready([shard_id], jobs=True, model=queue)
     return body
 
 

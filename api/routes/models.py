@@ -28,6 +28,8 @@ def model_object(entry: ModelEntry) -> dict[str, Any]:
         "owned_by": OWNED_BY,
         "aliases": list(entry.aliases),
         "num_workers": entry.num_workers,
+        # a LoRA adapter's base model (vLLM's field); None for a base model
+        "parent": entry.parent,
     }
 
 

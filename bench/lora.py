@@ -1,0 +1,215 @@
+"""Multi-LoRA: the same lines on the base model, spread over adapters in one batch, and one
+adapter at a time with merged weights.
+
+``python -m bench.lora [--lines 64] [--adapters 8] [--prompt-tokens 64] [--max-tokens 32]``
+
+Random-weight PEFT adapters (ranks spread over 8..64, every one on all seven projections) are
+written next to the default model's converted folder, once per run. Three variants, greedy, EOS
+ignored, every line added before the first step:
+
+- ``(a) base``: the lines on the base model alone;
+- ``(b) mixed``: the same lines spread round-robin over ``--adapters`` adapters, one engine,
+  one batch (``max_loras`` = the number of adapters: every adapter rides every step);
+- ``(c) one at a time``: the lines of each adapter as their own batch on an engine whose weights
+  have that adapter merged in (``W + scaling * B @ A``): what serving each fine-tune as its own
+  deployment does. Its engines' start-up is reported apart, not counted in its tokens/s.
+
+Targets (issue 27): (b) >= 0.8x (a) tokens/s, (b) >= 2x (c). It also prints the LoRA share of
+(b)'s step time (the time inside the segmented shrink/expand over the generate's wall time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+PROJECTIONS = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
+               "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+def shapes(config: Any) -> dict[str, tuple[int, int]]:
+    """(in, out) of each projection."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv),
+            "o_proj": (q, hidden), "gate_proj": (hidden, inter), "up_proj": (hidden, inter),
+            "down_proj": (inter, hidden)}
+
+
+def write_adapter(folder: Path, config: Any, base_name: str, rank: int, seed: int) -> None:
+    """A PEFT folder with random A and B on every projection of every layer."""
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(config.num_hidden_layers):
+        for proj, (fan_in, fan_out) in shapes(config).items():
+            prefix = f"base_model.model.model.layers.{layer}.{PROJECTIONS[proj]}.{proj}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, fan_in, generator=g) / math.sqrt(
+                fan_in)
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(fan_out, rank, generator=g) * 0.02
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    (folder / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(shapes(
+            config)), "base_model_name_or_path": base_name, "bias": "none",
+    }))
+
+
+def write_merged(folder: Path, base: Path, adapter: Path, config: Any) -> None:
+    """The base checkpoint with the adapter merged into its projections."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(base / "model.safetensors"))
+    lora = load_file(str(adapter / "adapter_model.safetensors"))
+    meta = json.loads((adapter / "adapter_config.json").read_text())
+    scaling = meta["lora_alpha"] / meta["r"]
+    for key, a in lora.items():
+        if not key.endswith("lora_A.weight"):
+            continue
+        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+        b = lora[key.replace("lora_A", "lora_B")]
+        name = f"{module}.weight"
+        w = weights[name]
+        weights[name] = (w.float() + scaling * (b @ a)).to(w.dtype)
+    folder.mkdir(parents=True, exist_ok=True)
+    for item in base.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, folder / item.name)
+    save_file(weights, str(folder / "model.safetensors"))
+
+
+class LoRATimer:
+    """Seconds spent in the LoRA deltas (both paths), by wrapping LoRALinear's methods."""
+
+    def __init__(self) -> None:
+        from engine.layers.lora import LoRALinear
+
+        self.seconds = 0.0
+        self._originals = {}
+        for name in ("_segmented_delta", "_stacked_delta"):
+            original = getattr(LoRALinear, name)
+            self._originals[name] = original
+
+            def timed(linear, *args, _original=original):
+                start = time.perf_counter()
+                try:
+                    return _original(linear, *args)
+                finally:
+                    self.seconds += time.perf_counter() - start
+
+            setattr(LoRALinear, name, timed)
+
+    def close(self) -> None:
+        from engine.layers.lora import LoRALinear
+
+        for name, original in self._originals.items():
+            setattr(LoRALinear, name, original)
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int,
+             loras: list[str | None] | None = None) -> tuple[float, int, list[list[int]]]:
+    from engine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, lora_name=loras)
+    seconds = time.perf_counter() - start
+    tokens = [o.outputs[0].token_ids for o in outs]
+    return seconds, sum(len(t) for t in tokens), tokens
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="default: the default model")
+    parser.add_argument("--lines", type=int, default=64)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--min-rank", type=int, default=8)
+    parser.add_argument("--max-rank", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from engine import LLM
+    from engine.model_cache import DEFAULT_MODEL
+    from engine.models.loader import load_checkpoint
+
+    model = args.model or DEFAULT_MODEL
+    checkpoint = load_checkpoint(model, None, convert_gguf=True)
+    config = checkpoint.config
+    base_name = Path(model).name
+    n = args.adapters
+    ranks = [round(args.min_rank + (args.max_rank - args.min_rank) * i / max(n - 1, 1))
+             for i in range(n)]
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = [torch.randint(100, config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+               for _ in range(args.lines)]
+    engine_args = dict(dtype=args.dtype, device="cpu", num_threads=args.threads)
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        root = Path(tmp)
+        folders = {}
+        for i, rank in enumerate(ranks):
+            folders[f"lora{i}-r{rank}"] = root / f"lora{i}"
+            write_adapter(folders[f"lora{i}-r{rank}"], config, base_name, rank, args.seed + i)
+        names = list(folders)
+        spread = [names[i % n] for i in range(args.lines)]
+        print(f"model {model}, {args.lines} lines of {args.prompt_tokens} prompt tokens, "
+              f"{args.max_tokens} generated each; {n} adapters of ranks {ranks} on all seven "
+              f"projections; {args.dtype}, {args.threads} thread(s)")
+
+        base = LLM(model, **engine_args)
+        a_s, a_tok, _ = generate(base, prompts, args.max_tokens)
+        del base
+
+        mixed = LLM(model, lora_modules=[f"{k}={v}" for k, v in folders.items()], max_loras=n,
+                    max_lora_rank=args.max_rank, **engine_args)
+        timer = LoRATimer()
+        try:
+            b_s, b_tok, b_tokens = generate(mixed, prompts, args.max_tokens, spread)
+        finally:
+            timer.close()
+        lora_share = timer.seconds / b_s
+        del mixed
+
+        c_s, c_tok, c_start = 0.0, 0, 0.0
+        agree = 0
+        for name, folder in folders.items():
+            rows = [i for i, s in enumerate(spread) if s == name]
+            merged = root / f"merged-{name}"
+            start = time.perf_counter()
+            write_merged(merged, checkpoint.path, folder, config)
+            llm = LLM(str(merged), **engine_args)
+            c_start += time.perf_counter() - start
+            seconds, tokens, outs = generate(llm, [prompts[i] for i in rows], args.max_tokens)
+            c_s += seconds
+            c_tok += tokens
+            # merged fp32 weights round differently from base + delta: count agreeing lines
+            agree += sum(outs[j] == b_tokens[i] for j, i in enumerate(rows))
+            del llm
+            shutil.rmtree(merged)
+
+    a, b, c = a_tok / a_s, b_tok / b_s, c_tok / c_s
+    print(f"(a) base              {a_tok:6d} tokens in {a_s:7.2f} s  {a:8.1f} tok/s")
+    print(f"(b) mixed, {n} adapters {b_tok:6d} tokens in {b_s:7.2f} s  {b:8.1f} tok/s")
+    print(f"(c) one at a time     {c_tok:6d} tokens in {c_s:7.2f} s  {c:8.1f} tok/s "
+          f"(+{c_start:.1f} s merging and starting {n} engines, not counted)")
+    print(f"(b)/(a) = {b / a:.2f}x (target >= 0.8x)   (b)/(c) = {b / c:.2f}x (target >= 2x)")
+    print(f"LoRA share of (b)'s step time: {100 * lora_share:.1f}%")
+    print(f"(b) and (c) agree on {agree}/{args.lines} lines' greedy tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""lora_shrink: the first half of the segmented LoRA GEMM, ``y[rows] = x[rows] @ A[slot].T``.
+
+Segment ``i`` is rows ``seg_start[i] .. seg_start[i] + seg_len[i]`` of the flat batch, all under
+the adapter in slot ``seg_slot[i]`` of ``a_stack [max_loras, N, K]`` (N: every slice's ranks,
+padded to ``max_lora_rank``). One launch covers every segment: program (segment, row tile, column
+tile). Rows in no segment are not written (the expand kernel never reads them). Accumulates and
+stores in fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+    N, K,
+    stride_xm, stride_xk, stride_al, stride_an, stride_ak, stride_ym, stride_yn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    segment = tl.program_id(0)
+    tile_m = tl.program_id(1)
+    tile_n = tl.program_id(2)
+    seg_len = tl.load(seg_len_ptr + segment)
+    if tile_m * BLOCK_M >= seg_len:
+        return
+    start = tl.load(seg_start_ptr + segment).to(tl.int64)
+    slot = tl.load(seg_slot_ptr + segment).to(tl.int64)
+    rows = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < seg_len
+    col_mask = cols < N
+    x_rows = x_ptr + (start + rows)[:, None] * stride_xm
+    a_cols = a_ptr + slot * stride_al + cols[None, :] * stride_an
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        a = tl.load(a_cols + ks[:, None] * stride_ak, mask=k_mask[:, None] & col_mask[None, :],
+                    other=0.0)
+        acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
+    y = y_ptr + (start + rows)[:, None] * stride_ym + cols[None, :] * stride_yn
+    tl.store(y, acc, mask=row_mask[:, None] & col_mask[None, :])
+
+
+def check_segments(seg_start: torch.Tensor, seg_len: torch.Tensor,
+                   seg_slot: torch.Tensor) -> None:
+    """Segment tensors are 1-d int32 of one length, on one device (values are the runner's)."""
+    n = seg_start.shape[0]
+    for name, t in (("seg_start", seg_start), ("seg_len", seg_len), ("seg_slot", seg_slot)):
+        if t.dim() != 1 or t.shape[0] != n or t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32 [num_segments={n}], got "
+                             f"{t.dtype} {tuple(t.shape)}")
+
+
+def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, seg_start: torch.Tensor,
+                seg_len: torch.Tensor, seg_slot: torch.Tensor, max_seg_len: int,
+                *, block_m: int = 16, block_n: int = 32, block_k: int = 32) -> torch.Tensor:
+    """``[num_tokens, N]`` fp32: each segment's rows of ``x [num_tokens, K]`` times its slot's
+    ``A.T`` (``a_stack [max_loras, N, K]``); rows in no segment are left unwritten."""
+    if x.dim() != 2 or a_stack.dim() != 3 or a_stack.shape[2] != x.shape[1]:
+        raise ValueError(f"x must be [num_tokens, K] and a_stack [max_loras, N, K], got "
+                         f"{tuple(x.shape)} and {tuple(a_stack.shape)}")
+    check_segments(seg_start, seg_len, seg_slot)
+    num_tokens, k = x.shape
+    n = a_stack.shape[1]
+    y = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
+    num_segments = seg_start.shape[0]
+    if num_segments == 0 or max_seg_len == 0:
+        return y
+    grid = (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n))
+    _lora_shrink_kernel[grid](
+        x, a_stack, y, seg_start, seg_len, seg_slot, n, k,
+        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    )
+    return y
+
+
+def lora_shrink_ref(x: torch.Tensor, a_stack: torch.Tensor, seg_start: torch.Tensor,
+                    seg_len: torch.Tensor, seg_slot: torch.Tensor) -> torch.Tensor:
+    """The torch reference: one fp32 matmul per segment (rows in no segment are zeros)."""
+    y = torch.zeros(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
+    for start, length, slot in zip(seg_start.tolist(), seg_len.tolist(), seg_slot.tolist(),
+                                   strict=True):
+        y[start: start + length] = x[start: start + length].float() @ a_stack[slot].float().T
+    return y

@@ -1,0 +1,223 @@
+"""LoRA on the shared linears: each token's adapter delta, computed for the whole flat batch.
+
+``LoRALinear`` wraps one of a decoder layer's projections (``qkv_proj``, ``o_proj``,
+``gate_up_proj``, ``down_proj``). A packed projection has one output *slice* per Hugging Face
+module (q/k/v, gate/up), and an adapter may target any subset of them, each with its own rank.
+
+A step's rows are ordered by adapter within its decodes and within its prefills
+(``ModelRunner.prepare_inputs``), so the rows of one adapter form at most two contiguous
+*segments*. The delta is the Punica / S-LoRA segmented GEMM: for each segment, shrink
+``y = x[rows] @ A.T`` (one GEMM over the adapter's slices, their A stacked along the rank) and
+expand ``out[rows, slice] += scaling * y[:, slice ranks] @ B.T`` per slice. Rows of the base
+model are in no segment and pay nothing; a step without adapter rows runs no LoRA code at all.
+
+Two paths, chosen by the manager: on the CPU each segment is one ``matmul`` + ``addmm_`` per
+slice on the adapter's own (unpadded) tensors; on the GPU the adapters resident in the step sit
+in per-layer slot stacks padded to ``max_lora_rank`` and two Triton kernels
+(``kernels/lora_shrink.py``, ``kernels/lora_expand.py``) cover every segment in one launch each.
+
+The step's ``LoRABatch`` travels in a scoped context (``lora_batch``), set around the forward
+pass by the runner.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.layers.attention import SelfAttention
+from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
+
+
+@dataclass
+class LoRAPiece:
+    """One adapter's delta on some output columns of one linear: ``scaling * y_r @ B.T``."""
+
+    col_offset: int
+    col_size: int
+    rank_offset: int  # where its rank columns start in the module's shrink output
+    rank: int
+    scaling: float
+    lora_b: torch.Tensor  # [col_size, rank]
+    # Which of the linear's slices it covers (a whole-module adapter on a packed linear,
+    # Phi-3's qkv_proj, covers them all).
+    slice_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ModuleLoRA:
+    """One adapter on one linear: its A matrices stacked along the rank, and its pieces."""
+
+    lora_a: torch.Tensor  # [sum of the pieces' ranks, in_features]
+    pieces: list[LoRAPiece]
+
+
+@dataclass
+class LoRASegment:
+    """Contiguous rows of the flat batch under one adapter."""
+
+    start: int
+    end: int
+    adapter: str
+    # The adapter's per-linear weights, indexed by ``LoRALinear.index`` (CPU path).
+    modules: list[ModuleLoRA | None]
+    slot: int = 0  # its slot in the stacks (GPU path)
+
+
+@dataclass
+class LoRABatch:
+    """A step's LoRA rows. ``stacked``: run the Triton kernels over the slot stacks."""
+
+    segments: list[LoRASegment]
+    stacked: bool = False
+    # [num_segments] int32 each, on the device (stacked path only)
+    seg_start: torch.Tensor | None = None
+    seg_len: torch.Tensor | None = None
+    seg_slot: torch.Tensor | None = None
+    max_seg_len: int = 0
+    num_rows: int = 0  # rows under an adapter
+
+
+_CURRENT: ContextVar[LoRABatch | None] = ContextVar("boxcar_lora_batch", default=None)
+
+
+@contextlib.contextmanager
+def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
+    """The step's LoRA rows for the forward pass inside this block (None: base only)."""
+    token = _CURRENT.set(batch)
+    try:
+        yield
+    finally:
+        _CURRENT.reset(token)
+
+
+class LoRALinear(nn.Module):
+    """A projection plus the step's per-segment adapter deltas (module docstring)."""
+
+    def __init__(self, base: Linear, index: int, slice_names: tuple[str, ...],
+                 slice_sizes: tuple[int, ...]) -> None:
+        super().__init__()
+        self.base = base
+        self.index = index
+        self.slice_names = slice_names
+        self.slice_sizes = slice_sizes
+        self.slice_offsets = tuple(sum(slice_sizes[:i]) for i in range(len(slice_sizes)))
+        self.in_features = base.in_features
+        self.out_features = base.out_features
+        # Slot stacks (GPU path), made by ``allocate_stacks``:
+        # a_stack [max_loras, num_slices * max_rank, in]; b_stacks[s] [max_loras, size_s, max_rank]
+        self.a_stack: torch.Tensor | None = None
+        self.b_stacks: list[torch.Tensor] = []
+
+    def allocate_stacks(self, max_loras: int, max_rank: int, dtype: torch.dtype,
+                        device: torch.device) -> None:
+        num_slices = len(self.slice_sizes)
+        self.a_stack = torch.zeros(max_loras, num_slices * max_rank, self.in_features,
+                                   dtype=dtype, device=device)
+        self.b_stacks = [torch.zeros(max_loras, size, max_rank, dtype=dtype, device=device)
+                         for size in self.slice_sizes]
+
+    @torch.no_grad()
+    def write_slot(self, slot: int, module: ModuleLoRA | None) -> None:
+        """Copy one adapter's weights into slot ``slot`` of the stacks, zero-padded to the
+        stacks' rank, scaling folded into B (a whole-module piece is split per slice)."""
+        assert self.a_stack is not None
+        max_rank = self.b_stacks[0].shape[-1]
+        self.a_stack[slot].zero_()
+        for b in self.b_stacks:
+            b[slot].zero_()
+        if module is None:
+            return
+        for piece in module.pieces:
+            a = module.lora_a[piece.rank_offset: piece.rank_offset + piece.rank]
+            for s in piece.slice_ids:
+                self.a_stack[slot, s * max_rank: s * max_rank + piece.rank].copy_(a)
+                rows = slice(self.slice_offsets[s] - piece.col_offset,
+                             self.slice_offsets[s] - piece.col_offset + self.slice_sizes[s])
+                self.b_stacks[s][slot, :, : piece.rank].copy_(piece.lora_b[rows] * piece.scaling)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        batch = _CURRENT.get()
+        if batch is None or not batch.segments:
+            return out
+        if batch.stacked:
+            self._stacked_delta(x, out, batch)
+        else:
+            self._segmented_delta(x, out, batch)
+        return out
+
+    def _segmented_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        index = self.index
+        for segment in batch.segments:
+            module = segment.modules[index]
+            if module is None:
+                continue
+            rows = slice(segment.start, segment.end)
+            shrunk = x[rows] @ module.lora_a.T  # [segment rows, sum of ranks]
+            for piece in module.pieces:
+                cols = out[rows, piece.col_offset: piece.col_offset + piece.col_size]
+                cols.addmm_(shrunk[:, piece.rank_offset: piece.rank_offset + piece.rank],
+                            piece.lora_b.T, alpha=piece.scaling)
+
+    def _stacked_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
+        from engine.kernels.lora_expand import lora_expand
+        from engine.kernels.lora_shrink import lora_shrink
+
+        assert self.a_stack is not None
+        assert batch.seg_start is not None and batch.seg_len is not None
+        assert batch.seg_slot is not None
+        max_rank = self.b_stacks[0].shape[-1]
+        # [num_tokens, num_slices * max_rank] fp32; rows outside the segments are never read
+        shrunk = lora_shrink(x, self.a_stack, batch.seg_start, batch.seg_len, batch.seg_slot,
+                             batch.max_seg_len)
+        for s, b in enumerate(self.b_stacks):
+            cols = out[:, self.slice_offsets[s]: self.slice_offsets[s] + self.slice_sizes[s]]
+            lora_expand(shrunk[:, s * max_rank: (s + 1) * max_rank], b, cols,
+                        batch.seg_start, batch.seg_len, batch.seg_slot, batch.max_seg_len)
+
+
+@dataclass(frozen=True)
+class LoRATarget:
+    """Where a Hugging Face module's LoRA goes: a wrapped linear and its slice (None: all)."""
+
+    linear: LoRALinear
+    slice_id: int | None
+
+
+def wrap_lora_linears(model: nn.Module) -> tuple[list[LoRALinear], dict[str, LoRATarget]]:
+    """Wrap every decoder layer's projections in ``LoRALinear``; returns them in index order
+    and the map from each Hugging Face module path an adapter may name (``model.layers.0.
+    self_attn.q_proj``, and the packed ``qkv_proj`` / ``gate_up_proj`` for fused checkpoints)
+    to its target."""
+    linears: list[LoRALinear] = []
+    targets: dict[str, LoRATarget] = {}
+
+    def wrap(parent: nn.Module, prefix: str, attr: str, names: tuple[str, ...],
+             sizes: tuple[int, ...]) -> None:
+        base = getattr(parent, attr)
+        assert isinstance(base, Linear)
+        linear = LoRALinear(base, len(linears), names, sizes)
+        setattr(parent, attr, linear)
+        linears.append(linear)
+        targets[f"{prefix}.{attr}"] = LoRATarget(linear, None)
+        if len(names) > 1:
+            for i, name in enumerate(names):
+                targets[f"{prefix}.{name}"] = LoRATarget(linear, i)
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, SelfAttention):
+            wrap(module, name, "qkv_proj", ("q_proj", "k_proj", "v_proj"),
+                 (module.q_size, module.kv_size, module.kv_size))
+            wrap(module, name, "o_proj", ("o_proj",), (module.o_proj.out_features,))
+        elif isinstance(module, GatedMLP):
+            size = module.intermediate_size
+            wrap(module, name, "gate_up_proj", ("gate_proj", "up_proj"), (size, size))
+            wrap(module, name, "down_proj", ("down_proj",), (module.down_proj.out_features,))
+    return linears, targets
