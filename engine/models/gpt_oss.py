@@ -78,8 +78,7 @@ class GptOssForCausalLM(MoeForCausalLM):
                                config.rms_norm_eps)
 
     def checkpoint_name(self, name: str) -> str:
-        return (name.replace(".mlp.router.", ".mlp.gate.")
-                .replace(".self_attn.sinks", ".self_attn.attn.sinks"))
+        return name.replace(".mlp.router.", ".mlp.gate.")
 
     def stacked_expert_slot(self, prefix: str, stored: str) -> Slot | None:
         if stored not in _STACKED:
