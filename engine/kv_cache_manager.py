@@ -4,21 +4,29 @@ It finds a request's cached prefix, allocates the slots a step needs, publishes 
 fill, and frees everything when the request ends or is preempted. It also remembers which running
 request will compute each prompt block not yet cached (``in_flight``), so that a waiting request
 sharing that prefix can wait for it instead of computing it a second time.
+
+A model that mixes sliding-window and full-attention layers gives its windowed layers their own
+pool (``window``, ``engine/window_kv.py``): their blocks behind the window are freed as the
+request moves on, and every allocation asks both pools, so admission and preemption count what
+a request really holds.
 """
 
 from __future__ import annotations
 
 from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from engine.request import Request
+from engine.window_kv import ComputedBlocks, WindowBlocks
 
 
 class KVCacheManager:
     def __init__(
-        self, num_blocks: int, block_size: int, enable_caching: bool, watermark: float
+        self, num_blocks: int, block_size: int, enable_caching: bool, watermark: float,
+        window: WindowBlocks | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
+        self.window = window
         self.watermark_blocks = int(watermark * num_blocks)
         # Chained block hash -> the running request that will compute (and publish) that block.
         self.in_flight: dict[bytes, Request] = {}
@@ -66,7 +74,11 @@ class KVCacheManager:
             if block is None:
                 break
             blocks.append(block)
-        return blocks, len(blocks) * bs
+        if self.window is None:
+            return blocks, len(blocks) * bs
+        num_hit, window_blocks = self.window.hit(request.block_hashes, request.token_ids,
+                                                 len(blocks))
+        return ComputedBlocks(blocks[:num_hit], window_blocks), num_hit * bs
 
     def in_flight_owner(self, request: Request, num_hit_blocks: int) -> Request | None:
         """The running request computing the block right after ``request``'s cached prefix.
@@ -118,6 +130,13 @@ class KVCacheManager:
         reserve = self.watermark_blocks if admit else 0
         if num_new_blocks + num_evictable_hits > self.pool.num_free_blocks - reserve:
             return False
+        if self.window is not None:
+            hit = computed_blocks.window if isinstance(computed_blocks, ComputedBlocks) else []
+            new, evictable = self.window.num_new_blocks(
+                request, num_computed, num_computed + num_new_tokens, hit)
+            if new + evictable > self.window.num_free_blocks:
+                return False
+            self.window.allocate(request, num_computed, num_computed + num_new_tokens, hit)
         self.pool.touch(computed_blocks)
         request.block_ids.extend(b.block_id for b in computed_blocks)
         if num_new_blocks > 0:
@@ -125,8 +144,11 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's blocks whose tokens are all computed."""
+        """Publish the request's blocks whose tokens are all computed; free its windowed
+        layers' blocks that fell behind the window."""
         if not self.enable_caching:
+            if self.window is not None:
+                self.window.release_behind(request)
             return
         self._update_block_hashes(request)
         bs = self.block_size
@@ -137,6 +159,9 @@ class KVCacheManager:
                 block, request.block_hashes[i], request.token_ids[i * bs : (i + 1) * bs]
             )
         self._release_promises(request, request.num_published_blocks, num_full)
+        if self.window is not None:
+            self.window.publish(request, request.num_published_blocks, num_full)
+            self.window.release_behind(request)
         request.num_published_blocks = max(request.num_published_blocks, num_full)
 
     def free(self, request: Request) -> None:
@@ -145,6 +170,8 @@ class KVCacheManager:
         # Tail blocks first: they are the least likely to be shared, so they are evicted first.
         self.pool.free([self.pool.blocks[i] for i in reversed(request.block_ids)])
         request.block_ids = []
+        if self.window is not None:
+            self.window.free(request)
         request.num_published_blocks = 0
 
     def reset_counters(self) -> None:

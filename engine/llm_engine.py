@@ -25,6 +25,7 @@ from engine.scheduler import Scheduler
 from engine.startup import eos_token_ids, start
 from engine.stop_strings import match_stop_string
 from engine.structured_output import StructuredOutputManager, accept_token
+from engine.window_kv import WindowBlocks
 
 if TYPE_CHECKING:
     from engine.protocol import Engine
@@ -44,7 +45,12 @@ class LLMEngine:
         num_blocks = self.model_runner.num_kv_blocks
         # A request must always fit in the cache on its own, or it could never run.
         self.max_model_len = min(started.model_len, num_blocks * config.block_size)
-        self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
+        window = None
+        if self.model_runner.kv_window is not None:
+            size, num_window_blocks = self.model_runner.kv_window
+            window = WindowBlocks(num_window_blocks, config.block_size, size,
+                                  config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, num_blocks, self.max_model_len, window)
         self.eos_token_ids = eos_token_ids(started.hf_config, self.tokenizer)
         # Built on the first structured request (reading the vocabulary takes a moment).
         self._structured_output: StructuredOutputManager | None = None

@@ -1,13 +1,11 @@
 """ModelRunner: the only code that touches device tensors.
 
-It owns the model weights and the paged KV cache, turns a SchedulerOutput into one flat batch
-(input ids, positions, slot mapping, block tables), runs the forward pass and samples.
+It owns the model weights and the paged KV cache (``kv_cache.py``), turns a SchedulerOutput into
+one flat batch (``input_batch.py``), runs the forward pass and samples (``greedy_dispatch.py``).
 """
 
 from __future__ import annotations
 
-import math
-import mmap
 import os
 import time
 
@@ -15,7 +13,10 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
-from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
+from engine.greedy_dispatch import sample_tokens
+from engine.input_batch import InputBatch, StepRow, build_input_batch
+from engine.kv_cache import KVCache, plan_kv_cache, zeroed_kv_cache
+from engine.layers.attention_metadata import AttentionBackend
 from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
 from engine.layers.linear import (
     bf16_packing_available,
@@ -23,10 +24,10 @@ from engine.layers.linear import (
     pack_linear_weights,
 )
 from engine.layers.torch_attention import TorchAttentionBackend
-from engine.models.llama import LlamaForCausalLM
+from engine.models.causal_lm import CausalLM
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
-from engine.outputs import ModelRunnerOutput, SchedulerOutput, TokenLogprob
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request
 from engine.sampler import Sampler
 
@@ -41,23 +42,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _zeroed_kv_cache(
-    shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    """A zero-filled cache whose host memory is only committed where it is written.
-
-    The attention paths read unwritten slots of a block (masked, then multiplied by 0), so the
-    cache must hold zeros, not garbage that could be NaN. ``torch.zeros`` writes every byte up
-    front: seconds and the whole budget in RSS for a cache a short run barely touches. On the CPU,
-    an anonymous mapping is zero by definition and the kernel hands pages out at the first write;
-    the block pool hands blocks out in id order, so the resident part grows with what the run uses.
-    """
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buffer = mmap.mmap(-1, num_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    # the tensor keeps ``buffer`` alive; the mapping is released with the last view of it
-    return torch.frombuffer(buffer, dtype=dtype).view(shape)
+_zeroed_kv_cache = zeroed_kv_cache  # its old name, for the tests that import it
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -91,16 +76,15 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         hf_config = checkpoint.config
-        model_cls: type[LlamaForCausalLM] = get_model_class(hf_config)
+        model_cls: type[CausalLM] = get_model_class(hf_config)
         # No random init: load_weights fills every parameter (and raises if one is missing).
         with torch.device(self.device), no_init_weights():
             model = model_cls(hf_config, max_position)
         model.to(dtype=self.dtype)
-        # The rotary tables stay fp32 whatever the weights are.
-        model.model.rotary_emb.float()
+        model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
         # Weights stored in the run's dtype are read straight into the parameters (no copy).
         model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
-        self.model: LlamaForCausalLM = model.eval()
+        self.model: CausalLM = model.eval()
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
@@ -110,7 +94,9 @@ class ModelRunner:
             self._pack_weights()
         self._allocate_kv_cache(hf_config)
         self.graphs: CUDAGraphRunner | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # The captured graphs read one block table: a model with a windowed group runs eager.
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and self.kv_window is None):
             self._capture_cuda_graphs()
 
     def _capture_cuda_graphs(self) -> None:
@@ -166,146 +152,59 @@ class ModelRunner:
 
     def _allocate_kv_cache(self, hf_config) -> None:
         start = time.perf_counter()
-        num_kv_heads, head_dim = self.model.model.num_kv_heads, self.model.model.head_dim
-        num_layers = hf_config.num_hidden_layers
-        per_block = 2 * num_layers * self.block_size * num_kv_heads * head_dim
-        bytes_per_block = per_block * torch.empty((), dtype=self.dtype).element_size()
-        num_blocks = self.config.num_kv_blocks
-        if num_blocks is None:
-            # What the budget buys, capped at what max_num_seqs full-length sequences can use.
-            blocks_per_seq = -(-self.max_position // self.block_size)
-            num_blocks = min(
-                self.config.kv_cache_memory // bytes_per_block,
-                self.config.max_num_seqs * blocks_per_seq,
-            )
-            if self.config.max_kv_blocks is not None:
-                num_blocks = min(num_blocks, self.config.max_kv_blocks)
-        if num_blocks < 2:
-            raise ValueError(
-                f"kv_cache_memory={self.config.kv_cache_memory} bytes holds {num_blocks} blocks "
-                f"of {bytes_per_block} bytes; give it at least {2 * bytes_per_block}"
-            )
-        self.num_kv_blocks = int(num_blocks)
-        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        shape = (num_layers, 2, self.num_kv_blocks, self.block_size, num_kv_heads, head_dim)
-        self.kv_cache = _zeroed_kv_cache(shape, self.dtype, self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(num_layers)]
+        model = self.model
+        layout = plan_kv_cache(self.config, model.sliding_windows, self.max_position,
+                               model.num_kv_heads, model.head_dim, self.dtype)
+        self.kv_layout = layout
+        self.num_kv_blocks = layout.num_blocks
+        # The windowed layers' own group (window, blocks incl. the null one), or None.
+        self.kv_window: tuple[int, int] | None = (
+            (layout.window, layout.num_window_blocks) if layout.window is not None else None)
+        self.kv = KVCache(layout, self.block_size, model.num_kv_heads, model.head_dim,
+                          self.dtype, self.device)
+        # The full group's tensor (every layer's with one group), for tools that read it.
+        self.kv_cache = self.kv.tensors[0]
+        self.kv_caches = self.kv.layers
         self.kv_cache_seconds = time.perf_counter() - start
-
-    def _block_table(self, rows: list[list[int]]) -> torch.Tensor:
-        width = max((len(r) for r in rows), default=0)
-        table = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
-        for i, row in enumerate(rows):
-            table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-        return table
 
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Request]]:
-        """Flatten the step: decodes (one token each) first, then prefill chunks."""
-        bs = self.block_size
-        decodes = [s for s in scheduler_output.scheduled if s.num_new_tokens == 1]
-        prefills = [s for s in scheduler_output.scheduled if s.num_new_tokens > 1]
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_indices: list[int] = []
-        sample_requests: list[Request] = []
-
-        decode_tables, decode_lens = [], []
-        for s in decodes:
+    ) -> tuple[InputBatch, list[Request]]:
+        """The step's flat batch, and the requests that sample, in its sample order."""
+        scheduled = scheduler_output.scheduled
+        rows = []
+        for s in scheduled:
             request = requests[s.request_id]
-            pos = s.num_computed_tokens
-            input_ids.append(request.token_ids[pos])
-            positions.append(pos)
-            slots.append(request.block_ids[pos // bs] * bs + pos % bs)
-            decode_tables.append(request.block_ids)
-            decode_lens.append(pos + 1)
-            if s.sample:
-                sample_indices.append(len(input_ids) - 1)
-                sample_requests.append(request)
-
-        prefill_tables, prefill_lens, query_lens = [], [], []
-        for s in prefills:
-            request = requests[s.request_id]
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(request.token_ids[start:end])
-            positions.extend(range(start, end))
-            blocks = request.block_ids
-            slots.extend(blocks[p // bs] * bs + p % bs for p in range(start, end))
-            prefill_tables.append(blocks)
-            prefill_lens.append(end)
-            query_lens.append(s.num_new_tokens)
-            if s.sample:
-                sample_indices.append(len(input_ids) - 1)
-                sample_requests.append(request)
-
-        device = self.device
-        query_start = [0]
-        for n in query_lens:
-            query_start.append(query_start[-1] + n)
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            num_decodes=len(decodes),
-            decode_block_tables=self._block_table(decode_tables).to(device),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int32, device=device),
-            num_prefills=len(prefills),
-            prefill_query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=device),
-            prefill_block_tables=self._block_table(prefill_tables).to(device),
-            prefill_context_lens=torch.tensor(prefill_lens, dtype=torch.int32, device=device),
-            prefill_query_lens_list=query_lens,
-            prefill_context_lens_list=prefill_lens,
-            decode_context_lens_list=decode_lens,
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            metadata,
-            sample_indices,
-            sample_requests,
-        )
+            rows.append(StepRow(request.token_ids, request.block_ids, request.window_block_ids,
+                                s.num_computed_tokens, s.num_new_tokens, s.sample))
+        batch = build_input_batch(rows, self.block_size, self.device,
+                                  with_window=self.kv_window is not None)
+        return batch, [requests[scheduled[i].request_id] for i in batch.sample_rows]
 
     @torch.inference_mode()
     def execute(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> ModelRunnerOutput:
-        input_ids, positions, metadata, sample_indices, sample_requests = self.prepare_inputs(
-            scheduler_output, requests
-        )
+        batch, sample_requests = self.prepare_inputs(scheduler_output, requests)
+        metadata = batch.metadata
         if self.graphs is not None and metadata.num_prefills == 0:
             hidden = self.graphs.run(
-                input_ids, positions, metadata.decode_block_tables,
+                batch.input_ids, batch.positions, metadata.decode_block_tables,
                 metadata.decode_context_lens, metadata.slot_mapping,
             )
         else:
             self.attn.prepare(metadata)
-            hidden = self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
-        if not sample_indices:
+            if metadata.window is not None:
+                self.attn.prepare(metadata.window)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, self.attn,
+                                metadata)
+        if not batch.sample_indices:
             return ModelRunnerOutput({})
         # Only the rows we sample from go through the (large) output projection; plain greedy
         # rows take the screened argmax instead where there is one.
-        index = torch.tensor(sample_indices, dtype=torch.int64, device=self.device)
-        hidden = hidden.index_select(0, index)
-        tokens: list[int] = [0] * len(sample_requests)
-        logprobs: dict[str, TokenLogprob] = {}
-        screen = self.greedy_screen
-        needs_full = [screen is None or Sampler.needs_full_logits(r) for r in sample_requests]
-        full = [i for i, f in enumerate(needs_full) if f]
-        screened = [i for i, f in enumerate(needs_full) if not f]
-        if screen is not None and screened:
-            rows = hidden if not full else hidden[screened]
-            for i, token in zip(screened, screen.argmax(rows).tolist(), strict=True):
-                tokens[i] = token
-        if full:
-            full_requests = [sample_requests[i] for i in full]
-            rows = hidden if len(full) == len(sample_requests) else hidden[full]
-            logits = self.model.compute_logits(rows)
-            token_ids, row_logprobs = self.sampler(logits.float().cpu(), full_requests)
-            for i, request, token, lp in zip(full, full_requests, token_ids, row_logprobs,
-                                             strict=True):
-                tokens[i] = token
-                if lp is not None:
-                    logprobs[request.request_id] = lp
+        index = torch.tensor(batch.sample_indices, dtype=torch.int64, device=self.device)
+        tokens, logprobs = sample_tokens(self.model, self.greedy_screen, self.sampler,
+                                         hidden.index_select(0, index), sample_requests)
         return ModelRunnerOutput(
             {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}, logprobs
         )
@@ -326,29 +225,19 @@ class ModelRunner:
             raise ValueError(f"token_ids has {num_tokens} tokens; the model takes "
                              f"{self.max_position}")
         num_blocks = -(-num_tokens // self.block_size)
-        k_cache, v_cache = self.kv_caches[0]
+        k_cache = self.kv_caches[0][0]
+        # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim], blocks 0..n-1 in order
         scratch = torch.zeros((len(self.kv_caches), 2, num_blocks, *k_cache.shape[1:]),
                               dtype=k_cache.dtype, device=self.device)
-        device = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.arange(num_tokens, device=device),
-            num_decodes=0,
-            decode_block_tables=self._block_table([]).to(device),
-            decode_context_lens=torch.zeros(0, dtype=torch.int32, device=device),
-            num_prefills=1,
-            prefill_query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32,
-                                                 device=device),
-            prefill_block_tables=self._block_table([list(range(num_blocks))]).to(device),
-            prefill_context_lens=torch.tensor([num_tokens], dtype=torch.int32, device=device),
-            prefill_query_lens_list=[num_tokens],
-            prefill_context_lens_list=[num_tokens],
-        )
-        self.attn.prepare(metadata)
+        blocks = list(range(num_blocks))
+        # One table for every layer here: the scratch cache has no windowed group.
+        batch = build_input_batch([StepRow(token_ids, blocks, None, 0, num_tokens, True)],
+                                  self.block_size, self.device)
+        self.attn.prepare(batch.metadata)
         hidden = self.model(
-            torch.tensor(token_ids, dtype=torch.int64, device=device),
-            torch.arange(num_tokens, device=device),
+            batch.input_ids, batch.positions,
             [(scratch[i, 0], scratch[i, 1]) for i in range(len(self.kv_caches))],
-            self.attn, metadata,
+            self.attn, batch.metadata,
         )[:-1]
         if self.greedy_screen is not None:  # the output layer's weight may be packed away
             weight = self.greedy_screen.weight
@@ -358,5 +247,5 @@ class ModelRunner:
                 return torch.log_softmax(
                     self.model.compute_logits(hidden)[:, : self.vocab_size].float(), dim=-1
                 ).cpu()
-        logits = hidden.float() @ weight.float().T  # [num_tokens - 1, vocab]
+        logits = self.model.cap_logits(hidden.float() @ weight.float().T)  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()

@@ -12,14 +12,17 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.request import Request, RequestStatus
+from engine.window_kv import WindowBlocks
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, num_kv_blocks: int, max_model_len: int,
+                 window: WindowBlocks | None = None) -> None:
         self.config = config
         self.max_model_len = max_model_len
         self.kv = KVCacheManager(
-            num_kv_blocks, config.block_size, config.enable_prefix_caching, config.watermark
+            num_kv_blocks, config.block_size, config.enable_prefix_caching, config.watermark,
+            window,
         )
         # Both lists are kept in Request.sort_key order: (priority, arrival), lower first.
         self.waiting: list[Request] = []

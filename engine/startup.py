@@ -71,10 +71,6 @@ def _build_runner(config: EngineConfig,
     start_at = time.perf_counter()
     hf_config = checkpoint.config
     model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        # Attention here is full attention: stay inside the window where the two agree.
-        model_len = min(model_len, int(window))
     if config.max_model_len is not None:
         if config.max_model_len > model_len:
             raise ValueError(

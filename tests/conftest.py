@@ -82,9 +82,14 @@ def make_checkpoint(path: Path, arch: str = "llama", *, tie: bool = False, seed:
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),
+        "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
     }[arch]
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma2", "gemma3"):
         common.setdefault("head_dim", 16)
+    if arch in ("gemma2", "gemma3"):
+        common.setdefault("query_pre_attn_scalar", 16)
     config = config_cls(**common)
     torch.manual_seed(seed)
     model = model_cls(config).float()

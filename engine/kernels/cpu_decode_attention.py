@@ -217,9 +217,16 @@ def paged_decode_attention(
     *,
     variant: str | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:
     """Attention of each sequence's one query over its cached context, in ``q``'s dtype, into
     ``out`` (contiguous, ``q``'s shape and dtype) when given.
+
+    ``window``: the query sees only the last ``window`` positions (blocks before them are not
+    read, so they may be freed); ``soft_cap``: scores become ``cap * tanh(score / cap)``;
+    ``sinks``: one logit per head added to each softmax's denominator.
 
     ``q`` and the cache are float32 or bfloat16 (the cache both K and V alike); a bf16 ``q`` is
     widened to fp32 (exact) inside the kernel and the fp32 result rounded back once.
@@ -248,10 +255,23 @@ def paged_decode_attention(
     elif out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         raise ValueError(f"out must be contiguous {tuple(q.shape)} {q.dtype}, got "
                          f"{tuple(out.shape)} {out.dtype}")
+    check_options(q.shape[1], window, soft_cap, sinks)
     module.paged_decode_attention(
-        q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out
+        q, k_cache, v_cache, block_tables.contiguous(), context_lens.contiguous(), scale, out,
+        window or 0, soft_cap or 0.0, sinks,
     )
     return out
+
+
+def check_options(num_heads: int, window: int | None, soft_cap: float | None,
+                  sinks: torch.Tensor | None) -> None:
+    """The layer options every attention kernel takes, checked the same way."""
+    if window is not None and window < 1:
+        raise ValueError(f"window must be >= 1 (or None), got {window}")
+    if soft_cap is not None and soft_cap <= 0:
+        raise ValueError(f"soft_cap must be > 0 (or None), got {soft_cap}")
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"sinks must be [{num_heads}] (one per head), got {tuple(sinks.shape)}")
 
 
 def kernel_isa(variant: str | None = None) -> str | None:
@@ -262,7 +282,8 @@ def kernel_isa(variant: str | None = None) -> str | None:
 
 def paged_decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    context_lens: torch.Tensor, scale: float,
+    context_lens: torch.Tensor, scale: float, window: int | None = None,
+    soft_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One sequence at a time, gather then softmax(QK^T)V: slow and obviously right."""
     num_heads = q.shape[1]
@@ -277,6 +298,13 @@ def paged_decode_attention_ref(
         v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:length]
         k = k.repeat_interleave(num_heads // num_kv_heads, dim=1)  # [length, num_heads, dim]
         v = v.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        probs = F.softmax(torch.einsum("hd,lhd->hl", q[i].float(), k.float()) * scale, dim=-1)
+        if window is not None:
+            k, v = k[max(0, length - window):], v[max(0, length - window):]
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), k.float()) * scale
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.float()[:, None]], dim=1)
+        probs = F.softmax(scores, dim=-1)[:, : k.shape[0]]
         out[i] = torch.einsum("hl,lhd->hd", probs, v.float()).to(q.dtype)
     return out

@@ -7,6 +7,10 @@ a second, tiny kernel merges them. With one split the first kernel writes the ou
 
 The grid depends only on tensor shapes and the launcher never reads device memory, so a launch is
 safe inside a CUDA graph. Rows with ``context_len == 0`` (graph padding) produce zeros.
+
+Layer options: ``window`` (the query sees the last ``window`` positions: the splits cover only
+those, and blocks before them are never read), ``soft_cap`` (``cap * tanh(score / cap)`` before
+the softmax) and ``sinks`` (one logit per head added to the denominator, at the merge).
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels import cpu_decode_attention
 from engine.kernels.checks import check_query_and_cache
+from engine.kernels.cpu_decode_attention import check_options
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -48,6 +54,9 @@ def _paged_decode_kernel(
     part_l_ptr,
     part_acc_ptr,
     scale_log2,
+    window,
+    soft_cap,
+    sinks_ptr,
     stride_qb,
     stride_qh,
     stride_kc_block,
@@ -70,15 +79,21 @@ def _paged_decode_kernel(
     SINGLE_SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
     context_len = tl.load(context_lens_ptr + seq)
-    # Even split of this sequence's context, in whole tiles.
-    tiles_per_split = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits)
-    start = split * tiles_per_split * BLOCK_N
+    first = 0
+    if HAS_WINDOW:
+        first = tl.maximum(context_len - window, 0)
+    # Even split of the positions this query sees, in whole tiles.
+    tiles_per_split = tl.cdiv(tl.cdiv(context_len - first, BLOCK_N), num_splits)
+    start = first + split * tiles_per_split * BLOCK_N
     end = tl.minimum(start + tiles_per_split * BLOCK_N, context_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -115,6 +130,8 @@ def _paged_decode_kernel(
         if UPCAST_DOT:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:
+            qk = _soft_cap_log2(qk, soft_cap)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))  # [BLOCK_G, BLOCK_N]
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -133,6 +150,12 @@ def _paged_decode_kernel(
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
+        if HAS_SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32)
+            sink = sink * 1.4426950408889634
+            m_all = tl.maximum(m_i, sink)
+            acc = acc * tl.exp2(m_i - m_all)[:, None]
+            l_i = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         tl.store(
             out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
@@ -147,11 +170,21 @@ def _paged_decode_kernel(
 
 
 @triton.jit
+def _soft_cap_log2(qk, soft_cap):
+    """``cap * tanh(s / cap)`` for scores ``qk = s * log2(e)``, still in log2 units. tanh from
+    exp (no tanh in every Triton): ``tanh(x) = 1 - 2 / (exp(2x) + 1)``, exact at +-inf."""
+    x = qk / (soft_cap * 1.4426950408889634)
+    tanh = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    return tanh * soft_cap * 1.4426950408889634
+
+
+@triton.jit
 def _paged_decode_reduce_kernel(
     out_ptr,
     part_m_ptr,
     part_l_ptr,
     part_acc_ptr,
+    sinks_ptr,
     stride_ob,
     stride_oh,
     num_heads,
@@ -159,6 +192,7 @@ def _paged_decode_reduce_kernel(
     head_dim,
     BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -172,8 +206,13 @@ def _paged_decode_reduce_kernel(
     l_split = tl.load(part_l_ptr + rows, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: context_len == 0
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_max = tl.maximum(m_max, sink)
     weights = tl.exp2(m - m_max)  # empty splits (m = -inf) weigh 0
     denom = tl.sum(weights * l_split, 0)
+    if HAS_SINKS:
+        denom += tl.exp2(sink - m_max)
     denom = tl.where(denom == 0.0, 1.0, denom)
     acc = tl.load(
         part_acc_ptr + rows[:, None] * head_dim + offs_d[None, :],
@@ -258,9 +297,14 @@ def paged_decode_attention(
     *,
     out: torch.Tensor | None = None,
     config: DecodeConfig | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [batch, num_heads, head_dim]
-    """Attention of each sequence's one query token over its first ``context_len`` cache slots."""
+    """Attention of each sequence's one query token over its first ``context_len`` cache slots
+    (its last ``window`` of them with a window)."""
     _check(q, k_cache, v_cache, block_tables, context_lens)
+    check_options(q.shape[1], window, soft_cap, sinks)
     batch, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -274,6 +318,8 @@ def paged_decode_attention(
         return out
     if num_splits is None:
         max_context_len = block_tables.shape[1] * block_size
+        if window is not None:
+            max_context_len = min(max_context_len, window)
         num_splits = default_num_splits(batch, num_kv_heads, max_context_len, q.device)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
@@ -301,6 +347,9 @@ def paged_decode_attention(
         part_l,
         part_acc,
         scale * _LOG2E,
+        window or 0,
+        soft_cap or 1.0,
+        sinks if sinks is not None else out,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -323,6 +372,9 @@ def paged_decode_attention(
         SINGLE_SPLIT=single,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=_INTERPRETED and q.dtype == torch.bfloat16,
+        HAS_WINDOW=window is not None,
+        HAS_SOFT_CAP=soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -332,6 +384,7 @@ def paged_decode_attention(
             part_m,
             part_l,
             part_acc,
+            sinks if sinks is not None else out,
             out.stride(0),
             out.stride(1),
             num_heads,
@@ -339,6 +392,7 @@ def paged_decode_attention(
             head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             BLOCK_D=block_d,
+            HAS_SINKS=sinks is not None,
             num_warps=4,
         )
     return out
@@ -351,23 +405,11 @@ def paged_decode_attention_ref(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch paged decode attention in fp32, one sequence at a time."""
     _check(q, k_cache, v_cache, block_tables, context_lens)
-    batch, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group_size = num_heads // num_kv_heads
-    out = torch.zeros_like(q)
-    for b, context_len in enumerate(context_lens.tolist()):
-        if context_len == 0:
-            continue
-        blocks = block_tables[b, : math.ceil(context_len / block_size)].long()
-        # [context_len, num_kv_heads, head_dim]
-        k = k_cache[blocks].flatten(0, 1)[:context_len].float()
-        v = v_cache[blocks].flatten(0, 1)[:context_len].float()
-        k = k.repeat_interleave(group_size, dim=1)  # [context_len, num_heads, head_dim]
-        v = v.repeat_interleave(group_size, dim=1)
-        scores = torch.einsum("hd,thd->ht", q[b].float(), k) * scale  # [num_heads, context_len]
-        probs = scores.softmax(dim=-1)
-        out[b] = torch.einsum("ht,thd->hd", probs, v).to(q.dtype)
-    return out
+    return cpu_decode_attention.paged_decode_attention_ref(
+        q, k_cache, v_cache, block_tables, context_lens, scale, window, soft_cap, sinks)

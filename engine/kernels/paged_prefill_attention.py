@@ -8,6 +8,9 @@ hit alike.
 
 One program handles ``BLOCK_M`` queries of one (sequence, head) with an online softmax over
 ``BLOCK_N``-token tiles gathered through the block table, accumulating in fp32.
+
+Layer options as in ``paged_decode_attention``: ``window`` (query at p sees p - window + 1 .. p;
+tiles wholly before the tile's first window are skipped, never read), ``soft_cap`` and ``sinks``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import triton
 import triton.language as tl
 
 from engine.kernels.checks import check_query_and_cache
+from engine.kernels.cpu_decode_attention import check_options
+from engine.kernels.paged_decode_attention import _soft_cap_log2
 
 _LOG2E = 1.4426950408889634
 
@@ -44,6 +49,9 @@ def _paged_prefill_kernel(
     context_lens_ptr,
     out_ptr,
     scale_log2,
+    window,
+    soft_cap,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_kc_block,
@@ -63,6 +71,9 @@ def _paged_prefill_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFT_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     m_tile = tl.program_id(0)
     head = tl.program_id(1)
@@ -98,7 +109,11 @@ def _paged_prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # The last query of this tile sees nothing past its own position.
     end = tl.minimum(context_len, prefix_len + (m_tile + 1) * BLOCK_M)
-    for start_n in range(0, end, BLOCK_N):
+    # ... and, with a window, the first query of the tile nothing before its window.
+    begin = 0
+    if HAS_WINDOW:
+        begin = tl.maximum(prefix_len + m_tile * BLOCK_M - window + 1, 0)
+    for start_n in range(begin, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
@@ -113,7 +128,11 @@ def _paged_prefill_kernel(
         if UPCAST_DOT:
             k = k.to(tl.float32)
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if HAS_SOFT_CAP:
+            qk = _soft_cap_log2(qk, soft_cap)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        if HAS_WINDOW:
+            visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
         qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
         # Rows past query_len can see nothing in a tile; keep their max finite (no NaN).
         m_new = tl.maximum(tl.maximum(m_i, tl.max(qk, 1)), -1.0e30)
@@ -131,6 +150,11 @@ def _paged_prefill_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
+    if HAS_SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+        m_all = tl.maximum(m_i, sink)
+        acc = acc * tl.exp2(m_i - m_all)[:, None]
+        l_i = l_i * tl.exp2(m_i - m_all) + tl.exp2(sink - m_all)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(
         out_ptr + tokens[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
@@ -206,6 +230,9 @@ def paged_prefill_attention(
     *,
     out: torch.Tensor | None = None,
     config: PrefillConfig | None = None,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,  # [num_heads]
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """Causal attention of each chunk's queries over its sequence's cached context.
 
@@ -213,6 +240,7 @@ def paged_prefill_attention(
     sync). ``query_start_loc[-1]`` must equal ``num_tokens``.
     """
     _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
+    check_options(q.shape[1], window, soft_cap, sinks)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     if out is None:
@@ -241,6 +269,9 @@ def paged_prefill_attention(
         context_lens,
         out,
         scale * _LOG2E,
+        window or 0,
+        soft_cap or 1.0,
+        sinks if sinks is not None else out,
         q.stride(0),
         q.stride(1),
         k_cache.stride(0),
@@ -260,6 +291,9 @@ def paged_prefill_attention(
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST_DOT=_INTERPRETED and q.dtype == torch.bfloat16,
+        HAS_WINDOW=window is not None,
+        HAS_SOFT_CAP=soft_cap is not None,
+        HAS_SINKS=sinks is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
@@ -274,6 +308,9 @@ def paged_prefill_attention_ref(
     query_start_loc: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-PyTorch paged prefill attention in fp32, one sequence at a time."""
     _check(q, k_cache, v_cache, block_tables, query_start_loc, context_lens)
@@ -296,9 +333,17 @@ def paged_prefill_attention_ref(
         k = k_cache[blocks].flatten(0, 1)[:context_len].float().repeat_interleave(group_size, 1)
         v = v_cache[blocks].flatten(0, 1)[:context_len].float().repeat_interleave(group_size, 1)
         scores = torch.einsum("qhd,khd->hqk", q[q_start:q_end].float(), k) * scale
+        if soft_cap is not None:
+            scores = torch.tanh(scores / soft_cap) * soft_cap
         q_pos = torch.arange(context_len - query_len, context_len, device=q.device)
         k_pos = torch.arange(context_len, device=q.device)
-        scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        probs = scores.softmax(dim=-1)  # [num_heads, query_len, context_len]
+        hidden = k_pos[None, None, :] > q_pos[None, :, None]
+        if window is not None:
+            hidden |= k_pos[None, None, :] <= q_pos[None, :, None] - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, query_len, 1)
+            scores = torch.cat([scores, sink], dim=-1)
+        probs = scores.softmax(dim=-1)[..., :context_len]  # [num_heads, query_len, context_len]
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out

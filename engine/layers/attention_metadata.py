@@ -38,6 +38,9 @@ class AttentionMetadata:
     decode_context_lens_list: list[int] = field(default_factory=list)
     # Backend-private precomputed state (e.g. gather indices), filled by ``prepare``.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Where the sliding-window layers keep their own blocks (engine/window_kv.py): the same step
+    # with their slot mapping and block tables; None when every layer shares one table.
+    window: AttentionMetadata | None = None
 
     @property
     def num_decode_tokens(self) -> int:
@@ -61,5 +64,9 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,  # each query sees the last `window` positions only
+        soft_cap: float | None = None,  # scores -> soft_cap * tanh(score / soft_cap)
+        sinks: torch.Tensor | None = None,  # [num_heads] logits joining each denominator
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         ...

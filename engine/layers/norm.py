@@ -39,3 +39,18 @@ class RMSNorm(nn.Module):
             return cpu_fused_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
         residual = x + residual
         return self(residual), residual
+
+
+class GemmaRMSNorm(nn.Module):
+    """Gemma's RMSNorm: the weight is stored as an offset from one, ``x_normed * (1 + weight)``,
+    scaled in fp32 and only then rounded to the input dtype (Llama rounds first, then scales)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+        self.shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), self.shape, None, self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)

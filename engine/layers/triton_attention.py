@@ -33,6 +33,10 @@ class TritonAttentionBackend:
         v_cache: torch.Tensor,
         metadata: AttentionMetadata,
         scale: float,
+        *,
+        window: int | None = None,
+        soft_cap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         num_tokens = q.shape[0]
         num_decodes = metadata.num_decodes
@@ -47,6 +51,7 @@ class TritonAttentionBackend:
                 metadata.decode_context_lens,
                 scale,
                 out=out[:num_decodes],
+                window=window, soft_cap=soft_cap, sinks=sinks,
             )
         if num_tokens > num_decodes:
             query_lens = metadata.prefill_query_lens_list
@@ -60,5 +65,6 @@ class TritonAttentionBackend:
                 scale,
                 max(query_lens) if query_lens else None,
                 out=out[num_decodes:],
+                window=window, soft_cap=soft_cap, sinks=sinks,
             )
         return out

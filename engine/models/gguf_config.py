@@ -8,14 +8,28 @@ from typing import Any
 import numpy as np
 from gguf import GGUFReader
 from gguf.quants import dequantize
-from transformers import LlamaConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    Gemma2Config,
+    Gemma3TextConfig,
+    LlamaConfig,
+    Phi3Config,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 # GGUF `general.architecture` -> (HF architecture, config class). Mistral files say "llama".
 GGUF_ARCHITECTURES: dict[str, tuple[str, type[PretrainedConfig]]] = {
     "llama": ("LlamaForCausalLM", LlamaConfig),
     "qwen2": ("Qwen2ForCausalLM", Qwen2Config),
     "qwen3": ("Qwen3ForCausalLM", Qwen3Config),
+    "gemma2": ("Gemma2ForCausalLM", Gemma2Config),
+    "gemma3": ("Gemma3ForCausalLM", Gemma3TextConfig),
+    "phi3": ("Phi3ForCausalLM", Phi3Config),
 }
+# llama.cpp's Gemma 3 layer pattern when the file does not say: every sixth layer is global.
+_GEMMA3_PATTERN = 6
+_GEMMA3_LOCAL_BASE = 10_000.0
 
 _MISSING = object()
 
@@ -68,6 +82,7 @@ def config_from_gguf(reader: GGUFReader) -> PretrainedConfig:
         head_dim = (
             int(q_proj.shape[1]) // num_heads if q_proj is not None else hidden_size // num_heads
         )
+    head_dim = int(head_dim)
 
     kwargs: dict[str, Any] = {
         "architectures": [hf_architecture],
@@ -80,7 +95,8 @@ def config_from_gguf(reader: GGUFReader) -> PretrainedConfig:
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         # llama.cpp writes output.weight only when it is not the embedding matrix
         "tie_word_embeddings": "output.weight" not in tensors,
-        "rope_parameters": _rope_parameters(reader, arch, head_dim),
+        "rope_parameters": (_phi3_rope(reader, tensors, head_dim) if arch == "phi3"
+                            else _rope_parameters(reader, arch, head_dim)),
         "bos_token_id": field_value(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _eos_token_ids(reader),
         "pad_token_id": field_value(reader, "tokenizer.ggml.padding_token_id", None),
@@ -93,7 +109,71 @@ def config_from_gguf(reader: GGUFReader) -> PretrainedConfig:
         kwargs["attention_bias"] = "blk.0.attn_q.bias" in tensors
     if arch == "llama":
         kwargs["mlp_bias"] = "blk.0.ffn_gate.bias" in tensors
+    if arch in ("gemma2", "gemma3", "phi3"):
+        kwargs["sliding_window"] = key("attention.sliding_window", None)
+    if arch in ("gemma2", "gemma3"):
+        kwargs.update(_gemma(key, arch, kwargs, head_dim))
+    if arch == "phi3":
+        kwargs.pop("rope_parameters")
+        kwargs["rope_scaling"] = _phi3_rope(reader, tensors, head_dim)
+        if "original_max_position_embeddings" in kwargs["rope_scaling"]:
+            kwargs["original_max_position_embeddings"] = kwargs["rope_scaling"][
+                "original_max_position_embeddings"]
+        # llama.cpp stores gate and up as one ffn_up of 2 * intermediate rows
+        kwargs["intermediate_size"] = int(tensors["blk.0.ffn_up.weight"].shape[1]) // 2
     return config_class(**kwargs)
+
+
+def _gemma(key, arch: str, kwargs: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Gemma's fields: head_dim, soft-caps, the query scale llama.cpp derives from the model
+    size (hidden / heads on the 27B models, head_dim otherwise), the layer pattern and the
+    local layers' rope base (Gemma 3)."""
+    num_layers = kwargs["num_hidden_layers"]
+    is_27b = num_layers == (46 if arch == "gemma2" else 62)
+    out: dict[str, Any] = {
+        "head_dim": head_dim,
+        "query_pre_attn_scalar": (kwargs["hidden_size"] // kwargs["num_attention_heads"]
+                                  if is_27b else head_dim),
+        "tie_word_embeddings": True,
+    }
+    if arch == "gemma2":
+        out["attn_logit_softcapping"] = key("attn_logit_softcapping", None)
+        out["final_logit_softcapping"] = key("final_logit_softcapping", None)
+        return out
+    pattern = int(key("attention.sliding_window_pattern", _GEMMA3_PATTERN))
+    out["layer_types"] = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+                          for i in range(num_layers)]
+    full = dict(kwargs.pop("rope_parameters"))
+    out["rope_parameters"] = {
+        "full_attention": full,
+        "sliding_attention": {"rope_type": "default", "rope_theta": _GEMMA3_LOCAL_BASE},
+    }
+    return out
+
+
+def _phi3_rope(reader: GGUFReader, tensors: dict[str, Any], head_dim: int) -> dict[str, Any]:
+    """Phi-3's rope: LongRoPE from the ``rope_factors_long`` / ``rope_factors_short`` tensors
+    llama.cpp writes, else the default; a partial rotary dimension count on Phi-4-mini."""
+    theta = float(field_value(reader, "phi3.rope.freq_base", 10000.0))
+    params: dict[str, Any] = {"rope_type": "default", "rope_theta": theta}
+    rotary = field_value(reader, "phi3.rope.dimension_count", None)
+    if rotary is not None and int(rotary) != head_dim:
+        params["partial_rotary_factor"] = int(rotary) / head_dim
+    long, short = tensors.get("rope_factors_long.weight"), tensors.get("rope_factors_short.weight")
+    if long is None or short is None:
+        return params
+    params.update(
+        rope_type="longrope",
+        long_factor=dequantize(long.data, long.tensor_type).reshape(-1).tolist(),
+        short_factor=dequantize(short.data, short.tensor_type).reshape(-1).tolist(),
+    )
+    original = field_value(reader, "phi3.rope.scaling.original_context_length", None)
+    if original is not None:
+        params["original_max_position_embeddings"] = int(original)
+    attn_factor = field_value(reader, "phi3.rope.scaling.attn_factor", None)
+    if attn_factor is not None:
+        params["attention_factor"] = float(attn_factor)
+    return params
 
 
 def _eos_token_ids(reader: GGUFReader) -> int | list[int] | None:

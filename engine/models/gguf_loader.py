@@ -40,18 +40,33 @@ _BLOCK_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Per architecture, where its names differ from the table above: Gemma's four norms a layer,
+# Phi-3's fused q/k/v and gate/up (llama.cpp's ``ffn_up`` holds both).
+_ARCH_BLOCK_NAMES = {
+    "gemma2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},
+}
+_ARCH_BLOCK_NAMES["gemma3"] = _ARCH_BLOCK_NAMES["gemma2"]
+# llama.cpp's Gemma converters store every RMSNorm weight plus one (Gemma scales by 1 + w).
+_NORM_SHIFTED = ("gemma2", "gemma3")
 # Tensors whose content already went into the config.
-_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
+                             "rope_factors_short.weight"})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _TOP_LEVEL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """The HF parameter name of a llama.cpp tensor name; None for names this loader does not map."""
     if match := _BLOCK_TENSOR.fullmatch(gguf_name):
         layer, part, kind = match.groups()
-        if part in _BLOCK_NAMES:
-            return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        names = {**_BLOCK_NAMES, **_ARCH_BLOCK_NAMES.get(arch, {})}
+        if part in names:
+            return f"model.layers.{layer}.{names[part]}.{kind}"
     elif match := _TOP_LEVEL_TENSOR.fullmatch(gguf_name):
         part, kind = match.groups()
         if part in _TOP_LEVEL_NAMES:
@@ -98,11 +113,12 @@ def iter_gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[st
     tensors equals a cast of these, bit for bit.
     """
     reader = open_gguf(path)
-    permute_qk = gguf_architecture(reader) == "llama"
+    arch = gguf_architecture(reader)
+    permute_qk = arch == "llama"
     for tensor in reader.tensors:
         if tensor.name in _CONFIG_TENSORS:
             continue
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         if name is None:
             raise ValueError(
                 f"GGUF file {path} has tensor {tensor.name!r}, which has no place in a "
@@ -115,6 +131,8 @@ def iter_gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[st
             weights = _unpermute_rows(weights, config.num_attention_heads)
         elif permute_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
             weights = _unpermute_rows(weights, config.num_key_value_heads)
+        if arch in _NORM_SHIFTED and name.endswith("norm.weight"):
+            weights = weights - 1.0  # a new array: llama.cpp's + 1 undone
         if not weights.flags.writeable:  # F32 tensors are views of the read-only file mapping
             weights = weights.copy()
         yield name, torch.from_numpy(weights)

@@ -18,6 +18,7 @@ import torch
 from engine import model_cache
 from engine.models import gguf_cache
 from engine.models.model_config import read_model_config
+from engine.models.registry import ARCHITECTURE_OF_MODEL_TYPE, MODEL_REGISTRY
 from engine.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 if TYPE_CHECKING:
@@ -26,18 +27,9 @@ if TYPE_CHECKING:
 # transformers (its config classes) and gguf are imported only where a start needs them: a GGUF
 # file without a converted folder, or a config.json ``read_model_config`` leaves to transformers.
 
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)  # SmolLM and SmolLM2 are LlamaForCausalLM
-_ARCHITECTURE_OF_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# SmolLM and SmolLM2 are LlamaForCausalLM; Gemma 3's text-only checkpoints Gemma3ForCausalLM.
+SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
+_ARCHITECTURE_OF_MODEL_TYPE = ARCHITECTURE_OF_MODEL_TYPE
 
 
 _SAFETENSORS_DTYPES = {
@@ -281,6 +273,10 @@ def _load_hf_config(folder: Path) -> Any:
     if config is None:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        try:
+            config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+        except Exception as error:  # noqa: BLE001 - transformers' field validation raises
+            # huggingface_hub's StrictDataclassError, no ValueError: the config is what is wrong
+            raise ValueError(f"{config_file}: {error}") from error
     config.architectures = [architecture]
     return config

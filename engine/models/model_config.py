@@ -28,7 +28,7 @@ ENGINE_FIELDS = (
     "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "rms_norm_eps", "max_position_embeddings", "sliding_window", "use_sliding_window",
     "rope_parameters", "attention_bias", "mlp_bias", "tie_word_embeddings", "bos_token_id",
-    "eos_token_id", "pad_token_id",
+    "eos_token_id", "pad_token_id", "layer_types",
 )
 _COMMON: dict[str, Any] = {
     "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -51,13 +51,13 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "qwen2": {
         **_COMMON, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
         "max_position_embeddings": 32768, "use_sliding_window": False, "sliding_window": 4096,
-        "bos_token_id": None, "eos_token_id": None,
+        "bos_token_id": None, "eos_token_id": None, "max_window_layers": 28, "layer_types": None,
     },
     "qwen3": {
         **_COMMON, "vocab_size": 151936, "intermediate_size": 22016, "num_key_value_heads": 32,
         "head_dim": 128, "max_position_embeddings": 32768, "attention_bias": False,
         "use_sliding_window": False, "sliding_window": 4096, "bos_token_id": None,
-        "eos_token_id": None,
+        "eos_token_id": None, "max_window_layers": 28, "layer_types": None,
     },
 }
 _SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
@@ -100,8 +100,16 @@ def read_model_config(raw: dict[str, Any]) -> ModelConfig | None:
         values["num_key_value_heads"] = values["num_attention_heads"]
     if model_type in ("llama", "mistral") and values.get("head_dim") is None:
         values["head_dim"] = values["hidden_size"] // values["num_attention_heads"]
-    if model_type in ("qwen2", "qwen3") and not values.get("use_sliding_window"):
-        values["sliding_window"] = None
+    if model_type in ("qwen2", "qwen3"):
+        if not values.get("use_sliding_window"):
+            values["sliding_window"] = None
+        if values.get("layer_types") is None:  # the layers from max_window_layers on slide
+            values["layer_types"] = [
+                "sliding_attention"
+                if values["sliding_window"] is not None and i >= values["max_window_layers"]
+                else "full_attention"
+                for i in range(values["num_hidden_layers"])
+            ]
     values["rope_parameters"] = _rope_parameters(values)
     return ModelConfig(values, copy.deepcopy(raw))
 

@@ -148,3 +148,48 @@ def test_writes_into_out_from_a_strided_query(dtype):
     assert (layer_out[3:] == 7.0).all()
     with pytest.raises(ValueError, match="out must be"):
         kernel.paged_decode_attention(q_view, k, v, tables, ctx, 0.125, out=layer_out[:2])
+
+
+@pytest.mark.parametrize(
+    "num_heads,num_kv_heads,head_dim,block_size,lens",
+    [
+        (4, 2, 16, 8, [1, 7, 8, 9, 33, 70]),  # generic loop
+        (8, 2, 64, 16, [5, 16, 17, 40, 300]),  # AVX-512 specialisation (head_dim 64)
+        (4, 1, 128, 8, [3, 24, 129]),  # head_dim 128
+    ],
+)
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 37])
+@pytest.mark.parametrize("options", ["plain", "soft_cap", "sinks", "both"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_soft_cap_and_sinks_match_reference(num_heads, num_kv_heads, head_dim,
+                                                   block_size, lens, window, options, dtype):
+    q, k, v, tables, ctx = make_case(len(lens), num_heads, num_kv_heads, head_dim, block_size,
+                                     lens, seed=3)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    soft_cap = 2.0 if options in ("soft_cap", "both") else None
+    sinks = (torch.randn(num_heads, generator=torch.Generator().manual_seed(5)) * 2
+             if options in ("sinks", "both") else None)
+    scale = head_dim**-0.5 * 4
+    if window is not None:
+        # Blocks wholly before every window are never read: poison them.
+        for i, n in enumerate(lens):
+            for j in range(max(0, n - window) // block_size):
+                k[tables[i, j].long()] = float("nan")
+                v[tables[i, j].long()] = float("nan")
+    got = kernel.paged_decode_attention(q, k, v, tables, ctx, scale, window=window,
+                                        soft_cap=soft_cap, sinks=sinks)
+    want = kernel.paged_decode_attention_ref(q, k, v, tables, ctx, scale, window, soft_cap, sinks)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+
+
+def test_sinks_take_probability_mass_and_bad_options_are_refused():
+    q, k, v, tables, ctx = make_case(2, 4, 2, 16, 8, [9, 20])
+    plain = kernel.paged_decode_attention(q, k, v, tables, ctx, 0.25)
+    # A huge sink takes (almost) all the mass: the output shrinks toward zero.
+    sunk = kernel.paged_decode_attention(q, k, v, tables, ctx, 0.25, sinks=torch.full((4,), 50.0))
+    assert sunk.abs().max() < 1e-6 < plain.abs().max()
+    with pytest.raises(ValueError, match="window"):
+        kernel.paged_decode_attention(q, k, v, tables, ctx, 0.25, window=0)
+    with pytest.raises(ValueError, match="sinks"):
+        kernel.paged_decode_attention(q, k, v, tables, ctx, 0.25, sinks=torch.zeros(3))

@@ -38,6 +38,9 @@ _GGUF_ARCH = {
     "llama": gguf.MODEL_ARCH.LLAMA,
     "qwen2": gguf.MODEL_ARCH.QWEN2,
     "qwen3": gguf.MODEL_ARCH.QWEN3,
+    "gemma2": gguf.MODEL_ARCH.GEMMA2,
+    "gemma3": gguf.MODEL_ARCH.GEMMA3,
+    "phi3": gguf.MODEL_ARCH.PHI3,
 }
 # Worst error of each type relative to the tensor's largest magnitude (Q4_0 clips one end).
 _TOLERANCE = {Q.F32: 0.0, Q.F16: 1e-3, Q.BF16: 4e-3, Q.Q8_0: 5e-3, Q.Q4_0: 0.13, Q.Q4_1: 0.07}
@@ -52,8 +55,10 @@ def _llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(path: Path, model: PreTrainedModel, arch: str, qtype: Q) -> None:
-    """Write ``model`` and ``tiny_tokenizer()`` as llama.cpp's converter would, in ``qtype``."""
+def write_gguf(path: Path, model: PreTrainedModel, arch: str, qtype: Q,
+               extra=None) -> None:
+    """Write ``model`` and ``tiny_tokenizer()`` as llama.cpp's converter would, in ``qtype``;
+    ``extra(writer)`` adds an architecture's own keys and tensors."""
     config, tokenizer = model.config, tiny_tokenizer()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     writer = gguf.GGUFWriter(str(path), arch)
@@ -65,12 +70,15 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str, qtype: Q) -> None:
     writer.add_head_count(config.num_attention_heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
     writer.add_rope_dimension_count(head_dim)
-    if arch == "qwen3":
+    if extra is not None:
+        extra(writer)
+    if arch in ("qwen3", "gemma2", "gemma3"):
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    if (rope_type := config.rope_parameters.get("rope_type")) == "yarn":
+    if (rope_type := rope.get("rope_type")) == "yarn":
         writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
         writer.add_rope_scaling_factor(config.rope_parameters["factor"])
         orig = config.rope_parameters["original_max_position_embeddings"]
@@ -99,6 +107,8 @@ def write_gguf(path: Path, model: PreTrainedModel, arch: str, qtype: Q) -> None:
             data = _llama_cpp_permute(data, config.num_attention_heads)
         elif arch == "llama" and base.endswith("k_proj"):
             data = _llama_cpp_permute(data, config.num_key_value_heads)
+        elif arch in ("gemma2", "gemma3") and base.endswith("norm"):
+            data = data + 1.0  # llama.cpp's Gemma converters store 1 + w
         gguf_name = f"{name_map.get_name(base)}.{kind}"
         if data.ndim == 1 or qtype == Q.F32:  # llama.cpp keeps norms and biases in F32
             writer.add_tensor(gguf_name, np.ascontiguousarray(data, dtype=np.float32))

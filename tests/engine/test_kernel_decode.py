@@ -167,3 +167,36 @@ def test_rejects_bad_inputs() -> None:
         paged_decode_attention(q, k_cache[:, :6], v_cache[:, :6], tables, lens, 1.0)
     with pytest.raises(ValueError, match="num_splits"):
         paged_decode_attention(q, k_cache, v_cache, tables, lens, 1.0, num_splits=0)
+
+
+def _poison_before_window(k_cache, v_cache, tables, lens, window, block_size):
+    """NaN in every block wholly before a sequence's window: the kernel must never read them."""
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    for b, n in enumerate(lens.tolist()):
+        for j in range(max(0, n - window) // block_size):
+            k_cache[tables[b, j].long()] = float("nan")
+            v_cache[tables[b, j].long()] = float("nan")
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 1, 9, 40])
+@pytest.mark.parametrize("options", ["plain", "soft_cap", "sinks", "both"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_window_soft_cap_and_sinks(device: str, window: int | None, options: str,
+                                   num_splits: int) -> None:
+    block_size = 8
+    q, k_cache, v_cache, tables, lens, _, _ = make_batch(
+        [1, 11, 0, 47, 150], 6, 2, 32, block_size, torch.float32, seed=window or 0)
+    soft_cap = 1.5 if options in ("soft_cap", "both") else None
+    sinks = (torch.linspace(-2, 3, 6) if options in ("sinks", "both") else None)
+    ref = paged_decode_attention_ref(q, k_cache, v_cache, tables, lens, 0.9, window, soft_cap,
+                                     sinks)
+    if window is not None:
+        k_cache, v_cache = _poison_before_window(k_cache, v_cache, tables, lens, window,
+                                                 block_size)
+    args = [t.to(device) for t in (q, k_cache, v_cache, tables, lens)]
+    out = paged_decode_attention(*args, 0.9, num_splits, window=window, soft_cap=soft_cap,
+                                 sinks=None if sinks is None else sinks.to(device))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])

@@ -175,3 +175,29 @@ def test_rejects_bad_inputs() -> None:
         paged_prefill_attention(q, k_cache, v_cache, tables, starts, lens, 1.0, 0)
     with pytest.raises(ValueError, match="query_start_loc\\[-1\\]"):
         paged_prefill_attention_ref(q[:5], k_cache, v_cache, tables, starts, lens, 1.0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("window", [None, 1, 7, 20])
+@pytest.mark.parametrize("options", ["plain", "soft_cap", "sinks", "both"])
+def test_window_soft_cap_and_sinks(device: str, window: int | None, options: str) -> None:
+    block_size = 8
+    query_lens, context_lens = [s[0] for s in SEQS], [s[1] for s in SEQS]
+    q, k_cache, v_cache, tables, starts, lens, _, _ = make_batch(
+        query_lens, context_lens, 4, 2, 16, block_size, torch.float32, seed=3)
+    soft_cap = 1.5 if options in ("soft_cap", "both") else None
+    sinks = torch.linspace(-1, 2, 4) if options in ("sinks", "both") else None
+    ref = paged_prefill_attention_ref(q, k_cache, v_cache, tables, starts, lens, 0.8, window,
+                                      soft_cap, sinks)
+    if window is not None:  # NaN in the blocks before the first query's window: never read
+        k_cache, v_cache = k_cache.clone(), v_cache.clone()
+        for s, (q_len, ctx) in enumerate(SEQS):
+            for j in range(max(0, ctx - q_len - window + 1) // block_size):
+                k_cache[tables[s, j].long()] = float("nan")
+                v_cache[tables[s, j].long()] = float("nan")
+    args = [t.to(device) for t in (q, k_cache, v_cache, tables, starts, lens)]
+    out = paged_prefill_attention(*args, 0.8, max(query_lens), config=SMALL_TILES,
+                                  window=window, soft_cap=soft_cap,
+                                  sinks=None if sinks is None else sinks.to(device))
+    assert not out.isnan().any()
+    torch.testing.assert_close(out.cpu(), ref, **TOL[torch.float32])

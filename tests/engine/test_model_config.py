@@ -34,6 +34,7 @@ VARIANTS: list[dict[str, Any]] = [
     {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
     {"rope_parameters": {"rope_type": "linear", "factor": 3.0}, "rope_theta": 5.0},
     {"use_sliding_window": True, "sliding_window": 128},
+    {"use_sliding_window": True, "sliding_window": 128, "max_window_layers": 1},
     {"use_sliding_window": False, "sliding_window": 128},
     {"sliding_window": None},
     {"eos_token_id": [2, 7], "bos_token_id": None, "pad_token_id": 0},
@@ -60,7 +61,7 @@ def test_defaults_are_transformers_defaults(model_type: str) -> None:
     instance = CLASSES[model_type](**_SMALL)
     for name, value in DEFAULTS[model_type].items():
         if name in _SMALL or name in ("head_dim", "num_key_value_heads", "rope_parameters",
-                                      "sliding_window"):
+                                      "sliding_window", "layer_types"):
             continue  # filled in by __post_init__: compared through the variants below
         assert getattr(instance, name) == value, name
 

@@ -225,6 +225,38 @@ def test_a_template_error_fails_only_its_line(tiny_model_dir, tmp_path):
     assert summary.num_ok == 1
 
 
+# Gemma's own chat template (gemma-2-it, gemma-3-it): no system role, turns must alternate.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+def test_gemma_refuses_a_system_role_as_a_line_error(tmp_path):
+    from tests.conftest import make_checkpoint
+
+    folder = make_checkpoint(tmp_path / "gemma2", "gemma2", sliding_window=12)
+    engine = make_engine(folder)
+    engine.tokenizer.chat_template = GEMMA_TEMPLATE
+    result, summary = run(engine, tmp_path, [
+        {"custom_id": "sys", "method": "POST", "url": CHAT, "body": {
+            "messages": [{"role": "system", "content": "x"}, {"role": "user", "content": "y"}]}},
+        {"custom_id": "twice", "method": "POST", "url": CHAT, "body": {
+            "messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "y"}]}},
+        chat("ok", max_tokens=2)])
+    error = error_of(result["sys"])
+    assert error["code"] == "invalid_request"
+    assert "System role not supported" in error["message"] and "messages" in error["message"]
+    assert "roles must alternate" in error_of(result["twice"])["message"]
+    assert summary.num_ok == 1
+
+
 # --- logit_bias --------------------------------------------------------------------------------
 
 

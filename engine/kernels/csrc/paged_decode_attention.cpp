@@ -7,6 +7,9 @@
 // block_tables: [num_seqs, max_blocks]                               int32, contiguous
 // context_lens: [num_seqs]                                           int32
 // out:          [num_seqs, num_heads, head_dim]                      q's dtype, contiguous
+// window:       0, or each query sees only the last `window` positions of its context
+// soft_cap:     0, or scores become soft_cap * tanh(score / soft_cap) before the softmax
+// sinks:        None, or [num_heads] float32: a per-head logit in each softmax's denominator
 //
 // A bf16 cache is read as bf16 (half the bytes of a decode step, which is bound by memory
 // bandwidth) and widened to fp32 in registers: scores, softmax and the weighted sum of values are
@@ -41,53 +44,68 @@ inline float to_float(uint16_t x) {
 // One (sequence, kv head) pair: scores for the group's query heads over the whole context, a
 // softmax, then the weighted sum of values. HEAD_DIM > 0 fixes the head size at compile time so
 // the inner loops unroll and vectorize; 0 is the generic fallback.
+// The options of one layer's attention (all off: plain softmax over the whole context).
+struct Options {
+  int64_t window;        // 0: none
+  float soft_cap;        // 0: none
+  const float* sinks;    // nullptr: none; else this group's sink logits
+};
+
 template <int HEAD_DIM, typename KV>
 void attend_one(const float* q_group, const KV* k_ptr, const KV* v_ptr,
                 const int32_t* table, int64_t len, int64_t group, int64_t head_dim_rt,
                 int64_t block_size, int64_t token_stride, int64_t block_stride, float scale,
-                float* out_group, std::vector<float>& scores, std::vector<float>& acc) {
+                float* out_group, std::vector<float>& scores, std::vector<float>& acc,
+                const Options& opt) {
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : head_dim_rt;
-  scores.resize(group * len);
+  // Positions start .. len - 1 are seen (start > 0 with a window); scores are indexed from it.
+  const int64_t start = opt.window > 0 ? std::max<int64_t>(0, len - opt.window) : 0;
+  const int64_t seen = len - start;
+  scores.resize(group * seen);
   acc.assign(group * head_dim, 0.0f);
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  // Pass 1: q . k for every context token, block by block (no per-token division).
-  for (int64_t j = 0; j < num_blocks; ++j) {
+  // Pass 1: q . k for every seen context token, block by block (no per-token division).
+  for (int64_t j = start / block_size; j < num_blocks; ++j) {
     const KV* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t first = j * block_size;
     const int64_t n = std::min(block_size, len - first);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = std::max<int64_t>(0, start - first); i < n; ++i) {
       const KV* k = k_block + i * token_stride;
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q_group + g * head_dim;
         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
         for (int64_t d = 0; d < head_dim; ++d) s += qg[d] * to_float(k[d]);
-        scores[g * len + first + i] = s * scale;
+        s *= scale;
+        if (opt.soft_cap > 0.0f) s = opt.soft_cap * std::tanh(s / opt.soft_cap);
+        scores[g * seen + first + i - start] = s;
       }
     }
   }
   std::vector<float> inv_sum(group);
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores.data() + g * len;
+    float* s = scores.data() + g * seen;
     float m = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < len; ++t) m = std::max(m, s[t]);
+    for (int64_t t = 0; t < seen; ++t) m = std::max(m, s[t]);
+    if (opt.sinks != nullptr) m = std::max(m, opt.sinks[g]);
     float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
+    for (int64_t t = 0; t < seen; ++t) {
       s[t] = std::exp(s[t] - m);
       total += s[t];
     }
+    if (opt.sinks != nullptr) total += std::exp(opt.sinks[g] - m);
     inv_sum[g] = 1.0f / total;
   }
   // Pass 2: sum of p * v.
-  for (int64_t j = 0; j < num_blocks; ++j) {
+  for (int64_t j = start / block_size; j < num_blocks; ++j) {
     const KV* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t first = j * block_size;
     const int64_t n = std::min(block_size, len - first);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = std::max<int64_t>(0, start - first); i < n; ++i) {
       const KV* v = v_block + i * token_stride;
       for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * len + first + i];
+        const float p = scores[g * seen + first + i - start];
         float* a = acc.data() + g * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
@@ -167,9 +185,12 @@ template <int GROUP, int CHUNKS, typename KV>
 void attend_one_avx512(const float* q_group, const KV* k_ptr, const KV* v_ptr,
                        const int32_t* table, int64_t len, int64_t block_size,
                        int64_t token_stride, int64_t block_stride, float scale, float* out_group,
-                       std::vector<float>& scores) {
+                       std::vector<float>& scores, const Options& opt) {
   constexpr int64_t head_dim = 16 * CHUNKS;
-  const int64_t padded = (len + 15) & ~int64_t{15};
+  // Positions start .. len - 1 are seen (start > 0 with a window); scores are indexed from it.
+  const int64_t start = opt.window > 0 ? std::max<int64_t>(0, len - opt.window) : 0;
+  const int64_t seen = len - start;
+  const int64_t padded = (seen + 15) & ~int64_t{15};
   scores.resize(GROUP * padded);
   __m512 q[GROUP][CHUNKS];
   for (int g = 0; g < GROUP; ++g)
@@ -193,19 +214,26 @@ void attend_one_avx512(const float* q_group, const KV* k_ptr, const KV* v_ptr,
     const __mmask16 mask = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
     for (int g = 0; g < GROUP; ++g) {
       for (int64_t t = n; t < 16; ++t) partial[g][t] = _mm512_setzero_ps();
-      const __m512 s = _mm512_mul_ps(reduce16(partial[g]), vscale);
+      __m512 s = _mm512_mul_ps(reduce16(partial[g]), vscale);
+      if (opt.soft_cap > 0.0f) {  // no vector tanh: 16 scalar ones, rare enough (Gemma 2)
+        alignas(64) float lanes[16];
+        _mm512_store_ps(lanes, s);
+        for (int t = 0; t < 16; ++t) lanes[t] = opt.soft_cap * std::tanh(lanes[t] / opt.soft_cap);
+        s = _mm512_load_ps(lanes);
+      }
       _mm512_storeu_ps(scores.data() + g * padded + first, s);
       maxes[g] = _mm512_mask_max_ps(maxes[g], mask, maxes[g], s);
     }
   };
   const int64_t num_blocks = (len + block_size - 1) / block_size;
-  for (int64_t j = 0; j < num_blocks; ++j) {
+  const int64_t start_block = start / block_size;
+  for (int64_t j = start_block; j < num_blocks; ++j) {
     const KV* k_block = k_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t n = std::min(block_size, len - j * block_size);
     if (j + 1 < num_blocks)
       prefetch_block<CHUNKS>(k_ptr + static_cast<int64_t>(table[j + 1]) * block_stride,
                              block_size, token_stride);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = std::max<int64_t>(0, start - j * block_size); i < n; ++i) {
       const KV* k = k_block + i * token_stride;
       __m512 acc[GROUP];
 #if defined(__AVX512BF16__)
@@ -239,31 +267,36 @@ void attend_one_avx512(const float* q_group, const KV* k_ptr, const KV* v_ptr,
   float inv_sum[GROUP];
   for (int g = 0; g < GROUP; ++g) {
     float* s = scores.data() + g * padded;
-    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(maxes[g]));
+    float m_scalar = _mm512_reduce_max_ps(maxes[g]);
+    if (opt.sinks != nullptr) m_scalar = std::max(m_scalar, opt.sinks[g]);
+    const __m512 m = _mm512_set1_ps(m_scalar);
     __m512 total = _mm512_setzero_ps();
     for (int64_t t = 0; t < padded; t += 16) {
-      const int64_t n = std::min<int64_t>(16, len - t);
+      const int64_t n = std::min<int64_t>(16, seen - t);
       const __mmask16 mask = n == 16 ? __mmask16(0xFFFF) : __mmask16((1u << n) - 1);
       const __m512 e = exp_ps(_mm512_sub_ps(_mm512_loadu_ps(s + t), m));
       _mm512_storeu_ps(s + t, e);
       total = _mm512_mask_add_ps(total, mask, total, e);
     }
-    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(total);
+    float sum = _mm512_reduce_add_ps(total);
+    if (opt.sinks != nullptr) sum += std::exp(opt.sinks[g] - m_scalar);
+    inv_sum[g] = 1.0f / sum;
   }
   __m512 out[GROUP][CHUNKS];
   for (int g = 0; g < GROUP; ++g)
     for (int c = 0; c < CHUNKS; ++c) out[g][c] = _mm512_setzero_ps();
-  for (int64_t j = 0; j < num_blocks; ++j) {
+  for (int64_t j = start_block; j < num_blocks; ++j) {
     const KV* v_block = v_ptr + static_cast<int64_t>(table[j]) * block_stride;
     const int64_t first_j = j * block_size;
     if (j + 1 < num_blocks)
       prefetch_block<CHUNKS>(v_ptr + static_cast<int64_t>(table[j + 1]) * block_stride,
                              block_size, token_stride);
     const int64_t n = std::min(block_size, len - first_j);
-    for (int64_t i = 0; i < n; ++i) {
+    for (int64_t i = std::max<int64_t>(0, start - first_j); i < n; ++i) {
       const KV* v = v_block + i * token_stride;
       __m512 p[GROUP];
-      for (int g = 0; g < GROUP; ++g) p[g] = _mm512_set1_ps(scores[g * padded + first_j + i]);
+      for (int g = 0; g < GROUP; ++g)
+        p[g] = _mm512_set1_ps(scores[g * padded + first_j + i - start]);
       for (int c = 0; c < CHUNKS; ++c) {
         const __m512 vv = load16(v + 16 * c);
         for (int g = 0; g < GROUP; ++g) out[g][c] = _mm512_fmadd_ps(p[g], vv, out[g][c]);
@@ -281,11 +314,12 @@ void attend_one_avx512(const float* q_group, const KV* k_ptr, const KV* v_ptr,
 template <int CHUNKS, typename KV>
 bool dispatch_group(int64_t group, const float* q_group, const KV* k, const KV* v,
                     const int32_t* table, int64_t len, int64_t block_size, int64_t token_stride,
-                    int64_t block_stride, float scale, float* out, std::vector<float>& scores) {
+                    int64_t block_stride, float scale, float* out, std::vector<float>& scores,
+                    const Options& opt) {
 #define BOXCAR_GROUP_CASE(G)                                                                  \
   case G:                                                                                     \
     attend_one_avx512<G, CHUNKS, KV>(q_group, k, v, table, len, block_size, token_stride,         \
-                                 block_stride, scale, out, scores);                           \
+                                 block_stride, scale, out, scores, opt);                      \
     return true;
   switch (group) {
     BOXCAR_GROUP_CASE(1)
@@ -308,7 +342,7 @@ template <typename KV>
 void attend_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int32_t* tables,
                 const int32_t* lens, float* out_ptr, int64_t num_seqs, int64_t num_heads,
                 int64_t head_dim, int64_t block_size, int64_t num_kv_heads, int64_t max_blocks,
-                float fscale) {
+                float fscale, int64_t window, float soft_cap, const float* sinks) {
   const int64_t group = num_heads / num_kv_heads;
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * token_stride;
@@ -331,19 +365,20 @@ void attend_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int3
         }
         const KV* k_head = k_ptr + kv_head * head_dim;
         const KV* v_head = v_ptr + kv_head * head_dim;
+        const Options opt{window, soft_cap, sinks == nullptr ? nullptr : sinks + kv_head * group};
         auto run = [&](auto kernel) {
           kernel(q_group, k_head, v_head, table, len, group, head_dim, block_size, token_stride,
-                 block_stride, fscale, out_group, scores, acc);
+                 block_stride, fscale, out_group, scores, acc, opt);
         };
 #if defined(__AVX512F__)
         if (head_dim == 64 && dispatch_group<4>(group, q_group, k_head, v_head, table, len,
                                                 block_size, token_stride, block_stride, fscale,
-                                                out_group, scores)) {
+                                                out_group, scores, opt)) {
           continue;
         }
         if (head_dim == 128 && dispatch_group<8>(group, q_group, k_head, v_head, table, len,
                                                  block_size, token_stride, block_stride, fscale,
-                                                 out_group, scores)) {
+                                                 out_group, scores, opt)) {
           continue;
         }
 #endif
@@ -364,7 +399,8 @@ void attend_all(const float* q_ptr, const KV* k_ptr, const KV* v_ptr, const int3
 void paged_decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_cache,
                             const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                             const torch::Tensor& context_lens, double scale,
-                            torch::Tensor& out_in) {
+                            torch::Tensor& out_in, int64_t window, double soft_cap,
+                            const c10::optional<torch::Tensor>& sinks_in) {
   // A bf16 query is widened here (exact) and the fp32 result rounded into the bf16 output once:
   // as torch ops called from Python, the two conversions and a copy cost more than the kernel
   // at a few decode rows.
@@ -379,16 +415,23 @@ void paged_decode_attention(const torch::Tensor& q_in, const torch::Tensor& k_ca
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   float* out_ptr = out.data_ptr<float>();
   const float fscale = static_cast<float>(scale);
+  const float fcap = static_cast<float>(soft_cap);
+  torch::Tensor sinks_f;
+  const float* sinks = nullptr;
+  if (sinks_in.has_value()) {
+    sinks_f = sinks_in->to(at::kFloat).contiguous();
+    sinks = sinks_f.data_ptr<float>();
+  }
   if (k_cache.scalar_type() == at::kBFloat16) {
     // c10::BFloat16 is one uint16_t of bits; the kernels read the bits.
     const auto* k_ptr = reinterpret_cast<const uint16_t*>(k_cache.data_ptr<at::BFloat16>());
     const auto* v_ptr = reinterpret_cast<const uint16_t*>(v_cache.data_ptr<at::BFloat16>());
     attend_all(q_ptr, k_ptr, v_ptr, tables, lens, out_ptr, num_seqs, num_heads, head_dim,
-               block_size, num_kv_heads, max_blocks, fscale);
+               block_size, num_kv_heads, max_blocks, fscale, window, fcap, sinks);
   } else {
     attend_all(q_ptr, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), tables, lens,
                out_ptr, num_seqs, num_heads, head_dim, block_size, num_kv_heads, max_blocks,
-               fscale);
+               fscale, window, fcap, sinks);
   }
   if (bf16_io) out_in.copy_(out);
 }
