@@ -60,6 +60,8 @@ _HELP: dict[str, dict[str, Any]] = {
     "attention_backend": {"choices": ("cpu", "torch", "triton"),
                           "help": "attention kernels (default: chosen by device)"},
     "enforce_eager": {"help": "no CUDA graphs"},
+    "tensor_parallel_size": {"help": "split the model over this many devices (one process "
+                                     "each; GPUs, or CPU processes for tests)"},
 }
 _TYPES = {"int": int, "float": float, "str": str}
 

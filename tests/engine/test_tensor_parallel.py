@@ -1,0 +1,111 @@
+"""Tensor parallel on the CPU (gloo, two processes): TP=2's greedy output equals TP=1's token for
+token (fp32) with chunked prefill, prefix hits and preemption in one run, for a Llama (KV heads
+split) and a Qwen3 (one KV head: replicated); a helper rank killed mid-step makes ``step`` raise
+``RankFailure`` and leaves no process behind."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.distributed.group import RankFailure
+from engine.distributed.runner import TPModelRunner
+from engine.distributed.sharding import ShardPlan
+from tests.conftest import make_checkpoint
+
+# Chunks of 16 tokens over 8-token blocks, a cache small enough to preempt.
+SCHEDULE = {"max_num_batched_tokens": 16, "block_size": 8, "num_kv_blocks": 14,
+            "dtype": "float32", "num_threads": 1}
+MAX_TOKENS = (12, 20, 9, 16, 14)
+
+
+@pytest.fixture(autouse=True)
+def never_hang():
+    """A hung collective fails the run (with every thread's stack) instead of stalling CI."""
+    faulthandler.dump_traceback_later(150, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, vocab, (24,), generator=g).tolist()  # three full blocks
+    tails = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 11, 2, 30, 7)]
+    return [shared + tail if i % 2 == 0 else tail + shared for i, tail in enumerate(tails)]
+
+
+def run(path, tp: int) -> tuple[list[list[int]], object]:
+    llm = LLM(str(path), tensor_parallel_size=tp, **SCHEDULE)
+    runner = llm.engine.model_runner
+    assert isinstance(runner, TPModelRunner) == (tp > 1)
+    try:
+        vocab = llm.engine.vocab_size
+        outs = llm.generate(prompts(vocab), [
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+        return [o.token_ids for o in outs], llm.engine.get_stats()
+    finally:
+        if tp > 1:
+            runner.close()
+            assert not any(h.process.is_alive() for h in runner.helpers)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {"tie": False}),  # 4 heads, 2 KV heads: one each
+    # one KV head on both ranks; an odd vocabulary pads the last rank's rows
+    ("qwen3", {"tie": True, "num_key_value_heads": 1, "vocab_size": 387}),
+])
+def test_tp2_equals_tp1(tmp_path, arch, overrides):
+    overrides = dict(overrides)
+    path = make_checkpoint(tmp_path / arch, arch, tie=overrides.pop("tie"), **overrides)
+    expected, stats1 = run(path, 1)
+    got, stats2 = run(path, 2)
+    assert got == expected
+    for stats in (stats1, stats2):
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_hits > 0
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_a_killed_rank_fails_the_step_loudly(tmp_path):
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **SCHEDULE)
+    engine = llm.engine
+    runner = engine.model_runner
+    helper = runner.helpers[0].process
+    engine.add_request("a", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=50,
+                                                               ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    killed = []
+
+    def kill_in_the_middle(module, args):  # the driver is between its layers' collectives
+        if not killed:
+            os.kill(helper.pid, signal.SIGKILL)
+            helper.join(timeout=10)
+            killed.append(True)
+
+    runner.model.model.layers[1].register_forward_pre_hook(kill_in_the_middle)
+    with pytest.raises(RankFailure, match="rank 1 .* killed by signal 9"):
+        engine.step()
+    assert killed and not helper.is_alive()
+    with pytest.raises(RankFailure):
+        engine.step()  # the engine stays failed: no half-dead steps
+
+
+def test_sizes_that_do_not_split_are_refused(tmp_path):
+    config = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2,
+                            "hidden_size": 64, "intermediate_size": 128, "vocab_size": 99})
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        ShardPlan.of(config, 0, 3)
+    plan = ShardPlan.of(config, 1, 2)
+    assert plan.vocab_shard == 50 and plan.row_slices("lm_head.weight") == [(50, 49)]
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="x", tensor_parallel_size=0)
+    gemma = make_checkpoint(tmp_path / "gemma2", "gemma2")
+    with pytest.raises(ValueError, match="Llama family"):
+        LLM(str(gemma), tensor_parallel_size=2, **SCHEDULE)
