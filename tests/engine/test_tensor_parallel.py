@@ -109,3 +109,37 @@ def test_sizes_that_do_not_split_are_refused(tmp_path):
     gemma = make_checkpoint(tmp_path / "gemma2", "gemma2")
     with pytest.raises(ValueError, match="Llama family"):
         LLM(str(gemma), tensor_parallel_size=2, **SCHEDULE)
+
+
+def test_a_rank_reads_only_its_slices(tmp_path):
+    """Each rank's tensors have the local shapes; the ranks' split tensors add up to the
+    checkpoint's, so a rank holds ~1/N of the model (the norms are replicated)."""
+    from engine.distributed.weights import iter_shard_weights
+    from engine.models.loader import load_checkpoint
+
+    path = make_checkpoint(tmp_path / "phi3", "phi3")  # q/k/v and gate/up stored fused
+    checkpoint = load_checkpoint(str(path))
+    full = dict(checkpoint.iter_weights(torch.float32))
+    plans = [ShardPlan.of(checkpoint.config, rank, 2) for rank in range(2)]
+    shards = [dict(iter_shard_weights(checkpoint, plan, torch.float32)) for plan in plans]
+    for name, tensor in full.items():
+        parts = [shard[name] for shard in shards]
+        if parts[0].shape == tensor.shape:  # replicated
+            assert all(torch.equal(p, tensor) for p in parts), name
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, dim=1), tensor), name
+        elif name.endswith("qkv_proj.weight"):  # each rank: its q heads, its k head, its v head
+            q, kv = 4 * 16, 2 * 16
+            for rank, part in enumerate(parts):
+                rows = torch.cat([tensor[rank * q // 2:(rank + 1) * q // 2],
+                                  tensor[q + rank * kv // 2:q + (rank + 1) * kv // 2],
+                                  tensor[q + kv + rank * kv // 2:q + kv + (rank + 1) * kv // 2]])
+                assert torch.equal(part, rows), name
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = tensor.chunk(2)
+            assert torch.equal(torch.cat([p.chunk(2)[0] for p in parts]), gate)
+            assert torch.equal(torch.cat([p.chunk(2)[1] for p in parts]), up)
+        else:
+            assert torch.equal(torch.cat(parts), tensor), name
+    whole = sum(t.numel() for t in full.values())
+    assert sum(t.numel() for t in shards[0].values()) < 0.55 * whole
