@@ -62,7 +62,10 @@ t0 = usage()
 llm = LLM(model, dtype="float32", device="cpu", num_threads=threads,
           max_num_seqs=128, max_num_batched_tokens=2048)
 if prefault_kv:  # commit every page of the cache now, as torch.zeros did (both checkouts have it)
-    llm.engine.model_runner.kv_cache.zero_()
+    runner = llm.engine.model_runner
+    # every KV group (windowed too); an older checkout has the one tensor
+    for tensor in (runner.kv.tensors if hasattr(runner, "kv") else [runner.kv_cache]):
+        tensor.zero_()
 workload = make_workload(llm.tokenizer, num_requests=num_requests,
                          prompt_range=(30, 100) if quick else (30, 400),
                          output_range=(8, 32) if quick else (16, 256), seed=0)

@@ -72,9 +72,8 @@ def plan_kv_cache(config: EngineConfig, windows: list[int | None], max_position:
     full = [i for i, w in enumerate(windows) if w is None or w >= max_position]
     windowed = [i for i, w in enumerate(windows) if i not in full]
     blocks_per_seq = -(-max_position // bs)
-    if not full or not windowed:
-        # One group: all layers share every block (windowed everywhere, or nowhere).
-        full, windowed = list(range(len(windows))), []
+    if not windowed:
+        full = list(range(len(windows)))  # one group: every layer reads the whole context
     window = max((w for i, w in enumerate(windows) if i in windowed and w is not None),
                  default=None)
     bytes_full, bytes_window = per_layer * len(full), per_layer * len(windowed)
@@ -87,15 +86,20 @@ def plan_kv_cache(config: EngineConfig, windows: list[int | None], max_position:
         # Each sequence's worth: its full blocks and its windowed ones.
         per_seq = blocks_per_seq * bytes_full + window_per_seq * bytes_window
         seqs = min(config.kv_cache_memory / per_seq, float(config.max_num_seqs))
-        num_blocks = min(int(seqs * blocks_per_seq), config.max_num_seqs * blocks_per_seq)
+        num_window = max(int(seqs * window_per_seq), window_per_seq) if windowed else 0
+        # Every layer windowed: the full group is bookkeeping only (hashes, the prefix cache's
+        # keys), zero bytes a block, as many blocks as max_num_seqs sequences could use.
+        book_seqs = seqs if full else float(config.max_num_seqs)
+        num_blocks = min(int(book_seqs * blocks_per_seq), config.max_num_seqs * blocks_per_seq)
         if config.max_kv_blocks is not None:
             num_blocks = min(num_blocks, config.max_kv_blocks)
-        num_window = max(int(seqs * window_per_seq), window_per_seq) if windowed else 0
-    if num_blocks < 2:
+    if num_blocks < 2 and full:
         raise ValueError(
             f"kv_cache_memory={config.kv_cache_memory} bytes holds {num_blocks} blocks "
             f"of {bytes_full} bytes; give it at least {2 * bytes_full + 2 * bytes_window}"
         )
+    if not full:
+        num_blocks = max(num_blocks, 2)
     return KVCacheLayout(full, windowed, window, int(num_blocks),
                          int(num_window) + 1 if windowed else 0, bytes_full, bytes_window)
 

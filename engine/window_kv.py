@@ -1,5 +1,8 @@
 """The KV blocks of a model's sliding-window layers, kept apart from its full-attention layers'.
 
+(With every layer windowed, Mistral or Phi-3 with a window, the full group holds no layer: its
+pool only keeps the block hashes and prefix-cache keys, zero bytes a block.)
+
 In a model that mixes both (Gemma 2: every other layer; Gemma 3: five local layers to one
 global), a windowed layer never reads a position more than ``window - 1`` behind its query, so
 its blocks wholly behind the window can go back to the pool (vLLM's hybrid allocator, in two

@@ -57,12 +57,15 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionBackend,
         metadata: AttentionMetadata,
+        sinks: torch.Tensor | None = None,  # [num_heads]: a parameter of the caller's module
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        if sinks is None:
+            sinks = self.sinks
         if self.sliding_window is not None and metadata.window is not None:
             metadata = metadata.window  # this layer's blocks live in the windowed group
         return attn.forward(q, k, v, kv_cache[0], kv_cache[1], metadata, self.scale,
                             window=self.sliding_window, soft_cap=self.soft_cap,
-                            sinks=self.sinks)
+                            sinks=sinks)
 
 
 class SelfAttention(nn.Module):
@@ -86,8 +89,9 @@ class SelfAttention(nn.Module):
         self.rotary = [rotary]  # shared by the layers: kept out of this module's children
         self.attn = Attention(num_heads, num_kv_heads, head_dim,
                               head_dim**-0.5 if scale is None else scale,
-                              sliding_window=sliding_window, soft_cap=soft_cap,
-                              use_sinks=use_sinks)
+                              sliding_window=sliding_window, soft_cap=soft_cap)
+        # [num_heads]: Hugging Face's name for gpt-oss's sinks is ``self_attn.sinks``
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if use_sinks else None
 
     def forward(
         self,
@@ -112,5 +116,5 @@ class SelfAttention(nn.Module):
             # [num_tokens, num_heads + num_kv_heads, head_dim]; qkv is this call's own tensor
             qk = rotary.rotate_(positions, qk)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-        o = self.attn(q, k, v, kv_cache, attn, metadata)
+        o = self.attn(q, k, v, kv_cache, attn, metadata, self.sinks)
         return self.o_proj(o.reshape(num_tokens, self.q_size))

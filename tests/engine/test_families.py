@@ -160,11 +160,14 @@ def test_score_tokens_applies_the_final_soft_cap(tmp_path):
     assert want.max() - want.min() < 2 * 3.0 + 1e-3  # capped logits span at most 2 * cap
 
 
-def test_windowed_layers_hold_o_window_blocks(tmp_path):
-    """Gemma 3's local layers keep only the blocks their window still reads: one long request
-    never holds more than (window - 1 + chunk) / block_size + 1 of them, its global layers hold
-    the whole context, and everything returns to both pools."""
-    arch, kw = FAMILIES["gemma3"]
+@pytest.mark.parametrize("family", ["gemma3", "mistral-nemo-heads-window"])
+def test_windowed_layers_hold_o_window_blocks(tmp_path, family):
+    """Windowed layers keep only the blocks their window still reads (Gemma 3's local layers;
+    every layer of a windowed Mistral): one long request never holds more than
+    (window - 1 + chunk) / block_size + 1 of them, the full group's table covers the whole
+    context (Gemma 3's global layers; bookkeeping only for Mistral), and everything returns to
+    both pools."""
+    arch, kw = FAMILIES[family]
     kw = dict(kw)
     tie = kw.pop("tie")
     path = make_checkpoint(tmp_path, arch, tie=tie, **kw)
@@ -208,3 +211,46 @@ def test_sharded_safetensors_folder(reference, tmp_path):
     llm = LLM(str(sharded), dtype="float32")
     outs = llm.generate(prompts[:2], [greedy(n) for n in MAX_TOKENS[:2]])
     assert [o.token_ids for o in outs] == expected[:2]
+
+
+def test_sinks_on_self_attention_match_the_reference_softmax():
+    """``SelfAttention(use_sinks=True)``: the parameter is ``sinks`` (gpt-oss's HF name) and the
+    torch and CPU-kernel paths give ``softmax([scores, sink])`` without the sink's column."""
+    from engine.input_batch import StepRow, build_input_batch
+    from engine.layers.attention import SelfAttention
+    from engine.layers.rotary import RotaryEmbedding
+    from engine.layers.torch_attention import TorchAttentionBackend, attend_ref
+
+    torch.manual_seed(0)
+    rotary = RotaryEmbedding(16, 64, {"rope_theta": 10000.0})
+    layer = SelfAttention(32, 4, 2, 16, rotary, use_sinks=True).eval()
+    assert "sinks" in dict(layer.named_parameters())
+    with torch.no_grad():
+        layer.sinks.copy_(torch.tensor([-1.0, 0.5, 2.0, 4.0]))
+    hidden = torch.randn(9, 32)
+    positions = torch.arange(9)
+    want = None
+    for use_kernel in (False, True):
+        k_cache = torch.zeros(4, 4, 2, 16)
+        v_cache = torch.zeros(4, 4, 2, 16)
+        backend = TorchAttentionBackend(4, use_cpu_kernel=use_kernel)
+        # a 9-token prefill, then the same tokens decoded one at a time after an 8-token prefill
+        rows = [StepRow(list(range(9)), [0, 1, 2], None, 0, 9, True)]
+        batch = build_input_batch(rows, 4, torch.device("cpu"))
+        with torch.no_grad():
+            out = layer(positions, hidden, (k_cache, v_cache), backend, batch.metadata)
+            decode = build_input_batch([StepRow(list(range(9)), [0, 1, 2], None, 8, 1, True)],
+                                       4, torch.device("cpu"))
+            last = layer(positions[8:], hidden[8:], (k_cache, v_cache), backend,
+                         decode.metadata)
+            qkv = layer.qkv_proj(hidden)
+            q, k, v = qkv.split([64, 32, 32], dim=-1)
+            q = rotary.rotate(positions, q.reshape(9, 4, 16))
+            k = rotary.rotate(positions, k.reshape(9, 2, 16))
+            mask = torch.ones(9, 9, dtype=torch.bool).tril()
+            ref = attend_ref(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                             v.reshape(9, 2, 16).transpose(0, 1)[None], mask, 16**-0.5,
+                             None, layer.sinks)
+            want = layer.o_proj(ref[0].transpose(0, 1).reshape(9, 64))
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(last, want[8:], atol=1e-5, rtol=1e-5)

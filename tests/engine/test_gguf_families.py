@@ -13,7 +13,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from engine import LLM, SamplingParams
-from engine.models.loader import load_checkpoint
+from engine.models.loader import load_checkpoint, prepare_model
 from tests.engine.test_gguf import write_gguf
 from tests.engine.test_loader import expected_weights, tiny_tokenizer
 
@@ -115,6 +115,13 @@ def test_family_gguf_loads_as_its_checkpoint(tmp_path, arch):
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
                           pad_token_id=0)[0, len(prompt):].tolist()
         assert out.token_ids == ref
+
+    # Converted once into the cached folder (as boxcar model pull does): the same tokens.
+    folder = prepare_model(str(path))
+    assert folder.is_dir() and load_checkpoint(str(path)).source == path.resolve()
+    again = LLM(str(path), dtype="float32", block_size=8).generate(
+        prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
 
 
 def test_gguf_name_maps_cover_the_families():
