@@ -19,6 +19,11 @@ import torch.distributed as dist
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 
 
+def collective_timeout() -> timedelta:
+    """``COLLECTIVE_TIMEOUT``, read when a group is built (a test shortens it)."""
+    return COLLECTIVE_TIMEOUT
+
+
 class RankFailure(RuntimeError):
     """A tensor-parallel rank died or stopped answering: the engine cannot step any more."""
 
@@ -30,7 +35,8 @@ class TPGroup:
     prints their share of a step)."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
-                 timeout: timedelta = COLLECTIVE_TIMEOUT) -> None:
+                 timeout: timedelta | None = None) -> None:
+        timeout = timeout or collective_timeout()
         self.rank = rank
         self.world_size = world_size
         self.device = device

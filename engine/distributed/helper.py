@@ -9,16 +9,19 @@ brings. The pipe's end is the driver's: a helper whose driver is gone exits.
 from __future__ import annotations
 
 import multiprocessing
+import time
 import traceback
 from dataclasses import dataclass
+from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from engine.config import EngineConfig
-from engine.distributed.group import COLLECTIVE_TIMEOUT, RankFailure
+from engine.distributed.group import RankFailure
 
 # How long a helper may take to load its share before the driver gives up on it.
 READY_TIMEOUT_SECONDS = 1800.0
+STORE_TIMEOUT = timedelta(seconds=READY_TIMEOUT_SECONDS)
 
 
 @dataclass
@@ -53,6 +56,22 @@ class HelperHandle:
         return int(value)
 
 
+def wait_joined(store, helpers: list[HelperHandle]) -> None:
+    """Wait until every helper has reached the rendezvous (imports done), so that building the
+    group, which waits at most the collective timeout, does not wait on a start-up; a helper
+    that dies on the way fails this at once."""
+    waited = 0.0
+    for helper in helpers:
+        while not store.check([f"joined/{helper.rank}"]):
+            if helper.process.exitcode is not None:
+                raise RankFailure(helper.describe_exit())
+            if waited > READY_TIMEOUT_SECONDS:
+                raise RankFailure(f"tensor-parallel rank {helper.rank} did not start in "
+                                  f"{READY_TIMEOUT_SECONDS:.0f} s")
+            time.sleep(0.05)
+            waited += 0.05
+
+
 def start_helpers(config: EngineConfig, world_size: int, port: int,
                   max_position: int) -> list[HelperHandle]:
     context = multiprocessing.get_context("spawn")
@@ -68,9 +87,13 @@ def start_helpers(config: EngineConfig, world_size: int, port: int,
     return helpers
 
 
-def stop_helpers(helpers: list[HelperHandle]) -> None:
-    """Ask each helper to stop, then make sure: terminate what is still there after a moment."""
+def stop_helpers(helpers: list[HelperHandle], *, kill: bool = False) -> None:
+    """Ask each helper to stop, then make sure: terminate what is still there after a moment.
+    ``kill``: after a failure, no asking (a helper may be stuck in a collective)."""
     for helper in helpers:
+        if kill and helper.process.exitcode is None:
+            helper.process.kill()
+            continue
         try:
             helper.conn.send(None)
         except (OSError, ValueError):
@@ -105,7 +128,8 @@ def helper_main(config: EngineConfig, rank: int, world_size: int, port: int,
         if device.type == "cuda":
             torch.cuda.set_device(rank)
             device = torch.device("cuda", rank)
-        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=COLLECTIVE_TIMEOUT)
+        store = dist.TCPStore("127.0.0.1", port, world_size, False, timeout=STORE_TIMEOUT)
+        store.set(f"joined/{rank}", "1")
         group = TPGroup(store, rank, world_size, device)
         # the driver has converted a GGUF file already: this finds its folder
         checkpoint = load_checkpoint(config.model, config.tokenizer)

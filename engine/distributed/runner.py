@@ -21,8 +21,14 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
-from engine.distributed.group import COLLECTIVE_TIMEOUT, RankFailure, TPGroup
-from engine.distributed.helper import HelperHandle, start_helpers, stop_helpers
+from engine.distributed.group import RankFailure, TPGroup
+from engine.distributed.helper import (
+    STORE_TIMEOUT,
+    HelperHandle,
+    start_helpers,
+    stop_helpers,
+    wait_joined,
+)
 from engine.distributed.sharding import ShardPlan, shard_model
 from engine.distributed.weights import iter_shard_weights
 from engine.input_batch import InputBatch, StepRow, build_input_batch
@@ -41,7 +47,7 @@ from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.request import Request
 
 # How long the driver waits for a dead helper's exit code after a failed collective.
-_REAP_SECONDS = 5.0
+_REAP_SECONDS = 2.0
 
 
 @dataclass
@@ -120,10 +126,11 @@ class TPModelRunner(ModelRunner):
         if device.type == "cuda" and torch.cuda.device_count() < world_size:
             raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
                              f"{torch.cuda.device_count()} are visible")
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=COLLECTIVE_TIMEOUT,
+        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=STORE_TIMEOUT,
                               wait_for_workers=False)
         helpers = start_helpers(config, world_size, store.port, max_position)
         try:
+            wait_joined(store, helpers)
             group = TPGroup(store, 0, world_size, device)
             runner = cls(config, checkpoint, max_position, group, plan, helpers)
             for helper in helpers:
@@ -224,20 +231,26 @@ class TPModelRunner(ModelRunner):
                 raise self._fail(RankFailure(helper.describe_exit()))
 
     def _fail(self, error: BaseException) -> BaseException:
-        """After a failed step: name the dead rank if one died, and stop the others (a step
+        """After a failed step: name the dead rank if one died, and kill the others (a step
         half done leaves the ranks out of step: the engine cannot go on)."""
         self._failed = error
-        deadline = time.monotonic() + _REAP_SECONDS
+        collective = isinstance(error, RankFailure | RuntimeError | OSError)
+        deadline = time.monotonic() + (_REAP_SECONDS if collective else 0.0)
         dead = None
-        while dead is None and time.monotonic() < deadline:
+        while True:
             dead = next((h for h in self.helpers if h.process.exitcode is not None), None)
-            if dead is None and isinstance(error, RankFailure | RuntimeError | OSError):
-                time.sleep(0.05)
-            elif dead is None:
+            if dead is not None or time.monotonic() >= deadline:
                 break
-        stop_helpers(self.helpers)
-        if dead is not None and not isinstance(error, RankFailure):
+            time.sleep(0.05)
+        stop_helpers(self.helpers, kill=True)
+        if isinstance(error, RankFailure):
+            return error
+        if dead is not None:
             return RankFailure(dead.describe_exit())
+        if collective:
+            return RankFailure(f"a tensor-parallel step failed with every rank alive (one "
+                               f"stopped answering, or the driver broke): "
+                               f"{type(error).__name__}: {error}")
         return error
 
     # ---- a helper -----------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 import faulthandler
 import os
 import signal
+import time
+from datetime import timedelta
 
 import pytest
 import torch
@@ -39,7 +41,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return [shared + tail if i % 2 == 0 else tail + shared for i, tail in enumerate(tails)]
 
 
-def run(path, tp: int) -> tuple[list[list[int]], object]:
+def run(path, tp: int) -> tuple[list[list[int]], object, torch.Tensor]:
     llm = LLM(str(path), tensor_parallel_size=tp, **SCHEDULE)
     runner = llm.engine.model_runner
     assert isinstance(runner, TPModelRunner) == (tp > 1)
@@ -47,7 +49,8 @@ def run(path, tp: int) -> tuple[list[list[int]], object]:
         vocab = llm.engine.vocab_size
         outs = llm.generate(prompts(vocab), [
             SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
-        return [o.token_ids for o in outs], llm.engine.get_stats()
+        scores = runner.score_tokens(prompts(vocab)[3])  # teacher forcing: gathered logits
+        return [o.token_ids for o in outs], llm.engine.get_stats(), scores
     finally:
         if tp > 1:
             runner.close()
@@ -62,9 +65,10 @@ def run(path, tp: int) -> tuple[list[list[int]], object]:
 def test_tp2_equals_tp1(tmp_path, arch, overrides):
     overrides = dict(overrides)
     path = make_checkpoint(tmp_path / arch, arch, tie=overrides.pop("tie"), **overrides)
-    expected, stats1 = run(path, 1)
-    got, stats2 = run(path, 2)
+    expected, stats1, scores1 = run(path, 1)
+    got, stats2, scores2 = run(path, 2)
     assert got == expected
+    torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-5)
     for stats in (stats1, stats2):
         assert stats.num_preemptions > 0
         assert stats.prefix_cache_hits > 0
@@ -95,6 +99,24 @@ def test_a_killed_rank_fails_the_step_loudly(tmp_path):
     assert killed and not helper.is_alive()
     with pytest.raises(RankFailure):
         engine.step()  # the engine stays failed: no half-dead steps
+
+
+def test_a_rank_that_stops_answering_fails_the_step_at_the_timeout(tmp_path, monkeypatch):
+    """A helper alive but stuck (SIGSTOP) is not waited on forever: the driver's collective
+    times out, the step raises, the stuck helper is killed."""
+    monkeypatch.setattr("engine.distributed.group.COLLECTIVE_TIMEOUT", timedelta(seconds=3))
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **SCHEDULE)
+    helper = llm.engine.model_runner.helpers[0].process
+    llm.engine.add_request("a", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=9))
+    llm.engine.step()
+    os.kill(helper.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RankFailure):
+        llm.engine.step()
+    assert time.monotonic() - started < 30
+    helper.join(timeout=10)
+    assert not helper.is_alive()
 
 
 def test_sizes_that_do_not_split_are_refused(tmp_path):
