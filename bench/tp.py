@@ -59,6 +59,8 @@ def measure(folder: Path, tp: int, *, batch: int, prompt_len: int, steps: int,
         sync()
         prefill = time.perf_counter() - start
         group = runner.group if isinstance(runner, TPModelRunner) else None
+        if group is not None:
+            group.timed = True  # the decode steps' all-reduces (on CUDA: synchronized)
         reduce_before = group.reduce_seconds if group else 0.0
         count_before = group.num_reduces if group else 0
         times = []

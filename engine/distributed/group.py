@@ -31,8 +31,9 @@ class RankFailure(RuntimeError):
 class TPGroup:
     """This rank's place among ``world_size`` ranks and their collectives.
 
-    ``reduce_seconds`` / ``num_reduces`` count the time spent in the all-reduces (``bench/tp.py``
-    prints their share of a step)."""
+    With ``timed`` set, ``reduce_seconds`` / ``num_reduces`` count the time spent in the
+    all-reduces (``bench/tp.py`` prints their share of a step); on CUDA timing synchronizes the
+    device around each one, so it is off unless asked for."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, device: torch.device,
                  timeout: timedelta | None = None) -> None:
@@ -40,6 +41,7 @@ class TPGroup:
         self.rank = rank
         self.world_size = world_size
         self.device = device
+        self.timed = False
         self.reduce_seconds = 0.0
         self.num_reduces = 0
         if device.type == "cuda":
@@ -54,8 +56,16 @@ class TPGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""
+        if not self.timed:
+            self._group.allreduce([tensor]).wait()
+            return tensor
+        cuda = tensor.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(tensor.device)
         start = time.perf_counter()
         self._group.allreduce([tensor]).wait()
+        if cuda:
+            torch.cuda.synchronize(tensor.device)
         self.reduce_seconds += time.perf_counter() - start
         self.num_reduces += 1
         return tensor

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 
 import torch
@@ -30,8 +29,14 @@ from engine.distributed.helper import (
     wait_joined,
 )
 from engine.distributed.sharding import ShardPlan, shard_model
+from engine.distributed.step_message import (
+    HeldRequests,
+    ScoreMessage,
+    StepMessage,
+    StepMessages,
+)
 from engine.distributed.weights import iter_shard_weights
-from engine.input_batch import InputBatch, StepRow, build_input_batch
+from engine.input_batch import InputBatch, build_input_batch
 from engine.layers.linear import (
     bf16_packing_available,
     mkl_packing_available,
@@ -50,47 +55,6 @@ from engine.request import Request
 _REAP_SECONDS = 2.0
 
 
-@dataclass
-class RowDelta:
-    """One scheduled request as a helper needs it: what changed since the driver last sent it."""
-
-    request_id: str
-    num_computed_tokens: int
-    num_new_tokens: int
-    sample: bool
-    new_token_ids: list[int]  # appended to the helper's copy of the request's tokens
-    num_blocks_kept: int  # the helper's block table keeps this many, then new_block_ids
-    new_block_ids: list[int]
-    num_window_blocks_kept: int
-    new_window_block_ids: list[int]
-
-
-@dataclass
-class StepMessage:
-    rows: list[RowDelta]
-    dropped_ids: list[str]  # requests that are gone: the helpers forget them
-
-
-@dataclass
-class ScoreMessage:
-    token_ids: list[int]
-
-
-@dataclass
-class _Sent:
-    """What the helpers hold of one request."""
-
-    num_tokens: int = 0
-    block_ids: list[int] = field(default_factory=list)
-    window_block_ids: list[int] = field(default_factory=list)
-
-
-def _delta(sent: list[int], now: list[int]) -> tuple[int, list[int]]:
-    """(how many of ``sent`` to keep, what follows them) to turn ``sent`` into ``now``."""
-    keep = len(sent) if len(sent) <= len(now) and now[: len(sent)] == sent else 0
-    return keep, now[keep:]
-
-
 class TPModelRunner(ModelRunner):
     """A ``ModelRunner`` over this rank's share of the model (``sharding.py``)."""
 
@@ -101,13 +65,10 @@ class TPModelRunner(ModelRunner):
         self.group = group
         self.plan = plan
         self.helpers = helpers
-        self._sent: dict[str, _Sent] = {}
+        self._messages = StepMessages()
         self._failed: BaseException | None = None
         self._store: dist.Store | None = None  # the driver's: the ranks' rendezvous
-        # helper side: the requests' tokens and block tables, as the deltas built them
-        self._tokens: dict[str, list[int]] = {}
-        self._blocks: dict[str, list[int]] = {}
-        self._window_blocks: dict[str, list[int]] = {}
+        self._held = HeldRequests()  # a helper's copy of the requests, from the messages
         super().__init__(config, checkpoint, max_position)
         if helpers:
             self._finalizer = weakref.finalize(self, stop_helpers, helpers)
@@ -177,7 +138,7 @@ class TPModelRunner(ModelRunner):
     def execute(self, scheduler_output: SchedulerOutput,
                 requests: dict[str, Request]) -> ModelRunnerOutput:
         self._check_alive()
-        message = self._step_message(scheduler_output, requests)
+        message = self._messages.step(scheduler_output, requests)
         try:
             self._send(message)
             return super().execute(scheduler_output, requests)
@@ -197,26 +158,6 @@ class TPModelRunner(ModelRunner):
     def close(self) -> None:
         """Stop the helper ranks (their shards go with their processes)."""
         stop_helpers(self.helpers)
-
-    def _step_message(self, scheduler_output: SchedulerOutput,
-                      requests: dict[str, Request]) -> StepMessage:
-        dropped = [rid for rid in self._sent if rid not in requests]
-        for rid in dropped:
-            del self._sent[rid]
-        rows = []
-        for s in scheduler_output.scheduled:
-            request = requests[s.request_id]
-            sent = self._sent.setdefault(s.request_id, _Sent())
-            end = s.num_computed_tokens + s.num_new_tokens
-            new_tokens = request.token_ids[sent.num_tokens:end]
-            sent.num_tokens = max(sent.num_tokens, end)
-            keep, tail = _delta(sent.block_ids, request.block_ids)
-            window_keep, window_tail = _delta(sent.window_block_ids, request.window_block_ids)
-            sent.block_ids = list(request.block_ids)
-            sent.window_block_ids = list(request.window_block_ids)
-            rows.append(RowDelta(s.request_id, s.num_computed_tokens, s.num_new_tokens,
-                                 s.sample, new_tokens, keep, tail, window_keep, window_tail))
-        return StepMessage(rows, dropped)
 
     def _send(self, message: StepMessage | ScoreMessage) -> None:
         for helper in self.helpers:
@@ -274,21 +215,7 @@ class TPModelRunner(ModelRunner):
                         pass  # the driver refused it too, before any collective
 
     def _helper_step(self, message: StepMessage) -> None:
-        for rid in message.dropped_ids:
-            self._tokens.pop(rid, None)
-            self._blocks.pop(rid, None)
-            self._window_blocks.pop(rid, None)
-        rows = []
-        for d in message.rows:
-            tokens = self._tokens.setdefault(d.request_id, [])
-            tokens.extend(d.new_token_ids)
-            blocks = self._blocks.get(d.request_id, [])[: d.num_blocks_kept] + d.new_block_ids
-            window = (self._window_blocks.get(d.request_id, [])[: d.num_window_blocks_kept]
-                      + d.new_window_block_ids)
-            self._blocks[d.request_id] = blocks
-            self._window_blocks[d.request_id] = window
-            rows.append(StepRow(tokens, blocks, window, d.num_computed_tokens,
-                                d.num_new_tokens, d.sample))
+        rows = self._held.apply(message)
         batch = build_input_batch(rows, self.block_size, self.device,
                                   with_window=self.kv_window is not None)
         hidden = self._forward(batch)

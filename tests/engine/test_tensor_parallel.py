@@ -165,3 +165,48 @@ def test_a_rank_reads_only_its_slices(tmp_path):
             assert torch.equal(torch.cat(parts), tensor), name
     whole = sum(t.numel() for t in full.values())
     assert sum(t.numel() for t in shards[0].values()) < 0.55 * whole
+
+
+def test_step_messages_rebuild_the_drivers_rows():
+    """Pure bookkeeping: the helpers' rows, built from deltas, are the driver's rows through
+    chunks, decodes, a new block, a preemption (new table, recompute from 0) and a finish."""
+    from types import SimpleNamespace
+
+    from engine.distributed.step_message import HeldRequests, StepMessages
+    from engine.outputs import ScheduledRequest, SchedulerOutput
+
+    a = SimpleNamespace(token_ids=list(range(10)), block_ids=[1, 2], window_block_ids=[])
+    b = SimpleNamespace(token_ids=list(range(50, 53)), block_ids=[3], window_block_ids=[4])
+    requests = {"a": a, "b": b}
+    driver, helper = StepMessages(), HeldRequests()
+
+    def step(*scheduled: tuple[str, int, int, bool]):
+        out = SchedulerOutput([ScheduledRequest(*s) for s in scheduled],
+                              sum(s[2] for s in scheduled))
+        message = driver.step(out, requests)  # type: ignore[arg-type]
+        rows = helper.apply(message)
+        for s, row in zip(scheduled, rows, strict=True):
+            request = requests[s[0]]
+            end = s[1] + s[2]
+            assert row.token_ids[s[1]:end] == request.token_ids[s[1]:end]
+            assert row.block_ids == request.block_ids
+            assert row.window_block_ids == request.window_block_ids
+        return message
+
+    step(("a", 0, 8, False), ("b", 0, 3, True))
+    b.token_ids.append(60)
+    step(("b", 3, 1, True), ("a", 8, 2, True))
+    a.token_ids.append(11)
+    a.block_ids.append(5)
+    b.token_ids.append(61)
+    b.window_block_ids[0] = 0  # a windowed block behind the window freed
+    message = step(("a", 10, 1, True), ("b", 4, 1, True))
+    assert message.rows[0].new_token_ids == [11] and message.rows[0].new_block_ids == [5]
+    a.block_ids = [7, 8]  # preempted, then recomputed from the start in new blocks
+    message = step(("a", 0, 11, True))
+    assert message.rows[0].new_token_ids == [] and message.rows[0].num_blocks_kept == 0
+    del requests["b"]
+    a.token_ids.append(12)
+    message = step(("a", 11, 1, True))
+    assert message.rows[0].new_token_ids == [12]
+    assert message.dropped_ids == ["b"] and "b" not in helper.token_ids
