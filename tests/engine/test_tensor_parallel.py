@@ -1,7 +1,8 @@
 """Tensor parallel on the CPU (gloo, two processes): TP=2's greedy output equals TP=1's token for
 token (fp32) with chunked prefill, prefix hits and preemption in one run, for a Llama (KV heads
-split) and a Qwen3 (one KV head: replicated); a helper rank killed mid-step makes ``step`` raise
-``RankFailure`` and leaves no process behind."""
+split), a Qwen3 (one KV head: replicated) and a windowed Mistral; a helper rank killed mid-step,
+or stuck, makes ``step`` raise ``RankFailure`` and leaves no process behind; the shard slices and
+the step messages as pure bookkeeping."""
 
 from __future__ import annotations
 
@@ -61,6 +62,8 @@ def run(path, tp: int) -> tuple[list[list[int]], object, torch.Tensor]:
     ("llama", {"tie": False}),  # 4 heads, 2 KV heads: one each
     # one KV head on both ranks; an odd vocabulary pads the last rank's rows
     ("qwen3", {"tie": True, "num_key_value_heads": 1, "vocab_size": 387}),
+    # every layer windowed: the windowed block tables travel too, blocks freed behind it
+    ("mistral", {"tie": False, "sliding_window": 12}),
 ])
 def test_tp2_equals_tp1(tmp_path, arch, overrides):
     overrides = dict(overrides)
