@@ -9,7 +9,8 @@ prints the prefill step's time, the median decode step's, and the share of the d
 spent inside the all-reduces (with the waits for the slower rank: on a CPU the ranks share the
 cores, so that share is mostly waiting). Each rank runs ``--threads`` threads (default 1), so
 TP=N uses N times TP=1's cores: on a machine with fewer free cores than that the figures say
-nothing about a GPU. Not a target, a measurement; ``bench/gpu_check.py`` has the GPU case.
+nothing about a GPU. Both runs are eager (TP > 1 captures no CUDA graphs), so the comparison is
+like for like. Not a target, a measurement; ``bench/gpu_check.py`` has the GPU case.
 """
 
 from __future__ import annotations
