@@ -5,9 +5,13 @@
    a measured device-to-device copy; target >= 70% of it. Prefill throughput for information.
 3. End to end: boxcar's ``LLM`` against transformers' continuous batching on one workload of
    token-id prompts (random-weight ~0.6B Llama, greedy, ignore_eos); target >= 5x tokens/s.
+4. Tensor parallel, on a machine with two or more GPUs (``bench/tp.py``): TP=2's greedy tokens
+   equal TP=1's in fp32 (a small Llama), and the ~0.6B Llama's decode step at TP=1 and TP=2 in
+   bf16 with the all-reduces' share of it. Skipped, with a row saying so, on one GPU.
 
 Prints a summary table and writes it to ``$OUT/gpu_report.txt`` when ``OUT`` is set. Usage:
-``bash bench/gpu_check.sh [--skip-tests] [--skip-kernels] [--skip-e2e] [--num-requests N]``.
+``bash bench/gpu_check.sh [--skip-tests] [--skip-kernels] [--skip-e2e] [--skip-tp]
+[--num-requests N]``.
 """
 
 from __future__ import annotations
@@ -342,6 +346,37 @@ def bench_e2e(num_requests: int, hf_timeout_s: float, deadline: float) -> list[R
     return rows
 
 
+def bench_tp() -> list[Row]:
+    from bench.tp import measure
+
+    count = torch.cuda.device_count()
+    if count < 2:
+        return [Row("tp", "TP=2", f"skipped: {count} GPU visible, TP=2 needs 2")]
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        small = Path(tmp) / "llama-small"
+        build_model(small, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+        exact = [measure(small, tp, batch=8, prompt_len=64, steps=32, threads=None,
+                         device="cuda", dtype="float32") for tp in (1, 2)]
+        equal = exact[0].token_ids == exact[1].token_ids
+        rows.append(Row("tp", "fp32 greedy TP=2 vs TP=1", "equal" if equal else "differ",
+                        "equal", equal))
+        folder = Path(tmp) / "llama-random"
+        build_model(folder)
+        one, two = (measure(folder, tp, batch=64, prompt_len=512, steps=32, threads=None,
+                            device="cuda", dtype="bfloat16") for tp in (1, 2))
+    rows.append(Row("tp", "decode step TP=1 / TP=2", f"{one.decode_ms:.2f} / "
+                    f"{two.decode_ms:.2f} ms ({one.decode_ms / two.decode_ms:.2f}x)"))
+    rows.append(Row("tp", "prefill step TP=1 / TP=2", f"{one.prefill_ms:.1f} / "
+                    f"{two.prefill_ms:.1f} ms"))
+    rows.append(Row("tp", "all-reduce share (TP=2 decode)", f"{two.reduce_share:.1%}"))
+    agree = sum(a == b for x, y in zip(one.token_ids, two.token_ids, strict=True)
+                for a, b in zip(x, y, strict=True)) / max(sum(map(len, one.token_ids)), 1)
+    rows.append(Row("tp", "bf16 greedy agreement TP=2 vs TP=1", f"{agree:.1%}"))
+    return rows
+
+
 def format_table(rows: list[Row]) -> str:
     header = ["section", "metric", "value", "target", "status"]
     cells = [header] + [r.cells() for r in rows]
@@ -356,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-tp", action="store_true")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-timeout", type=float, default=180.0)
     parser.add_argument("--budget", type=float, default=540.0,
@@ -379,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prefill", args.skip_kernels, bench_prefill),
         ("e2e", args.skip_e2e, lambda: bench_e2e(
             args.num_requests, args.hf_timeout, started + args.budget - 45.0)),
+        ("tp", args.skip_tp, bench_tp),
     ]
     for name, skip, section in sections:
         if skip:

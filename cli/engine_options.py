@@ -66,6 +66,8 @@ _HELP: dict[str, dict[str, Any]] = {
     "max_loras": {"help": "most LoRA adapters in one step"},
     "max_lora_rank": {"help": "largest LoRA rank accepted"},
     "max_cpu_loras": {"help": "LoRA adapters kept loaded (default: --max-loras)"},
+    "tensor_parallel_size": {"help": "split the model over this many devices (one process "
+                                     "each; GPUs, or CPU processes for tests)"},
 }
 _TYPES = {"int": int, "float": float, "str": str}
 

@@ -35,6 +35,9 @@ class EngineConfig:
     num_threads: int | None = None
     attention_backend: str | None = None
     enforce_eager: bool = False
+    # Ranks one model is split over (tensor parallel, docs/tensor-parallel.md): this process
+    # drives, and starts tensor_parallel_size - 1 helper processes, one per further device.
+    tensor_parallel_size: int = 1
     # While an unfinished request is more urgent than others, the less urgent requests' tokens
     # (the running ones' decodes and prompt chunks in queue order, then admissions) share at
     # most this many per step; the rest skip the step, keeping their blocks. Keeps the urgent
@@ -84,6 +87,15 @@ class EngineConfig:
                 f"got {self.urgent_bulk_tokens}"
             )
         self._check_lora()
+        if isinstance(self.tensor_parallel_size, bool) or self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
+            )
+        if self.tensor_parallel_size > 1 and self.lora_modules:
+            raise ValueError(
+                "lora_modules with tensor_parallel_size > 1: LoRA adapters are not sharded "
+                "across ranks yet; serve adapters with tensor_parallel_size=1"
+            )
         if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be 'cpu', 'torch' or 'triton', "

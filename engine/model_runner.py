@@ -71,6 +71,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 class ModelRunner:
+    # The output layer holds a share of the vocabulary (tensor parallel): logits come only from
+    # ``compute_logits``, which gathers the shares.
+    head_is_split = False
+
     def __init__(self, config: EngineConfig, checkpoint, max_position: int) -> None:
         self.max_position = max_position
         self.config = config
@@ -78,15 +82,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         hf_config = checkpoint.config
-        model_cls: type[CausalLM] = get_model_class(hf_config)
-        # No random init: load_weights fills every parameter (and raises if one is missing).
-        with torch.device(self.device), no_init_weights():
-            model = model_cls(hf_config, max_position)
-        model.to(dtype=self.dtype)
-        model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
-        # Weights stored in the run's dtype are read straight into the parameters (no copy).
-        model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
-        self.model: CausalLM = model.eval()
+        self.model: CausalLM = self._build_model(checkpoint, max_position).eval()
         self.vocab_size = hf_config.vocab_size
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
@@ -112,6 +108,20 @@ class ModelRunner:
         self.lora = LoRAManager(self.config, linears, targets, dtype=self.dtype,
                                 device=self.device, base_names=base_model_names(
                                     self.config.model, checkpoint), stacked=stacked)
+
+    def _build_model(self, checkpoint, max_position: int) -> CausalLM:
+        """The family's model with the checkpoint's weights (``engine.distributed.runner``
+        builds a rank's share instead)."""
+        hf_config = checkpoint.config
+        model_cls: type[CausalLM] = get_model_class(hf_config)
+        # No random init: load_weights fills every parameter (and raises if one is missing).
+        with torch.device(self.device), no_init_weights():
+            model = model_cls(hf_config, max_position)
+        model.to(dtype=self.dtype)
+        model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
+        # Weights stored in the run's dtype are read straight into the parameters (no copy).
+        model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
+        return model
 
     def _capture_cuda_graphs(self) -> None:
         """Decode-only steps replay CUDA graphs captured at bucketed batch sizes."""
@@ -284,7 +294,7 @@ class ModelRunner:
             weight = self.greedy_screen.weight
         else:
             weight = self.model.lm_head.weight[: self.vocab_size]
-            if self.packed_weights:
+            if self.packed_weights or self.head_is_split:
                 return torch.log_softmax(
                     self.model.compute_logits(hidden)[:, : self.vocab_size].float(), dim=-1
                 ).cpu()

@@ -80,7 +80,12 @@ def _build_runner(config: EngineConfig,
             )
         model_len = config.max_model_len
     kernel_seconds = cpu_decode_attention.load_seconds
-    model_runner = ModelRunner(config, checkpoint, max_position=model_len)
+    if config.tensor_parallel_size > 1:  # this process drives; helper ranks hold the rest
+        from engine.distributed.runner import TPModelRunner
+
+        model_runner: ModelRunner = TPModelRunner.start_driver(config, checkpoint, model_len)
+    else:
+        model_runner = ModelRunner(config, checkpoint, max_position=model_len)
     kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
     return model_runner, model_len, kernel_seconds, time.perf_counter() - start_at
 

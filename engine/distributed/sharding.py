@@ -1,0 +1,191 @@
+"""Which share of the model a rank holds (Megatron-style, Shoeybi et al. 2019), and the layers that
+join the shares.
+
+Column-parallel: q/k/v and gate/up keep a rank's heads and its slice of the intermediate size, so
+attention and the activation run on local data. Row-parallel: ``o_proj`` and ``down_proj`` take
+that local data and yield a partial sum of the full hidden state; one all-reduce each completes
+it. KV heads split with the query heads that read them; with fewer KV heads than ranks each rank
+keeps the one its query heads use (replicated). The embedding and the output layer split the
+vocabulary: a rank looks up only its ids (the others' rows are zero, the all-reduce fills them)
+and computes only its logits (an all-gather joins them for the sampler).
+
+The rank's model is the family's own class built from a config with the local sizes (heads, KV
+heads, intermediate size, vocabulary share), so no family file knows about ranks; ``shard_model``
+then turns its row-parallel and vocabulary layers into the classes below (same parameters and
+names, one collective added).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.group import TPGroup
+from engine.layers.attention import SelfAttention
+from engine.layers.linear import Linear
+from engine.layers.mlp import GatedMLP
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """Rank ``rank`` of ``world_size``: the ranges of heads, KV heads, intermediate columns and
+    vocabulary rows it holds."""
+
+    rank: int
+    world_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    @classmethod
+    def of(cls, hf_config: Any, rank: int, world_size: int) -> ShardPlan:
+        from engine.models.llama import head_dim_of
+
+        heads = hf_config.num_attention_heads
+        kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+        inter = hf_config.intermediate_size
+        if heads % world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
+                             f"num_attention_heads ({heads})")
+        if kv_heads % world_size and world_size % kv_heads:
+            raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
+                             f"num_key_value_heads ({kv_heads}) or be a multiple of it")
+        if inter % world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
+                             f"intermediate_size ({inter})")
+        return cls(rank, world_size, heads, kv_heads, head_dim_of(hf_config), inter,
+                   hf_config.vocab_size)
+
+    @property
+    def local_heads(self) -> int:
+        return self.num_heads // self.world_size
+
+    @property
+    def local_kv_heads(self) -> int:
+        return max(self.num_kv_heads // self.world_size, 1)
+
+    @property
+    def kv_head_start(self) -> int:
+        if self.num_kv_heads >= self.world_size:
+            return self.rank * self.local_kv_heads
+        return self.rank * self.num_kv_heads // self.world_size  # replicated: this rank's one
+
+    @property
+    def local_intermediate(self) -> int:
+        return self.intermediate_size // self.world_size
+
+    @property
+    def vocab_shard(self) -> int:
+        """Rows of the vocabulary each rank holds (the last one's tail is padding)."""
+        return -(-self.vocab_size // self.world_size)
+
+    @property
+    def vocab_start(self) -> int:
+        return self.rank * self.vocab_shard
+
+    def local_config(self, hf_config: Any) -> Any:
+        """The config a family class builds this rank's share from."""
+        local = copy.copy(hf_config)
+        local.num_attention_heads = self.local_heads
+        local.num_key_value_heads = self.local_kv_heads
+        local.head_dim = self.head_dim  # not hidden / local heads
+        local.intermediate_size = self.local_intermediate
+        local.vocab_size = self.vocab_shard
+        return local
+
+    def row_slices(self, name: str) -> list[tuple[int, int]] | None:
+        """For a column-parallel or vocabulary tensor: the (start, length) row ranges of the
+        stored tensor this rank keeps, concatenated; None if it is not split by rows."""
+        proj = name.split(".")[-2] if "." in name else name
+        hd = self.head_dim
+        q = (self.rank * self.local_heads * hd, self.local_heads * hd)
+        kv = (self.kv_head_start * hd, self.local_kv_heads * hd)
+        inter = (self.rank * self.local_intermediate, self.local_intermediate)
+        if proj == "q_proj":
+            return [q]
+        if proj in ("k_proj", "v_proj"):
+            return [kv]
+        if proj == "qkv_proj":  # stored fused (Phi-3): q rows, then k, then v
+            q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
+            return [q, (q_rows + kv[0], kv[1]), (q_rows + kv_rows + kv[0], kv[1])]
+        if proj in ("gate_proj", "up_proj"):
+            return [inter]
+        if proj == "gate_up_proj":  # stored fused (Phi-3): gate rows, then up
+            return [inter, (self.intermediate_size + inter[0], inter[1])]
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            start = self.vocab_start
+            return [(start, max(min(self.vocab_shard, self.vocab_size - start), 0))]
+        return None
+
+    def column_slice(self, name: str) -> tuple[int, int] | None:
+        """For a row-parallel weight: the (start, length) range of its input columns."""
+        if name.endswith("o_proj.weight"):
+            return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
+        if name.endswith("down_proj.weight"):
+            return self.rank * self.local_intermediate, self.local_intermediate
+        return None
+
+
+class RowParallelLinear(Linear):
+    """A ``Linear`` over this rank's input columns: its product summed over the ranks."""
+
+    group: TPGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the embedding, ``[vocab_start, vocab_start + rows)``; ids outside
+    them give zeros here and their row on their own rank."""
+
+    group: TPGroup
+    vocab_start: int
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight)
+        hidden = hidden.masked_fill(outside.unsqueeze(-1), 0)  # [num_tokens, hidden_size]
+        return self.group.all_reduce(hidden)
+
+
+class VocabParallelHead(Linear):
+    """This rank's rows of the output layer: its logits, gathered into the whole vocabulary."""
+
+    group: TPGroup
+    vocab_size: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.group.all_gather(super().forward(x))  # world_size x [rows, vocab_shard]
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # [rows, vocab_size]
+
+
+def shard_model(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
+    """Give the rank's model its collectives: the row-parallel projections all-reduce, the
+    embedding and the output layer work on this rank's vocabulary rows."""
+    for module in model.modules():
+        if isinstance(module, SelfAttention | GatedMLP):
+            proj = module.o_proj if isinstance(module, SelfAttention) else module.down_proj
+            if proj.bias is not None:
+                raise ValueError("tensor parallelism does not split a row-parallel bias "
+                                 "(o_proj / down_proj with bias)")
+            proj.__class__ = RowParallelLinear
+            proj.group = group
+    embed = model.get_submodule("model.embed_tokens")
+    if type(embed) is not nn.Embedding:
+        raise ValueError(f"tensor parallelism needs a plain embedding, got {type(embed)}")
+    embed.__class__ = VocabParallelEmbedding
+    assert isinstance(embed, VocabParallelEmbedding)
+    embed.group, embed.vocab_start = group, plan.vocab_start
+    head = model.get_submodule("lm_head")
+    head.__class__ = VocabParallelHead
+    assert isinstance(head, VocabParallelHead)
+    head.group, head.vocab_size = group, plan.vocab_size

@@ -1,0 +1,52 @@
+"""A rank's slices of a safetensors checkpoint, read without the rest.
+
+``safe_open``'s slices read only the bytes a slice covers, so a rank's peak memory is its share of
+the model (plus one slice), not the model. The names stay Hugging Face's, so the family's own
+``load_weights`` places them (its parameters have the local sizes already).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from engine.distributed.sharding import ShardPlan
+from engine.models.loader import Checkpoint, safetensors_files
+
+
+def iter_shard_weights(checkpoint: Checkpoint, plan: ShardPlan,
+                       dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)``: this rank's slice of each split tensor, the whole of the
+    replicated ones (norms), cast to ``dtype``."""
+    from safetensors import safe_open
+
+    if checkpoint.is_gguf:
+        raise ValueError("tensor_parallel_size > 1 reads a safetensors folder; this .gguf file "
+                         "has none yet (run `boxcar model pull` on it to convert it once)")
+    tied = bool(getattr(checkpoint.config, "tie_word_embeddings", False))
+    for file in safetensors_files(Path(checkpoint.path)):
+        with safe_open(str(file), framework="pt") as stored:
+            for name in stored.keys():
+                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                    continue
+                tensor = _read_slice(stored.get_slice(name), name, plan)
+                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+def _read_slice(stored, name: str, plan: ShardPlan) -> torch.Tensor:
+    rows = plan.row_slices(name)
+    if rows is not None:
+        parts = [stored[start:start + length] for start, length in rows]
+        tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            missing = plan.vocab_shard - tensor.shape[0]  # the last rank's padding rows
+            if missing:
+                tensor = torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])
+        return tensor
+    columns = plan.column_slice(name)
+    if columns is not None:
+        start, length = columns
+        return stored[:, start:start + length]
+    return stored[:]

@@ -1,0 +1,217 @@
+"""Tensor parallel on the CPU (gloo, two processes): TP=2's greedy output equals TP=1's token for
+token (fp32) with chunked prefill, prefix hits and preemption in one run, for a Llama (KV heads
+split), a Qwen3 (one KV head: replicated) and a windowed Mistral; a helper rank killed mid-step,
+or stuck, makes ``step`` raise ``RankFailure`` and leaves no process behind; the shard slices and
+the step messages as pure bookkeeping."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from engine import LLM, EngineConfig, SamplingParams
+from engine.distributed.group import RankFailure
+from engine.distributed.runner import TPModelRunner
+from engine.distributed.sharding import ShardPlan
+from tests.conftest import make_checkpoint
+
+# Chunks of 16 tokens over 8-token blocks, a cache small enough to preempt.
+SCHEDULE = {"max_num_batched_tokens": 16, "block_size": 8, "num_kv_blocks": 14,
+            "dtype": "float32", "num_threads": 1}
+MAX_TOKENS = (12, 20, 9, 16, 14)
+
+
+@pytest.fixture(autouse=True)
+def never_hang():
+    """A hung collective fails the run (with every thread's stack) instead of stalling CI."""
+    faulthandler.dump_traceback_later(150, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(3, vocab, (24,), generator=g).tolist()  # three full blocks
+    tails = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in (5, 11, 2, 30, 7)]
+    return [shared + tail if i % 2 == 0 else tail + shared for i, tail in enumerate(tails)]
+
+
+def run(path, tp: int) -> tuple[list[list[int]], object, torch.Tensor]:
+    llm = LLM(str(path), tensor_parallel_size=tp, **SCHEDULE)
+    runner = llm.engine.model_runner
+    assert isinstance(runner, TPModelRunner) == (tp > 1)
+    try:
+        vocab = llm.engine.vocab_size
+        outs = llm.generate(prompts(vocab), [
+            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+        scores = runner.score_tokens(prompts(vocab)[3])  # teacher forcing: gathered logits
+        return [o.token_ids for o in outs], llm.engine.get_stats(), scores
+    finally:
+        if tp > 1:
+            runner.close()
+            assert not any(h.process.is_alive() for h in runner.helpers)
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {"tie": False}),  # 4 heads, 2 KV heads: one each
+    # one KV head on both ranks; an odd vocabulary pads the last rank's rows
+    ("qwen3", {"tie": True, "num_key_value_heads": 1, "vocab_size": 387}),
+    # every layer windowed: the windowed block tables travel too, blocks freed behind it
+    ("mistral", {"tie": False, "sliding_window": 12}),
+])
+def test_tp2_equals_tp1(tmp_path, arch, overrides):
+    overrides = dict(overrides)
+    path = make_checkpoint(tmp_path / arch, arch, tie=overrides.pop("tie"), **overrides)
+    expected, stats1, scores1 = run(path, 1)
+    got, stats2, scores2 = run(path, 2)
+    assert got == expected
+    torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-5)
+    for stats in (stats1, stats2):
+        assert stats.num_preemptions > 0
+        assert stats.prefix_cache_hits > 0
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_a_killed_rank_fails_the_step_loudly(tmp_path):
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **SCHEDULE)
+    engine = llm.engine
+    runner = engine.model_runner
+    helper = runner.helpers[0].process
+    engine.add_request("a", list(range(3, 40)), SamplingParams(temperature=0, max_tokens=50,
+                                                               ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    killed = []
+
+    def kill_in_the_middle(module, args):  # the driver is between its layers' collectives
+        if not killed:
+            os.kill(helper.pid, signal.SIGKILL)
+            helper.join(timeout=10)
+            killed.append(True)
+
+    runner.model.model.layers[1].register_forward_pre_hook(kill_in_the_middle)
+    with pytest.raises(RankFailure, match="rank 1 .* killed by signal 9"):
+        engine.step()
+    assert killed and not helper.is_alive()
+    with pytest.raises(RankFailure):
+        engine.step()  # the engine stays failed: no half-dead steps
+
+
+def test_a_rank_that_stops_answering_fails_the_step_at_the_timeout(tmp_path, monkeypatch):
+    """A helper alive but stuck (SIGSTOP) is not waited on forever: the driver's collective
+    times out, the step raises, the stuck helper is killed."""
+    monkeypatch.setattr("engine.distributed.group.COLLECTIVE_TIMEOUT", timedelta(seconds=3))
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **SCHEDULE)
+    helper = llm.engine.model_runner.helpers[0].process
+    llm.engine.add_request("a", list(range(3, 20)), SamplingParams(temperature=0, max_tokens=9))
+    llm.engine.step()
+    os.kill(helper.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RankFailure):
+        llm.engine.step()
+    assert time.monotonic() - started < 30
+    helper.join(timeout=10)
+    assert not helper.is_alive()
+
+
+def test_sizes_that_do_not_split_are_refused(tmp_path):
+    config = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2,
+                            "hidden_size": 64, "intermediate_size": 128, "vocab_size": 99})
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        ShardPlan.of(config, 0, 3)
+    plan = ShardPlan.of(config, 1, 2)
+    assert plan.vocab_shard == 50 and plan.row_slices("lm_head.weight") == [(50, 49)]
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        EngineConfig(model="x", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="lora_modules with tensor_parallel_size"):
+        EngineConfig(model="x", tensor_parallel_size=2, lora_modules=("a=/tmp/a",))
+    gemma = make_checkpoint(tmp_path / "gemma2", "gemma2")
+    with pytest.raises(ValueError, match="Llama family"):
+        LLM(str(gemma), tensor_parallel_size=2, **SCHEDULE)
+
+
+def test_a_rank_reads_only_its_slices(tmp_path):
+    """Each rank's tensors have the local shapes; the ranks' split tensors add up to the
+    checkpoint's, so a rank holds ~1/N of the model (the norms are replicated)."""
+    from engine.distributed.weights import iter_shard_weights
+    from engine.models.loader import load_checkpoint
+
+    path = make_checkpoint(tmp_path / "phi3", "phi3")  # q/k/v and gate/up stored fused
+    checkpoint = load_checkpoint(str(path))
+    full = dict(checkpoint.iter_weights(torch.float32))
+    plans = [ShardPlan.of(checkpoint.config, rank, 2) for rank in range(2)]
+    shards = [dict(iter_shard_weights(checkpoint, plan, torch.float32)) for plan in plans]
+    for name, tensor in full.items():
+        parts = [shard[name] for shard in shards]
+        if parts[0].shape == tensor.shape:  # replicated
+            assert all(torch.equal(p, tensor) for p in parts), name
+        elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            assert torch.equal(torch.cat(parts, dim=1), tensor), name
+        elif name.endswith("qkv_proj.weight"):  # each rank: its q heads, its k head, its v head
+            q, kv = 4 * 16, 2 * 16
+            for rank, part in enumerate(parts):
+                rows = torch.cat([tensor[rank * q // 2:(rank + 1) * q // 2],
+                                  tensor[q + rank * kv // 2:q + (rank + 1) * kv // 2],
+                                  tensor[q + kv + rank * kv // 2:q + kv + (rank + 1) * kv // 2]])
+                assert torch.equal(part, rows), name
+        elif name.endswith("gate_up_proj.weight"):
+            gate, up = tensor.chunk(2)
+            assert torch.equal(torch.cat([p.chunk(2)[0] for p in parts]), gate)
+            assert torch.equal(torch.cat([p.chunk(2)[1] for p in parts]), up)
+        else:
+            assert torch.equal(torch.cat(parts), tensor), name
+    whole = sum(t.numel() for t in full.values())
+    assert sum(t.numel() for t in shards[0].values()) < 0.55 * whole
+
+
+def test_step_messages_rebuild_the_drivers_rows():
+    """Pure bookkeeping: the helpers' rows, built from deltas, are the driver's rows through
+    chunks, decodes, a new block, a preemption (new table, recompute from 0) and a finish."""
+    from types import SimpleNamespace
+
+    from engine.distributed.step_message import HeldRequests, StepMessages
+    from engine.outputs import ScheduledRequest, SchedulerOutput
+
+    a = SimpleNamespace(token_ids=list(range(10)), block_ids=[1, 2], window_block_ids=[])
+    b = SimpleNamespace(token_ids=list(range(50, 53)), block_ids=[3], window_block_ids=[4])
+    requests = {"a": a, "b": b}
+    driver, helper = StepMessages(), HeldRequests()
+
+    def step(*scheduled: tuple[str, int, int, bool]):
+        out = SchedulerOutput([ScheduledRequest(*s) for s in scheduled],
+                              sum(s[2] for s in scheduled))
+        message = driver.step(out, requests)  # type: ignore[arg-type]
+        rows = helper.apply(message)
+        for s, row in zip(scheduled, rows, strict=True):
+            request = requests[s[0]]
+            end = s[1] + s[2]
+            assert row.token_ids[s[1]:end] == request.token_ids[s[1]:end]
+            assert row.block_ids == request.block_ids
+            assert row.window_block_ids == request.window_block_ids
+        return message
+
+    step(("a", 0, 8, False), ("b", 0, 3, True))
+    b.token_ids.append(60)
+    step(("b", 3, 1, True), ("a", 8, 2, True))
+    a.token_ids.append(11)
+    a.block_ids.append(5)
+    b.token_ids.append(61)
+    b.window_block_ids[0] = 0  # a windowed block behind the window freed
+    message = step(("a", 10, 1, True), ("b", 4, 1, True))
+    assert message.rows[0].new_token_ids == [11] and message.rows[0].new_block_ids == [5]
+    a.block_ids = [7, 8]  # preempted, then recomputed from the start in new blocks
+    message = step(("a", 0, 11, True))
+    assert message.rows[0].new_token_ids == [] and message.rows[0].num_blocks_kept == 0
+    del requests["b"]
+    a.token_ids.append(12)
+    message = step(("a", 11, 1, True))
+    assert message.rows[0].new_token_ids == [12]
+    assert message.dropped_ids == ["b"] and "b" not in helper.token_ids
