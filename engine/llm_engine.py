@@ -6,7 +6,7 @@ import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 
@@ -22,6 +22,8 @@ from engine.outputs import (
     RequestOutput,
     RequestProgress,
 )
+from engine.pooling_params import PoolingParams
+from engine.pooling_runner import PoolingModelRunner
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -75,8 +77,16 @@ class LLMEngine:
             "total": time.perf_counter() - start,
         }
         num_blocks = self.model_runner.num_kv_blocks
-        # A request must always fit in the cache on its own, or it could never run.
-        self.max_model_len = min(model_len, num_blocks * config.block_size)
+        # A request must always fit in the cache on its own, or it could never run (an
+        # embedding engine keeps no cache: its inputs are bounded by the model alone).
+        self.max_model_len = (model_len if self.is_embedding
+                              else min(model_len, num_blocks * config.block_size))
+        # The bf16 embedding quality gate (``engine.embedding``): its report, when it ran.
+        self.dtype_gate = None
+        if self.is_embedding:
+            from engine.embedding import gate_embedding_dtype
+
+            self.dtype_gate = gate_embedding_dtype(self, checkpoint, model_len)
         self.scheduler = Scheduler(config, num_blocks, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(checkpoint.config, self.tokenizer)
         # Built on the first structured request (reading the vocabulary takes a moment).
@@ -109,7 +119,13 @@ class LLMEngine:
                 )
             model_len = config.max_model_len
         kernel_seconds = cpu_decode_attention.load_seconds
-        self.model_runner = ModelRunner(config, checkpoint, max_position=model_len)
+        self.is_embedding = _is_embedding(config, checkpoint)
+        self.model_runner: ModelRunner | PoolingModelRunner
+        if self.is_embedding:
+            self.model_runner = PoolingModelRunner(config, checkpoint, model_len)
+            model_len = self.model_runner.max_len
+        else:
+            self.model_runner = ModelRunner(config, checkpoint, max_position=model_len)
         kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
         return model_len, kernel_seconds, time.perf_counter() - start
 
@@ -142,8 +158,8 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
+        prompt: str | list[int] | list[str | list[int]],
+        params: SamplingParams | PoolingParams,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -154,11 +170,24 @@ class LLMEngine:
         waiting queue is ordered by (priority, arrival); a request more urgent than a running one
         may take that one's place at the next step (the displaced one is preempted by recompute).
         Siblings of an n > 1 request share their prompt's full blocks through the prefix cache.
+
+        ``PoolingParams`` (an embedding engine): ``prompt`` is one input (a text or token ids)
+        or a list of them; the request finishes with one vector per input
+        (``RequestOutput.embeddings``, ``engine/embedding.py``).
         """
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if request_id in self._user_requests:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if isinstance(params, PoolingParams) or self.is_embedding:
+            from engine.embedding import add_pooling_request
+
+            add_pooling_request(self, request_id, prompt, params, arrival_time=arrival_time,
+                                priority=priority)
+            return
+        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+            raise ValueError("a generation prompt is one text or one list of token ids")
+        prompt = cast(str | list[int], prompt)
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
@@ -307,6 +336,10 @@ class LLMEngine:
         return text if isinstance(text, str) else "".join(text)
 
     def _finish_user_request(self, user: _UserRequest) -> RequestOutput:
+        if user.children and user.children[0].is_pooling:
+            from engine.embedding import finish_pooling_request
+
+            return finish_pooling_request(self, user)
         del self._user_requests[user.request_id]
         completions = []
         for child in user.children:
@@ -401,6 +434,20 @@ def _eos_token_ids(hf_config, tokenizer) -> tuple[int, ...]:
         elif isinstance(source, list | tuple):
             ids.extend(int(x) for x in source)
     return tuple(dict.fromkeys(ids))
+
+
+def _is_embedding(config: EngineConfig, checkpoint) -> bool:
+    """Whether the engine pools (``EngineConfig.task``; "auto": an embedding architecture, or a
+    sentence-transformers folder with a Pooling module)."""
+    if config.task != "auto":
+        return config.task == "embed"
+    from engine.models.pooling_registry import is_embedding_architecture
+
+    architectures = list(getattr(checkpoint.config, "architectures", None) or [])
+    if architectures and is_embedding_architecture(architectures[0]):
+        return True
+    modules = checkpoint.path / "modules.json" if checkpoint.path.is_dir() else None
+    return modules is not None and modules.is_file() and ".Pooling" in modules.read_text()
 
 
 def _model_name(model: str, checkpoint) -> str:

@@ -90,7 +90,10 @@ class Scheduler:
         step and the rest skip the step, keeping their blocks, so each step stays short on a
         device whose step time grows with its tokens; the urgent requests' own tokens are not
         capped. Otherwise no request is admitted in a step that had to preempt, and the first
-        one that does not fit stops admission.
+        one that does not fit stops admission. Pooling (embedding) requests are prefill-only:
+        each is scheduled whole in one step with no KV blocks (alone when longer than the
+        budget), one that does not fit what is left waits while smaller ones behind it fill
+        the step, and each finishes in the step that computes it.
         """
         step = _Step(self.config.max_num_batched_tokens)
         step.urgent_priority, step.bulk_budget = self._bulk_cap()
@@ -152,6 +155,19 @@ class Scheduler:
             outranks = bool(self.running) and self.running[-1].priority > request.priority
             if preempted_by_running and not outranks:
                 break
+            if request.is_pooling:
+                fits = self._pooling_fits(request, step)
+                if fits is None:
+                    break
+                if fits:
+                    del self.waiting[i]
+                    self._start_pooling(request, step, now)
+                else:
+                    num_held += 1  # a smaller input behind it may still fill the budget
+                    if num_held >= config.max_num_seqs:
+                        break
+                    i += 1
+                continue
             computed_blocks: list = []
             num_hit = 0
             if request.num_computed_tokens == 0:
@@ -205,6 +221,29 @@ class Scheduler:
             insort(self.running, request, key=_sort_key)
             step.add(self._scheduled(request, num_new), request)
 
+    def _pooling_fits(self, request: Request, step: _Step) -> bool | None:
+        """Whether a pooling request runs this step: whole (it is never chunked, and keeps no
+        KV blocks to resume from), within what is left of the budget, or alone in an empty
+        step when it is longer than the whole budget. False: it waits, and smaller ones behind
+        it may fill the step; None: no seat is left, admission stops."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        num_new = request.num_tokens
+        if step.cap(request, num_new) < num_new:
+            return False
+        if num_new <= step.budget:
+            return True
+        return not step.scheduled and step.budget == step.initial_budget
+
+    def _start_pooling(self, request: Request, step: _Step, now: float) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_cached_tokens = 0
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = now
+        insort(self.running, request, key=_sort_key)
+        step.add(ScheduledRequest(request.request_id, 0, request.num_tokens, sample=False),
+                 request)
+
     def _take_budget(self, request: Request, num_tokens: int, step: _Step) -> bool:
         """Unschedule less urgent running requests (last first) until ``num_tokens`` are free.
 
@@ -244,6 +283,13 @@ class Scheduler:
         for sched in scheduler_output.scheduled:
             request = self.requests[sched.request_id]
             request.num_computed_tokens += sched.num_new_tokens
+            if request.is_pooling:  # done in its one step: its vector is its output
+                request.embedding = runner_output.pooled[request.request_id]
+                request.metrics.first_token_time = now
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+                continue
             self.kv.cache_full_blocks(request)
             if not sched.sample:
                 continue

@@ -31,12 +31,19 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    # embedding models (engine/models/pooling_registry.py)
+    "BertModel",
+    "LlamaModel",
+    "MistralModel",
+    "Qwen2Model",
+    "Qwen3Model",
 )  # SmolLM and SmolLM2 are LlamaForCausalLM
 _ARCHITECTURE_OF_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "bert": "BertModel",
 }
 
 

@@ -1,0 +1,235 @@
+"""Embedding requests in the engine: their inputs, their one step each, their vectors.
+
+An embedding request is one ``add_request`` call with ``PoolingParams`` and one or more inputs
+(texts or token-id lists). Each input becomes one pooling ``Request`` (the request's children,
+as the n sequences of a generation request are), which the scheduler schedules whole within the
+token budget, with no KV blocks, beside other requests' inputs in one packed step; the request
+finishes when its last input has its vector. Inputs are checked here once, with typed errors
+(``EmbeddingInputError``) a caller can map to its own codes; an input longer than the model's
+limit fails unless ``EngineConfig.truncate_embedding_inputs`` cuts it.
+
+The bf16 quality gate: an engine whose ``dtype`` is "auto" and came out bf16 embeds a fixed
+probe corpus in bf16 and in fp32 at start-up; if any probe's cosine to fp32 is below
+``MIN_BF16_COSINE`` the engine runs in fp32 instead (``LLMEngine.dtype_gate`` says which).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.layers.pooling import finish_embedding
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.pooling_params import PoolingParams
+from engine.pooling_runner import PoolingModelRunner
+from engine.quality import EmbeddingAgreement, embedding_agreement
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from engine.llm_engine import LLMEngine, _UserRequest
+
+MIN_BF16_COSINE = 0.999
+# A pooling request samples nothing; its Request still carries (unused) sampling params.
+_NO_SAMPLING = SamplingParams(max_tokens=1)
+
+
+class EmbeddingInputError(ValueError):
+    """An embedding request the engine cannot take; ``index`` is the input at fault (None: the
+    request as a whole)."""
+
+    def __init__(self, message: str, index: int | None = None) -> None:
+        super().__init__(message)
+        self.index = index
+
+
+class EmptyInput(EmbeddingInputError):
+    pass
+
+
+class InputTooLong(EmbeddingInputError):
+    pass
+
+
+class TokenOutOfVocabulary(EmbeddingInputError):
+    pass
+
+
+class DimensionsNotSupported(EmbeddingInputError):
+    pass
+
+
+class NotAnEmbeddingModel(ValueError):
+    """Embedding asked of a generation engine, or generation of an embedding one."""
+
+
+def pooling_runner(engine: LLMEngine) -> PoolingModelRunner:
+    runner = engine.model_runner
+    if not isinstance(runner, PoolingModelRunner):
+        raise NotAnEmbeddingModel(f"model {engine.model_name} generates text; it does not "
+                                  "embed")
+    return runner
+
+
+def embedding_size(engine: LLMEngine) -> int:
+    return pooling_runner(engine).hidden_size
+
+
+def matryoshka_dimensions(engine: LLMEngine) -> tuple[int, ...] | None:
+    return pooling_runner(engine).pooler.matryoshka_dimensions
+
+
+def check_dimensions(engine: LLMEngine, dimensions: int | None) -> None:
+    if dimensions is None:
+        return
+    dims = matryoshka_dimensions(engine)
+    if dims is None:
+        raise DimensionsNotSupported(
+            f"model {engine.model_name} does not support dimensions (it declares no "
+            "Matryoshka dimensions); leave it out")
+    size = embedding_size(engine)
+    if dimensions > size:
+        raise DimensionsNotSupported(f"dimensions must be at most {size} for model "
+                                     f"{engine.model_name}, got {dimensions}")
+    if dimensions not in dims and dimensions != size:
+        raise DimensionsNotSupported(f"dimensions must be one of {[*dims]} for model "
+                                     f"{engine.model_name}, got {dimensions}")
+
+
+def split_inputs(prompt: Any) -> list[str | list[int]]:
+    """One input (a text, a token-id list) or several, as a list of inputs."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if not isinstance(prompt, list | tuple):
+        raise EmbeddingInputError(f"input must be a string or a list, got "
+                                  f"{type(prompt).__name__}")
+    if not prompt:
+        raise EmptyInput("input is empty")
+    if isinstance(prompt[0], int) and not isinstance(prompt[0], bool):
+        return [list(prompt)]
+    return list(prompt)
+
+
+def encode_inputs(engine: LLMEngine, inputs: Sequence[str | list[int]]) -> list[list[int]]:
+    """Each input's token ids, checked (module docstring); typed errors name the input."""
+    if not inputs:
+        raise EmptyInput("input is empty")
+    max_len = engine.max_model_len
+    vocab = engine.model_runner.vocab_size
+    truncate = engine.config.truncate_embedding_inputs
+    token_ids: list[list[int]] = []
+    for index, item in enumerate(inputs):
+        if isinstance(item, str):
+            if not item:
+                raise EmptyInput("input is an empty string", index)
+            if truncate:
+                ids = list(engine.tokenizer(item, truncation=True, max_length=max_len).input_ids)
+            else:
+                ids = list(engine.tokenizer(item).input_ids)
+        elif isinstance(item, list | tuple):
+            if not item:
+                raise EmptyInput("input is an empty list of token ids", index)
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
+                raise EmbeddingInputError("token ids must be integers", index)
+            ids = list(item[:max_len] if truncate else item)
+            low, high = min(ids), max(ids)
+            if low < 0 or high >= vocab:
+                bad = low if low < 0 else high
+                raise TokenOutOfVocabulary(f"token id {bad} is outside the model's vocabulary "
+                                           f"(ids 0 to {vocab - 1})", index)
+        else:
+            raise EmbeddingInputError(f"an input must be a string or a list of token ids, got "
+                                      f"{type(item).__name__}", index)
+        if not ids:
+            raise EmptyInput("input has no tokens", index)
+        if len(ids) > max_len:
+            raise InputTooLong(f"input is {len(ids)} tokens; this model's maximum input "
+                               f"length is {max_len} tokens", index)
+        token_ids.append(ids)
+    return token_ids
+
+
+def add_pooling_request(engine: LLMEngine, request_id: str, prompt: Any, params: Any, *,
+                        arrival_time: float | None, priority: int) -> None:
+    """``LLMEngine.add_request`` for ``PoolingParams`` (module docstring)."""
+    from engine.llm_engine import _UserRequest
+
+    if not engine.is_embedding:
+        raise NotAnEmbeddingModel(f"model {engine.model_name} generates text; it does not "
+                                  "embed")
+    if not isinstance(params, PoolingParams):
+        raise NotAnEmbeddingModel(f"model {engine.model_name} is an embedding model; it does "
+                                  "not generate text")
+    check_dimensions(engine, params.dimensions)
+    token_ids = encode_inputs(engine, split_inputs(prompt))
+    arrival = time.monotonic() if arrival_time is None else arrival_time
+    metrics = RequestMetrics(arrival, num_prompt_tokens=sum(len(ids) for ids in token_ids))
+    user = _UserRequest(request_id, None, [], [], metrics)
+    for index, ids in enumerate(token_ids):
+        child_id = request_id if len(token_ids) == 1 else f"{request_id}#{index}"
+        user.children.append(Request(
+            request_id=child_id, prompt_token_ids=ids, sampling_params=_NO_SAMPLING,
+            max_tokens=0, eos_token_ids=(), metrics=RequestMetrics(arrival,
+                                                                   num_prompt_tokens=len(ids)),
+            parent_id=request_id, index=index, priority=priority, pooling_params=params))
+        engine._child_to_user[child_id] = request_id
+    engine._user_requests[request_id] = user
+    for child in user.children:
+        engine.scheduler.add_request(child)
+
+
+def finish_pooling_request(engine: LLMEngine, user: _UserRequest) -> RequestOutput:
+    del engine._user_requests[user.request_id]
+    normalize = pooling_runner(engine).pooler.normalize
+    embeddings: list[torch.Tensor | None] = []
+    for child in user.children:
+        del engine._child_to_user[child.request_id]
+        params = child.pooling_params
+        dims = params.dimensions if params is not None else None
+        vector = child.embedding
+        embeddings.append(None if vector is None else
+                          finish_embedding(vector, normalize=normalize, dimensions=dims))
+    metrics = user.metrics
+    child_metrics = [c.metrics for c in user.children]
+    scheduled = [m.first_scheduled_time for m in child_metrics if m.first_scheduled_time]
+    done = [m.first_token_time for m in child_metrics if m.first_token_time]
+    metrics.first_scheduled_time = min(scheduled) if scheduled else None
+    metrics.first_token_time = max(done) if len(done) == len(child_metrics) else None
+    metrics.finished_time = max(m.finished_time or time.monotonic() for m in child_metrics)
+    return RequestOutput(request_id=user.request_id, prompt=None, prompt_token_ids=[],
+                         outputs=[], finished=True, metrics=metrics, embeddings=embeddings)
+
+
+# The probes of the bf16 gate: short and long, several scripts, digits and code, repetition.
+PROBE_TEXTS = (
+    "hello",
+    "The quick brown fox jumps over the lazy dog.",
+    "What is the capital of France? Paris is the capital and most populous city of France.",
+    "Machine learning models map inputs to vectors; similar inputs map to nearby vectors.",
+    "東京は日本の首都であり、世界有数の大都市である。",
+    "Привет, как дела? Сегодня хорошая погода.",
+    "def add(a, b):\n    return a + b  # 1 + 2 == 3",
+    "€100, 42%, 3.14159, 2026-12-01T21:00:00Z, user@example.com",
+    "emoji 🚀🔥 and accents: café, naïve, façade",
+    " ".join(["a long input about search indexes, deduplication and clustering"] * 40),
+)
+
+
+def gate_embedding_dtype(engine: LLMEngine, checkpoint: Any,
+                         max_position: int) -> EmbeddingAgreement | None:
+    """The bf16 gate (module docstring); None when it does not apply (an explicit dtype, or
+    "auto" came out fp32)."""
+    runner = pooling_runner(engine)
+    if engine.config.dtype != "auto" or runner.dtype == torch.float32:
+        return None
+    reference = PoolingModelRunner(engine.config, checkpoint, max_position, dtype=torch.float32)
+    max_len = engine.max_model_len
+    token_ids = [list(engine.tokenizer(t, truncation=True, max_length=max_len).input_ids)
+                 for t in PROBE_TEXTS]
+    report = embedding_agreement(reference, runner, token_ids, min_cosine=MIN_BF16_COSINE)
+    if not report.passed:
+        engine.model_runner = reference
+    return report
