@@ -60,6 +60,7 @@ class _InFlight:
     line: BatchLine
     request_id: str  # the engine's id; the response's request_id is ``req_`` + it
     tool_mode: ToolCallMode | None = None
+    encoding_format: str | None = None  # an embeddings line's: float or base64
 
 
 @dataclass
@@ -287,7 +288,8 @@ class _Runner:
         if isinstance(engine_input, PrepareError):
             return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id,
                              numbered=False, param=engine_input.param)
-        self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode)
+        self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode,
+                                               engine_input.encoding_format)
         return None
 
     def write_error(self, error: LineError, f: IO[str]) -> None:
@@ -307,6 +309,7 @@ class _Runner:
         body, usage = response_body(
             request_output, endpoint=entry.line.url, model=self.model_name,
             tokenizer=self.engine.tokenizer, hex_id=new_id(), tool_mode=entry.tool_mode,
+            encoding_format=entry.encoding_format,
         )
         _write(f, output_line(entry.line.custom_id, body, request_id=f"req_{entry.request_id}"))
         self.result.num_ok += 1

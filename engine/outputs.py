@@ -150,7 +150,7 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
+        return self.outputs[0].finish_reason if self.outputs else None
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Parse and check one line of an OpenAI Batch input file.
 
-Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions",
-"body": {...}}``. ``parse_line`` never raises on user input: it returns a ``BatchLine`` or a
-``LineError`` whose message names the line and the field ("line 7: body.temperature must be
-between 0 and 2").
+Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions" |
+"/v1/embeddings", "body": {...}}``. ``parse_line`` never raises on user input: it returns a
+``BatchLine`` or a ``LineError`` whose message names the line and the field ("line 7:
+body.temperature must be between 0 and 2").
 """
 
 from __future__ import annotations
@@ -16,10 +16,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from openai_format.embeddings import EmbeddingRequest
 from openai_format.responses import failed_line
 from openai_format.types import (
     CHAT_URL,
     COMPLETIONS_URL,
+    EMBEDDINGS_URL,
     ENDPOINTS,
     INVALID_TYPE,
     INVALID_VALUE,
@@ -39,6 +41,13 @@ SERVER_ERROR = "server_error"
 
 UTF8_BOM = b"\xef\xbb\xbf"
 
+Body = ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+BODY_TYPES: dict[str, type[Body]] = {
+    CHAT_URL: ChatCompletionRequest,
+    COMPLETIONS_URL: CompletionRequest,
+    EMBEDDINGS_URL: EmbeddingRequest,
+}
+
 
 
 @dataclass(frozen=True)
@@ -47,7 +56,7 @@ class BatchLine:
 
     custom_id: str
     url: str
-    body: ChatCompletionRequest | CompletionRequest
+    body: Body
     line_no: int
 
     @property
@@ -160,7 +169,8 @@ def parse_line(
     url = data.get("url")
     if url not in ENDPOINTS:
         return error(
-            INVALID_URL, f"url must be {CHAT_URL!r} or {COMPLETIONS_URL!r}, got {url!r}", custom_id
+            INVALID_URL, f"url must be {CHAT_URL!r}, {COMPLETIONS_URL!r} or {EMBEDDINGS_URL!r}, "
+            f"got {url!r}", custom_id
         )
     if endpoint is not None and url != endpoint:
         return error(
@@ -171,9 +181,8 @@ def parse_line(
         what = "is missing" if body is None else f"must be an object, got {_json_type(body)}"
         return error(INVALID_REQUEST, f"body {what}", custom_id)
 
-    model = ChatCompletionRequest if url == CHAT_URL else CompletionRequest
     try:
-        parsed = model.model_validate(body)
+        parsed = BODY_TYPES[url].model_validate(body)
     except ValidationError as exc:
         code, what = describe_validation_error(exc)
         return error(code, what, custom_id)

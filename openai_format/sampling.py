@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai_format.embeddings import EmbeddingRequest
 from openai_format.tools import forced_call
 from openai_format.types import ChatCompletionRequest, CompletionRequest
 
@@ -48,7 +49,8 @@ def to_sampling_kwargs(body: ChatCompletionRequest | CompletionRequest) -> dict[
     }
 
 
-def engine_fields(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+def engine_fields(body: ChatCompletionRequest | CompletionRequest | EmbeddingRequest
+                  ) -> dict[str, Any]:
     """What the engine needs from a validated body, as JSON, stored on the line's row when it
     is validated (upload/prepare, a job's creation) so the drain loop neither parses nor
     validates the body again (``pipeline.engine_adapter.prepare_fields``):
@@ -59,7 +61,14 @@ def engine_fields(body: ChatCompletionRequest | CompletionRequest) -> dict[str, 
     - ``format_field``: the body field a grammar comes from, to name it in an error;
     - ``sampling``: ``to_sampling_kwargs``, its ``logit_bias`` as [token id, bias] pairs (JSON
       object keys are strings).
+
+    An embeddings body has ``embedding`` instead: its inputs as a list, ``encoding_format`` and
+    ``dimensions``.
     """
+    if isinstance(body, EmbeddingRequest):
+        return {"embedding": {"input": body.inputs(),
+                              "encoding_format": body.encoding_format or "float",
+                              "dimensions": body.dimensions}}
     sampling = to_sampling_kwargs(body)
     bias = sampling["logit_bias"]
     sampling["logit_bias"] = None if bias is None else [[int(t), b] for t, b in bias.items()]

@@ -30,7 +30,9 @@ from pydantic_core import PydanticCustomError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
+EMBEDDINGS_URL = "/v1/embeddings"  # its body type: openai_format.embeddings
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL)
+GENERATION_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL)
 
 # Error types raised by the validators below; openai_format.parse maps them to line error codes.
 INVALID_VALUE = "invalid_value"

@@ -22,13 +22,24 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.embedding_inputs import (
+    EmbeddingInputError,
+    InputTooLong,
+    NotAnEmbeddingModel,
+    check_dimensions,
+    encode_inputs,
+)
 from engine.outputs import RequestOutput, TokenLogprob
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from engine.structured_output import StructuredOutputError
+from openai_format.embeddings import embedding_body
 from openai_format.parse import (
+    BODY_TYPES,
     CONTEXT_LENGTH_EXCEEDED,
     INVALID_REQUEST,
     SERVER_ERROR,
+    Body,
     describe_validation_error,
 )
 from openai_format.responses import (
@@ -39,12 +50,10 @@ from openai_format.responses import (
 )
 from openai_format.sampling import engine_fields, sampling_kwargs
 from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
-from openai_format.types import (
-    CHAT_URL,
-    INVALID_VALUE,
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from openai_format.types import CHAT_URL, EMBEDDINGS_URL, INVALID_VALUE
+
+# A line error code of its own, as the model routing's: the line met a model of the other kind.
+WRONG_MODEL_KIND = "wrong_model_kind"
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +68,32 @@ class EngineInput:
     format_field: str | None = None
     tool_mode: ToolCallMode | None = None
 
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def encoding_format(self) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class EmbeddingInput:
+    """What the engine gets for one /v1/embeddings line: its inputs' token ids."""
+
+    token_ids: list[list[int]]
+    params: PoolingParams
+    encoding_format: str = "float"
+    tool_mode: None = None
+
+    @property
+    def prompt(self) -> list[list[int]]:
+        return self.token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
+
 
 @dataclass(frozen=True)
 class PrepareError:
@@ -69,22 +104,21 @@ class PrepareError:
     param: str | None = None
 
 
-Body = ChatCompletionRequest | CompletionRequest
-
-
 def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareError:
     """The typed body (a stored body is validated again into its type)."""
-    if isinstance(body, ChatCompletionRequest | CompletionRequest):
+    if not isinstance(body, dict):
         return body
-    model = ChatCompletionRequest if endpoint == CHAT_URL else CompletionRequest
     try:
-        return model.model_validate(body)
+        return BODY_TYPES[endpoint].model_validate(body)
     except ValidationError as exc:
         code, message = describe_validation_error(exc)
         return PrepareError(code, message)
 
 
-def prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+Input = EngineInput | EmbeddingInput
+
+
+def prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> Input | PrepareError:
     """The engine input for one line, or its error. Never raises: whatever goes wrong while
     one line is prepared fails that line (``server_error`` for what no check foresaw)."""
     try:
@@ -94,14 +128,14 @@ def prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineIn
         return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
 
 
-def _prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+def _prepare(engine: Any, endpoint: str, body: dict[str, Any] | Body) -> Input | PrepareError:
     request = parse_body(endpoint, body)
     if isinstance(request, PrepareError):
         return request
     return _prepare_fields(engine, engine_fields(request))
 
 
-def prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | PrepareError:
+def prepare_fields(engine: Any, fields: dict[str, Any]) -> Input | PrepareError:
     """``prepare`` for a line whose body was validated when it was stored: its
     ``engine_fields`` (``openai_format.sampling``) become the engine input, with no parsing."""
     try:
@@ -111,7 +145,12 @@ def prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | Prepare
         return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
 
 
-def _prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | PrepareError:
+def _prepare_fields(engine: Any, fields: dict[str, Any]) -> Input | PrepareError:
+    embedding = fields.get("embedding")
+    if bool(getattr(engine, "is_embedding", False)) != (embedding is not None):
+        return _wrong_kind(engine, embedding is not None)
+    if embedding is not None:
+        return _prepare_embedding(engine, embedding)
     tool_mode: ToolCallMode | None = None
     format_field = fields.get("format_field")
     mode = fields.get("tool_mode")
@@ -156,12 +195,48 @@ def _prepare_fields(engine: Any, fields: dict[str, Any]) -> EngineInput | Prepar
     return EngineInput(prompt, params, format_field, tool_mode)
 
 
-def add_to_engine(engine: Any, request_id: str, engine_input: EngineInput,
+def _wrong_kind(engine: Any, wants_embedding: bool) -> PrepareError:
+    model = getattr(engine, "model_name", "the served model")
+    if wants_embedding:
+        return PrepareError(WRONG_MODEL_KIND, f"model {model} generates text and cannot serve "
+                            f"{EMBEDDINGS_URL}: send this line to an embedding model", "model")
+    return PrepareError(WRONG_MODEL_KIND, f"model {model} is an embedding model: it serves "
+                        f"{EMBEDDINGS_URL} only, not chat or completions", "model")
+
+
+def _embedding_error(exc: EmbeddingInputError) -> PrepareError:
+    field = "input" if exc.index is None else f"input[{exc.index}]"
+    if isinstance(exc, InputTooLong):
+        return PrepareError(CONTEXT_LENGTH_EXCEEDED, f"body.{field}: {exc}", "input")
+    return PrepareError(INVALID_VALUE, f"body.{field}: {exc}", "input")
+
+
+def _prepare_embedding(engine: Any, fields: dict[str, Any]) -> EmbeddingInput | PrepareError:
+    """An embeddings line's inputs tokenized and checked against the model (its length limit,
+    vocabulary and Matryoshka dimensions), each problem a line error naming the field."""
+    dimensions = fields.get("dimensions")
+    try:
+        check_dimensions(engine, dimensions)
+    except EmbeddingInputError as exc:
+        return PrepareError(INVALID_VALUE, f"body.dimensions: {exc}", "dimensions")
+    try:
+        token_ids = encode_inputs(engine, fields["input"])
+    except EmbeddingInputError as exc:
+        return _embedding_error(exc)
+    return EmbeddingInput(token_ids, PoolingParams(dimensions=dimensions),
+                          fields.get("encoding_format") or "float")
+
+
+def add_to_engine(engine: Any, request_id: str, engine_input: Input,
                   **kwargs: Any) -> PrepareError | None:
     """``engine.add_request``; a request the engine refuses (a schema its grammar compiler
     cannot take) becomes the line's error."""
     try:
         engine.add_request(request_id, engine_input.prompt, engine_input.params, **kwargs)
+    except NotAnEmbeddingModel:
+        return _wrong_kind(engine, isinstance(engine_input, EmbeddingInput))
+    except EmbeddingInputError as exc:
+        return _embedding_error(exc)
     except StructuredOutputError as exc:
         return PrepareError(INVALID_VALUE, f"{engine_input.format_field or 'body'}: {exc}",
                             engine_input.format_field)
@@ -258,10 +333,17 @@ def _choice(c: Any, tokenizer: Any, tool_mode: ToolCallMode | None) -> ChoiceRes
 
 def response_body(
     output: RequestOutput, *, endpoint: str, model: str, tokenizer: Any, hex_id: str,
-    tool_mode: ToolCallMode | None = None,
+    tool_mode: ToolCallMode | None = None, encoding_format: str | None = None,
 ) -> tuple[dict[str, Any], Usage]:
     """The chat.completion or text_completion object for a finished request, and its usage;
-    ``hex_id`` (random hex) makes the object's id."""
+    ``hex_id`` (random hex) makes the object's id. An embedding request's is OpenAI's
+    CreateEmbeddingResponse (``encoding_format`` float or base64), its usage the prompt tokens
+    of all its inputs."""
+    if output.embeddings is not None:
+        prompt_tokens = output.metrics.num_prompt_tokens
+        body = embedding_body(output.embeddings, model=model, prompt_tokens=prompt_tokens,
+                              encoding_format=encoding_format or "float")
+        return body, Usage(prompt_tokens, 0, 0)
     choices = [_choice(c, tokenizer, tool_mode) for c in output.outputs]
     prompt_tokens = output.metrics.num_prompt_tokens or len(output.prompt_token_ids)
     cached_tokens = output.metrics.num_cached_tokens

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai_format.embeddings import EmbeddingRequest
 from openai_format.parse import BatchLine, LineError
 from openai_format.types import ChatCompletionRequest
 
@@ -19,6 +20,9 @@ def sort_key(line: BatchLine) -> str:
     """The start of the prompt as text, so lines sharing a prefix (a system prompt, a RAG
     document) sort next to each other and run close together: the prefix cache then hits."""
     body = line.body
+    if isinstance(body, EmbeddingRequest):  # no prefix to share: group by length instead
+        inputs = body.inputs()
+        return f"\x00embedding {sum(len(i) for i in inputs):010d}"
     if isinstance(body, ChatCompletionRequest):
         # The roles and texts of ``template_messages``, without building its dicts (prepare
         # runs this on every line).
@@ -38,6 +42,9 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
     """(prompt tokens, output tokens) of a line before it runs, without a tokenizer: what the
     ETA of its batch starts from (``metrics.eta``)."""
     body = line.body
+    if isinstance(body, EmbeddingRequest):  # prefill only: nothing is generated
+        return sum(len(i) // CHARS_PER_TOKEN + 2 if isinstance(i, str) else len(i)
+                   for i in body.inputs()), 0
     if isinstance(body, ChatCompletionRequest):
         chars = sum(len(m.text) for m in body.messages)
         prompt = chars // CHARS_PER_TOKEN + 4 * len(body.messages) + 1

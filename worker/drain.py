@@ -75,6 +75,7 @@ class Drainer:
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
         self._tool_modes: dict[str, ToolCallMode] = {}  # lines whose output holds tool calls
+        self._encodings: dict[str, str] = {}  # embedding lines: float or base64
         self._drops: list[Callable[[LineWork], bool]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -193,12 +194,15 @@ class Drainer:
         self._in_engine[work.engine_request_id] = work
         if engine_input.tool_mode is not None:
             self._tool_modes[work.engine_request_id] = engine_input.tool_mode
-        num_tokens = len(engine_input.prompt)
+        if engine_input.encoding_format is not None:
+            self._encodings[work.engine_request_id] = engine_input.encoding_format
+        num_tokens = engine_input.num_tokens
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
 
     def _finish(self, output: Any) -> None:
         work = self._in_engine.pop(output.request_id, None)
         tool_mode = self._tool_modes.pop(output.request_id, None)
+        encoding_format = self._encodings.pop(output.request_id, None)
         if work is None:
             return
         if output.finish_reason == "abort":
@@ -208,7 +212,7 @@ class Drainer:
             body, usage = response_body(
                 output, endpoint=work.endpoint, model=self.model_name,
                 tokenizer=getattr(self.engine, "tokenizer", None), hex_id=hex_id,
-                tool_mode=tool_mode,
+                tool_mode=tool_mode, encoding_format=encoding_format,
             )
         except Exception as exc:
             log.exception("could not build the response of %s", work.engine_request_id)
@@ -248,6 +252,7 @@ class Drainer:
             for rid in ids:
                 self._in_engine.pop(rid, None)
                 self._tool_modes.pop(rid, None)
+                self._encodings.pop(rid, None)
 
     def _abort_all(self) -> None:
         ids = list(self._in_engine)
@@ -258,3 +263,4 @@ class Drainer:
                 log.exception("aborting %d requests failed", len(ids))
         self._in_engine.clear()
         self._tool_modes.clear()
+        self._encodings.clear()

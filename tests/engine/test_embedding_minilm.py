@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine
 from engine import embedding as embedding_module
-from engine.embedding import InputTooLong
+from engine.embedding_inputs import InputTooLong
 from engine.layers.greedy_screen import bf16_is_native
 from engine.pooling_params import PoolingParams
 

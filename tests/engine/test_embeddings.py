@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.embedding import (
+from engine.embedding_inputs import (
     DimensionsNotSupported,
     EmptyInput,
     InputTooLong,
