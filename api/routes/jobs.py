@@ -17,7 +17,7 @@ from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
 from openai_format.sampling import engine_fields
-from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS
+from openai_format.types import CHAT_URL, COMPLETIONS_URL, EMBEDDINGS_URL, ENDPOINTS
 from service import ids
 from service.lines import sort_key, stored_body
 from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
@@ -29,8 +29,9 @@ router = APIRouter(tags=["jobs"])
 
 
 class JobCreateRequest(BaseModel):
-    """``body`` is a /v1/chat/completions or /v1/completions request body; ``endpoint`` defaults
-    to chat when the body has ``messages``."""
+    """``body`` is a /v1/chat/completions, /v1/completions or /v1/embeddings request body;
+    ``endpoint`` defaults to chat when the body has ``messages``, to embeddings when it has
+    ``input``."""
 
     body: dict[str, Any]
     endpoint: str | None = None
@@ -38,6 +39,16 @@ class JobCreateRequest(BaseModel):
     # Among jobs, higher runs first; every job runs ahead of bulk lines (service.queue_order).
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     metadata: dict[str, str] | None = None
+
+
+def _endpoint_of(body: dict[str, Any]) -> str:
+    """A body's endpoint when the job names none: chat with ``messages``, embeddings with
+    ``input`` (and no ``prompt``), else completions."""
+    if "messages" in body:
+        return CHAT_URL
+    if "input" in body and "prompt" not in body:
+        return EMBEDDINGS_URL
+    return COMPLETIONS_URL
 
 
 def get_job(session: Session, *, tenant_id: str, job_id: str) -> Job:
@@ -53,7 +64,7 @@ def job_line(session: Session, job_id: str) -> RequestLine | None:
 
 @router.post("/v1/jobs")
 def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) -> dict:
-    endpoint = request.endpoint or (CHAT_URL if "messages" in request.body else COMPLETIONS_URL)
+    endpoint = request.endpoint or _endpoint_of(request.body)
     if endpoint not in ENDPOINTS:
         raise ApiError(400, f"Invalid endpoint {endpoint!r}: supported are {', '.join(ENDPOINTS)}.",
                        param="endpoint", code="invalid_endpoint")
@@ -74,7 +85,7 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
                        param="body")
     shard_id = ids.shard_id(job_id, 0)
     with ctx.db.session() as session:
-        model = served_model(session, ctx, parsed.body.model)
+        model = served_model(session, ctx, parsed.body.model, endpoint)
         job = Job(id=job_id, tenant_id=tenant.id, endpoint=endpoint, model=model,
                   status=JOB_QUEUED,
                   priority=request.priority, webhook_url=request.webhook_url,

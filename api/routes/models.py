@@ -28,6 +28,8 @@ def model_object(entry: ModelEntry) -> dict[str, Any]:
         "owned_by": OWNED_BY,
         "aliases": list(entry.aliases),
         "num_workers": entry.num_workers,
+        # "generation" or "embedding" once a worker has announced it (None before).
+        "kind": entry.kind,
     }
 
 
