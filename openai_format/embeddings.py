@@ -13,7 +13,6 @@ from __future__ import annotations
 import base64
 from typing import Annotated, Any, Literal
 
-import numpy as np
 from pydantic import model_validator
 
 from openai_format.types import PositiveInt, _Body, _invalid, _one_of_shapes
@@ -71,6 +70,8 @@ class EmbeddingRequest(_Body):
 
 def encode_embedding(vector: Any, encoding_format: str) -> list[float] | str:
     """A vector (anything numpy reads) as OpenAI writes it: floats, or base64 of float32 LE."""
+    import numpy as np  # only where responses are built (the worker, boxcar run)
+
     array = np.asarray(vector, dtype="<f4")
     if encoding_format == "base64":
         return base64.b64encode(array.tobytes()).decode("ascii")

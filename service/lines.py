@@ -14,6 +14,7 @@ SORT_KEY_CHARS = 200
 DEFAULT_OUTPUT_TOKENS = 256
 CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary; chat templates add ~4 a message
 MODEL_MISMATCH = "model_mismatch"  # OpenAI's code for a line naming another model
+TOO_MANY_INPUTS = "too_many_inputs"  # a batch's embedding inputs beyond its limit
 
 
 def sort_key(line: BatchLine) -> str:
@@ -53,6 +54,30 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
         prompt = len(single) // CHARS_PER_TOKEN + 1 if isinstance(single, str) else len(single)
     max_tokens = body.effective_max_tokens
     return prompt, max_tokens if max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+class EmbeddingInputBudget:
+    """OpenAI's rule that a batch's embeddings lines hold at most ``limit`` inputs in all
+    (``Settings.max_batch_embedding_inputs``): the line that would go past it, and every later
+    one that would, is a line error; the lines before it run. The upload and the batch's
+    preparation count the same way."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.num_inputs = 0
+
+    def check(self, line: BatchLine) -> LineError | None:
+        body = line.body
+        if not isinstance(body, EmbeddingRequest):
+            return None
+        count = body.num_inputs
+        if self.num_inputs + count > self.limit:
+            return LineError(TOO_MANY_INPUTS, f"body.input: this line's {count} inputs would take "
+                             f"the batch past {self.limit} embedding inputs in all (the limit "
+                             f"for a batch; {self.num_inputs} are already in it)",
+                             line.line_no, line.custom_id, param="input")
+        self.num_inputs += count
+        return None
+
+
 class ModelTracker:
     """The one model a batch's lines name (OpenAI's rule): the first valid line naming one fixes
     it, unless ``model`` is given; a later line naming another is a line error. Lines naming

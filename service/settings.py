@@ -14,6 +14,8 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from openai_format.embeddings import MAX_BATCH_EMBEDDING_INPUTS
+
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -59,6 +61,8 @@ class Settings(BaseSettings):
     max_file_bytes: int = 200 * 1024 * 1024
     max_file_lines: int = 50_000
     max_inline_requests: int = 10_000
+    # Embedding inputs a batch's lines hold in all (OpenAI's limit: 50,000); more are line errors.
+    max_batch_embedding_inputs: int = MAX_BATCH_EMBEDDING_INPUTS
     # Windows a batch may ask for; each is its deadline, which orders the queue
     # (service.queue_order: earliest deadline first).
     completion_windows: list[str] = Field(default_factory=lambda: ["1h", "4h", "24h"])
@@ -97,7 +101,7 @@ class Settings(BaseSettings):
 
     @field_validator("shard_size", "max_file_lines", "max_file_bytes", "worker_max_shards",
                      "worker_max_lines", "worker_max_jobs", "max_shard_attempts",
-                     "max_inline_requests")
+                     "max_inline_requests", "max_batch_embedding_inputs")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value < 1:

@@ -153,6 +153,7 @@ def _create(request: BatchCreateRequest, tenant_id: str, ctx: AppContext, window
                     session, ctx.storage, tenant_id=tenant_id, endpoint=request.endpoint,
                     requests=(r.model_dump() for r in request.requests),
                     max_bytes=settings.max_file_bytes, max_lines=settings.max_file_lines,
+                    max_embedding_inputs=settings.max_batch_embedding_inputs,
                 )
             else:
                 file = get_file(session, tenant_id=tenant_id, file_id=request.input_file_id)
