@@ -239,3 +239,29 @@ def test_abort_and_priority(bert_cls):
     aborted = engine.abort_request("bulk")
     assert aborted[0].embeddings is not None and len(aborted[0].embeddings) == len(prompts)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_sentence_transformers_decoder_folder_embeds_without_options(tmp_path):
+    """Qwen3-Embedding's layout: a causal-LM checkpoint with modules.json (last-token pooling,
+    Normalize): ``task='auto'`` makes it an embedder."""
+    path = make_checkpoint(tmp_path / "qwen3-embedding", "qwen3")
+    files = {
+        "modules.json": [
+            {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling",
+             "type": "sentence_transformers.models.Pooling"},
+            {"idx": 2, "name": "2", "path": "2_Normalize",
+             "type": "sentence_transformers.models.Normalize"}],
+        "1_Pooling/config.json": {"pooling_mode_lasttoken": True},
+    }
+    for name, content in files.items():
+        (path / name).parent.mkdir(parents=True, exist_ok=True)
+        (path / name).write_text(json.dumps(content))
+    base = transformers.Qwen3ForCausalLM.from_pretrained(path).model.float().eval()
+    prompts = inputs(base.config.vocab_size, seed=6)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32"))
+    assert engine.is_embedding
+    assert_cosine(embed_all(engine, prompts, seed=1, group=4),
+                  hf_embeddings(base, prompts, "last", True))
+    generating = LLMEngine(EngineConfig(model=str(path), dtype="float32", task="generate"))
+    assert not generating.is_embedding
