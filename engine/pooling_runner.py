@@ -62,10 +62,12 @@ class PoolingModelRunner:
         self.max_len = max_len
         use_triton = (config.attention_backend == "triton"
                       or (config.attention_backend is None and self.device.type == "cuda"))
-        self.attn = PackedAttentionBackend(causal=model.causal, use_triton=use_triton)
+        native_cpu = (self.device.type == "cpu" and config.attention_backend in (None, "cpu")
+                      and not os.environ.get("BOXCAR_NO_CPU_KERNELS"))
+        self.attn = PackedAttentionBackend(causal=model.causal, use_triton=use_triton,
+                                           use_cpu_kernel=native_cpu)
         self.packed_weights = False
-        if (self.device.type == "cpu" and config.attention_backend in (None, "cpu")
-                and not os.environ.get("BOXCAR_NO_CPU_KERNELS")):
+        if native_cpu:
             fp32 = self.dtype == torch.float32
             if (fp32 and mkl_packing_available()) or (
                     self.dtype == torch.bfloat16 and bf16_packing_available()):

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.kernels.cpu_packed_attention import check_packed
+
 _LOG2E = 1.4426950408889634
 
 
@@ -127,31 +129,6 @@ def _packed_attention_kernel(
 # Triton's CPU interpreter multiplies the raw bits of bf16 dot operands (it stores bf16 as
 # uint16), so under TRITON_INTERPRET the kernel feeds tl.dot fp32 copies instead.
 _INTERPRETED = not isinstance(_packed_attention_kernel, triton.JITFunction)
-
-
-def check_packed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 cu_seqlens: torch.Tensor) -> None:
-    """Shapes, dtypes, strides and devices the kernel and its reference both need."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError("q, k, v must be [num_tokens, heads, head_dim], got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2]:
-        raise ValueError(f"k and v must be [{q.shape[0]}, num_kv_heads, {q.shape[2]}], got "
-                         f"{tuple(k.shape)} and {tuple(v.shape)}")
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"num_heads {q.shape[1]} is not a multiple of num_kv_heads "
-                         f"{k.shape[1]}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1 or cu_seqlens.dtype != torch.int32:
-        raise ValueError(f"cu_seqlens must be int32 [num_seqs + 1], got {cu_seqlens.dtype} "
-                         f"{tuple(cu_seqlens.shape)}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must be contiguous in head_dim (stride 1), got {t.stride()}")
-    devices = {t.device for t in (q, k, v, cu_seqlens)}
-    if len(devices) != 1:
-        raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devices))}")
 
 
 def packed_attention(

@@ -6,8 +6,9 @@ ignored): a pooling request is prefill-only and keeps nothing after its step. Th
 are its sequences back to back (``metadata.prefill_query_start_loc``); attention never crosses
 from one to the next. ``causal`` is off for encoders (BERT) and on for decoders used as embedders.
 
-On the CPU each sequence is one SDPA call over views of the flat q/k/v (no padding, no copy in);
-on a GPU (or with ``use_triton``) one Triton launch covers the step
+On the CPU one C++ kernel call covers a layer (``engine/kernels/cpu_packed_attention.py``; the
+``torch`` backend or a missing compiler: one SDPA call per sequence over views of the flat
+q/k/v, no padding, no copy in); on a GPU (or with ``use_triton``) one Triton launch
 (``engine/kernels/packed_attention.py``).
 """
 
@@ -16,15 +17,17 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import cpu_packed_attention
 from engine.layers.attention_metadata import AttentionMetadata
 
 
 class PackedAttentionBackend:
     name = "packed"
 
-    def __init__(self, *, causal: bool, use_triton: bool) -> None:
+    def __init__(self, *, causal: bool, use_triton: bool, use_cpu_kernel: bool = False) -> None:
         self.causal = causal
         self.use_triton = use_triton
+        self.use_cpu_kernel = use_cpu_kernel
 
     def prepare(self, metadata: AttentionMetadata) -> None:
         """Nothing to plan: sequence offsets are all a layer needs."""
@@ -46,6 +49,9 @@ class PackedAttentionBackend:
             return packed_attention(q, k.contiguous(), v.contiguous(),
                                     metadata.prefill_query_start_loc, scale,
                                     max(lens, default=1), causal=self.causal)
+        if self.use_cpu_kernel and cpu_packed_attention.available(q):
+            return cpu_packed_attention.cpu_packed_attention(
+                q, k, v, metadata.prefill_query_start_loc, scale, causal=self.causal)
         out = torch.empty_like(q)
         gqa = q.shape[1] != k.shape[1]
         start = 0

@@ -110,3 +110,27 @@ def test_backend_matches_reference(causal, use_triton):
     got = backend.forward(q, k, v, empty, empty, _metadata(lens, cu), 0.25)
     torch.testing.assert_close(got, packed_attention_ref(q, k, v, cu, 0.25, causal=causal),
                                atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_kernel_matches_reference(causal, dtype):
+    from engine.kernels import cpu_packed_attention
+
+    lens = [1, 7, 33, 2, 120, 16]
+    q, k, v, cu = _inputs(lens, 6, 2, 32, dtype=dtype)
+    q, k, v, cu = q.cpu(), k.cpu(), v.cpu(), cu.cpu()
+    if not cpu_packed_attention.available(q):
+        pytest.skip("the CPU kernel library cannot be built here")
+    expected = packed_attention_ref(q, k, v, cu, 32**-0.5, causal=causal)
+    # strided rows, as the model hands them over (q/k/v are views of one qkv row)
+    qkv = torch.cat([q, k, v], dim=1)
+    got = cpu_packed_attention.cpu_packed_attention(qkv[:, :6], qkv[:, 6:8], qkv[:, 8:],
+                                                    cu, 32**-0.5, causal=causal)
+    tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2,
+                                                                       "rtol": 2e-2}
+    torch.testing.assert_close(got.float(), expected.float(), **tol)
+    backend = PackedAttentionBackend(causal=causal, use_triton=False, use_cpu_kernel=True)
+    empty = torch.empty(0)
+    via_backend = backend.forward(q, k, v, empty, empty, _metadata(lens, cu), 32**-0.5)
+    torch.testing.assert_close(via_backend.float(), expected.float(), **tol)
