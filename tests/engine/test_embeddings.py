@@ -1,8 +1,9 @@
 """Embeddings on tiny random models of both kinds, against transformers in fp32: a BertModel
 encoder (CLS; MEAN + Normalize from sentence-transformers files) and decoders used as embedders
-(a ``Qwen3Model`` checkpoint, a ``LlamaForCausalLM`` one with ``task='embed'``), last-token
-pooled; cosine >= 0.99999 on every input, packed in any order, budget and batch size. Then the
-scheduling (whole inputs, no KV blocks, budget filled), the options, and the typed errors."""
+(a ``Qwen3Model`` checkpoint, a ``LlamaForCausalLM`` one with ``task='embed'``, a Gemma 2 one
+with its sliding window and soft-cap), last-token pooled; cosine >= 0.99999 on every input,
+packed in any order, budget and batch size. Then the scheduling (whole inputs, no KV blocks,
+budget filled), the options, and the typed errors."""
 
 from __future__ import annotations
 
@@ -172,9 +173,18 @@ def test_matryoshka_dimensions(bert_mean):
         engine.add_request("x", prompts[0], PoolingParams(dimensions=65))
 
 
-@pytest.mark.parametrize("kind", ["qwen3-base", "llama-causal-lm-as-embedder"])
+@pytest.mark.parametrize("kind", ["qwen3-base", "llama-causal-lm-as-embedder",
+                                  "gemma2-windowed-soft-capped-as-embedder"])
 def test_decoder_last_token_equals_transformers(tmp_path, kind):
-    if kind == "qwen3-base":
+    if kind.startswith("gemma2"):
+        # Gemma 2's layers alternate a sliding window (16 here: shorter than most inputs) with
+        # full attention, and soft-cap their scores: the packed backend's per-sequence path.
+        path = make_checkpoint(tmp_path / "lm", "gemma2", sliding_window=16,
+                               attn_logit_softcapping=20.0)
+        options = {"task": "embed"}
+        base = transformers.Gemma2ForCausalLM.from_pretrained(
+            path, attn_implementation="eager").model.float()
+    elif kind == "qwen3-base":
         causal = make_checkpoint(tmp_path / "lm", "qwen3")
         base = transformers.Qwen3ForCausalLM.from_pretrained(causal).model.float()
         base.config.architectures = ["Qwen3Model"]
