@@ -210,6 +210,8 @@ def test_typed_errors_and_truncation(bert_cls):
     vocab = engine.model_runner.vocab_size
     with pytest.raises(EmptyInput):
         engine.add_request("a", [], PoolingParams())
+    with pytest.raises(ValueError, match="lora_name"):  # an embedder runs no adapter
+        engine.add_request("a", "fine", PoolingParams(), lora_name="adapter")
     with pytest.raises(EmptyInput) as empty_string:
         engine.add_request("a", ["fine", ""], PoolingParams())
     assert empty_string.value.index == 1
