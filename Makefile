@@ -16,6 +16,7 @@ setup: $(STAMP)
 
 model: setup
 	$(BIN)/boxcar model pull
+	$(BIN)/boxcar model pull all-MiniLM-L6-v2 --no-kernel
 
 # The main job through the REST API on the embedded service: start it, submit
 # examples/requests.jsonl, poll with a progress bar, download the results.

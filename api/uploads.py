@@ -16,11 +16,12 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from sqlalchemy.orm import Session
 
 from api.errors import ApiError
+from openai_format.embeddings import MAX_BATCH_EMBEDDING_INPUTS
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from service import ids
 from service.db import utcnow
 from service.expiry import expires_at
-from service.lines import ModelTracker, enqueued_tokens
+from service.lines import EmbeddingInputBudget, ModelTracker, enqueued_tokens
 from service.models import File
 from service.storage import ObjectStorage
 
@@ -40,6 +41,7 @@ class JsonlIngest:
     file_id: str
     max_bytes: int
     max_lines: int
+    max_embedding_inputs: int = MAX_BATCH_EMBEDDING_INPUTS
     num_bytes: int = 0
     num_lines: int = 0  # non-blank lines
     num_objects: int = 0  # lines that are JSON objects (valid or not)
@@ -52,6 +54,7 @@ class JsonlIngest:
     _models: ModelTracker = field(default_factory=ModelTracker)
     _cm: Any = None
     _writer: Any = None
+    _inputs: EmbeddingInputBudget | None = None
 
     @property
     def storage_key(self) -> str:
@@ -103,8 +106,10 @@ class JsonlIngest:
             self._record(result)
             return
         self.num_objects += 1
+        if self._inputs is None:
+            self._inputs = EmbeddingInputBudget(self.max_embedding_inputs)
         problem = (self._ids.check(result.custom_id, line_no=self._line_no)
-                   or self._models.check(result))
+                   or self._models.check(result) or self._inputs.check(result))
         if problem is not None:
             self._record(problem)
         else:
@@ -256,10 +261,11 @@ def store_inline_requests(
     max_bytes: int,
     max_lines: int,
     expires_after: int | None,
+    max_embedding_inputs: int = MAX_BATCH_EMBEDDING_INPUTS,
 ) -> File:
     """Write an inline ``requests`` array as a batch input file, checked like an upload, that
     expires ``expires_after`` seconds from now (None: never)."""
-    ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines)
+    ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines, max_embedding_inputs)
     try:
         for request in requests:
             line = {"custom_id": request.get("custom_id"), "method": request.get("method", "POST"),

@@ -68,8 +68,27 @@ _HELP: dict[str, dict[str, Any]] = {
     "max_cpu_loras": {"help": "LoRA adapters kept loaded (default: --max-loras)"},
     "tensor_parallel_size": {"help": "split the model over this many devices (one process "
                                      "each; GPUs, or CPU processes for tests)"},
+    "task": {"choices": ("auto", "generate", "embed"),
+             "help": "embed: serve a decoder checkpoint as an embedding model (auto: by the "
+                     "model's architecture and sentence-transformers files)"},
+    "pooling": {"choices": ("cls", "mean", "last"),
+                "help": "embedding pooling (default: the model's sentence-transformers files)"},
+    "normalize": {"help": "true/false: L2-normalize embeddings (default: the model's files)"},
+    "truncate_embedding_inputs": {"help": "cut embedding inputs longer than the model's "
+                                          "limit instead of failing their line"},
 }
-_TYPES = {"int": int, "float": float, "str": str}
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"not a boolean: {text!r} (true or false)")
+
+
+_TYPES = {"int": int, "float": float, "str": str, "bool": _parse_bool}
 
 
 def _flag(name: str, default: Any) -> str:

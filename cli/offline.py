@@ -45,6 +45,7 @@ class _InFlight:
     tool_mode: ToolCallMode | None = None
     response_echo: dict[str, Any] | None = None  # a /v1/responses line's
     lora_name: str | None = None  # the adapter the line named as its model
+    encoding_format: str | None = None  # an embeddings line's: float or base64
 
 
 @dataclass
@@ -274,7 +275,8 @@ class _Runner:
             return LineError(engine_input.code, engine_input.message, line_no, parsed.custom_id,
                              numbered=False, param=engine_input.param)
         self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode,
-                                               engine_input.response_echo, lora_name)
+                                               engine_input.response_echo, lora_name,
+                                               engine_input.encoding_format)
         return None
 
     def write_error(self, error: LineError, f: IO[str]) -> None:
@@ -294,7 +296,7 @@ class _Runner:
         body, usage = response_body(
             request_output, endpoint=entry.line.url, model=entry.lora_name or self.model_name,
             engine=self.engine, hex_id=new_id(), tool_mode=entry.tool_mode,
-            response_echo=entry.response_echo,
+            response_echo=entry.response_echo, encoding_format=entry.encoding_format,
         )
         _write(f, output_line(entry.line.custom_id, body, request_id=f"req_{entry.request_id}"))
         self.result.num_ok += 1

@@ -5,7 +5,8 @@
     outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
     outs = llm.chat([[{"role": "user", "content": "Hi"}]], SamplingParams(max_tokens=32))
 
-``LLMEngine`` (add_request / abort_request / step / get_stats) is the loop a worker drives.
+``LLMEngine`` (add_request / abort_request / step / get_stats) is the loop a worker drives; an
+embedding model's requests take ``PoolingParams`` (docs/embeddings.md).
 """
 
 from engine.config import EngineConfig
@@ -16,6 +17,7 @@ from engine.outputs import (
     RequestOutput,
     TokenLogprob,
 )
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 __all__ = [
@@ -24,6 +26,7 @@ __all__ = [
     "EngineConfig",
     "EngineStats",
     "LLMEngine",
+    "PoolingParams",
     "RequestMetrics",
     "RequestOutput",
     "SamplingParams",

@@ -98,6 +98,8 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
+        if not self.num_blocks:  # an embedding engine has no KV cache
+            return 0.0
         return 1.0 - self.num_free_blocks / self.num_blocks
 
     def get_cached_block(self, block_hash: bytes, token_ids: Sequence[int]) -> KVBlock | None:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
+TASKS = ("auto", "generate", "embed")
+POOLING_TYPES = ("cls", "mean", "last")
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,16 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int | None = None
+    # Embeddings (docs/embeddings.md). ``task``: "auto" embeds with an embedding architecture
+    # (BertModel, Qwen3Model, ...) or a sentence-transformers folder that pools, generates
+    # otherwise; "embed" makes a decoder checkpoint an embedder (last-token pooling).
+    task: str = "auto"
+    # Override the pooling and normalization the model's sentence-transformers files declare.
+    pooling: str | None = None
+    normalize: bool | None = None
+    # An input longer than the model's limit is cut to it (keeping a tokenizer's closing
+    # special token) instead of failing its request, as OpenAI does.
+    truncate_embedding_inputs: bool = False
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -96,6 +108,10 @@ class EngineConfig:
                 "lora_modules with tensor_parallel_size > 1: LoRA adapters are not sharded "
                 "across ranks yet; serve adapters with tensor_parallel_size=1"
             )
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if self.pooling is not None and self.pooling not in POOLING_TYPES:
+            raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
         if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be 'cpu', 'torch' or 'triton', "

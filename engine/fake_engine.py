@@ -12,6 +12,13 @@ with ``steps_per_request``, ``"stop"`` after that many steps. Asked for logprobs
 report cached tokens in blocks of ``BLOCK``, as a prefix cache would. A prompt containing
 ``TOO_LONG`` encodes to 5000 tokens, longer than the context.
 
+``is_embedding`` (False by default; settable, or ``is_embedding=True``) makes it an embedding
+engine: it takes ``PoolingParams`` requests (one input or a list), checks each input as the
+real engine does, and finishes each in its first step with one ``EMBEDDING_SIZE`` vector per
+input (the input's length and token-id moments, L2-normalized; torch is imported for these
+only), cut to ``dimensions`` when asked; it refuses generation requests, and a generation fake
+refuses embedding ones (``NotAnEmbeddingModel``).
+
 A step takes ``step_time`` seconds of its clock: steps keep to the clock rather than sleeping a
 fixed time, so the host's work between steps overlaps the "device" time as it does on a GPU (a
 caller that starves its engine falls below the pace, one that keeps it full holds it exactly).
@@ -29,6 +36,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
+from engine.embedding_inputs import (
+    DimensionsNotSupported,
+    EmptyInput,
+    InputTooLong,
+    NotAnEmbeddingModel,
+    TokenOutOfVocabulary,
+    split_inputs,
+)
 from engine.lora.errors import LoRAError
 from engine.outputs import (
     CompletionOutput,
@@ -38,7 +53,8 @@ from engine.outputs import (
     RequestProgress,
     TokenLogprob,
 )
-from engine.protocol import ChatTemplate
+from engine.pooling_params import PoolingParams
+from engine.protocol import ChatTemplate, Prompt
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -47,6 +63,8 @@ if TYPE_CHECKING:
 BLOCK = 4  # the fake prefix cache's block, in tokens
 DEFAULT_MAX_TOKENS = 16
 VOCAB_SIZE = 0x110000  # every Unicode code point
+EMBEDDING_SIZE = 8  # an embedding fake's vectors
+_NO_SAMPLING = SamplingParams(max_tokens=1)  # what an embedding request carries as params
 
 
 @dataclass
@@ -56,6 +74,9 @@ class _Request:
     metrics: RequestMetrics
     steps_left: int | None  # None: until max_tokens
     generated: list[int] = field(default_factory=list)
+    # An embedding request: its params and each input's token ids (None: it generates).
+    pooling: PoolingParams | None = None
+    inputs: list[list[int]] = field(default_factory=list)
 
 
 class FakeEngine:
@@ -65,7 +86,8 @@ class FakeEngine:
                  answer: str | None = None, model_name: str = "fake-model",
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
-                 before_step: Callable[[], None] | None = None) -> None:
+                 before_step: Callable[[], None] | None = None,
+                 is_embedding: bool = False) -> None:
         if steps_per_request is not None and steps_per_request < 1:
             raise ValueError(f"steps_per_request must be >= 1, got {steps_per_request}")
         if step_time < 0:
@@ -78,6 +100,7 @@ class FakeEngine:
         self.vocab_size = VOCAB_SIZE
         self.chat_template = chat_template
         self.startup_seconds: dict[str, float] = {}
+        self.is_embedding = is_embedding
         self.steps_per_request = steps_per_request
         self.answer = answer
         self.step_time = step_time
@@ -154,33 +177,74 @@ class FakeEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: SamplingParams | PoolingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     rank: int = 0, lora_name: str | None = None) -> None:
         self.thread_ids.add(threading.get_ident())
         if request_id in self._requests:
             raise ValueError(f"request {request_id} is already in the engine")
+        if isinstance(params, PoolingParams) != self.is_embedding:
+            raise NotAnEmbeddingModel(
+                f"model {self.model_name} "
+                + ("is an embedding model; it does not generate text" if self.is_embedding
+                   else "generates text; it does not embed"))
         if lora_name is not None and lora_name not in self.lora_names:
             raise LoRAError(lora_name, "not registered")
+        arrival = self._clock() if arrival_time is None else arrival_time
+        if isinstance(params, PoolingParams):
+            self.check_embedding_dimensions(params.dimensions)
+            inputs = self.embedding_token_ids(split_inputs(prompt))
+            request = _Request([t for ids in inputs for t in ids], _NO_SAMPLING,
+                               RequestMetrics(arrival, num_prompt_tokens=sum(map(len, inputs))),
+                               None, pooling=params, inputs=inputs)
+        else:
+            if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+                raise ValueError("a generation prompt is one text or one list of token ids")
+            token_ids = (self.encode(prompt) if isinstance(prompt, str)
+                         else [t for t in prompt if isinstance(t, int)])
+            # Refused as the real engine refuses it: empty, or no room left to generate.
+            if not token_ids:
+                raise ValueError("the prompt is empty")
+            if len(token_ids) >= self.max_model_len:
+                raise ValueError(f"prompt has {len(token_ids)} tokens >= max_model_len "
+                                 f"{self.max_model_len}")
+            request = _Request(token_ids, params,
+                               RequestMetrics(arrival, num_prompt_tokens=len(token_ids)),
+                               self.steps_per_request)
         self.loras[request_id] = lora_name
-        token_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        # Refused as the real engine refuses it: empty, or no room left to generate.
-        if not token_ids:
-            raise ValueError("the prompt is empty")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(token_ids)} tokens >= max_model_len "
-                             f"{self.max_model_len}")
-        metrics = RequestMetrics(
-            arrival_time=self._clock() if arrival_time is None else arrival_time,
-            num_prompt_tokens=len(token_ids))
-        self._requests[request_id] = _Request(token_ids, params, metrics,
-                                              self.steps_per_request)
+        self._requests[request_id] = request
         self.priorities[request_id] = priority
         self.ranks[request_id] = rank
         self._waiting.append(request_id)
         # Waiting in the engine's order: (priority, rank, arrival), lower first (a stable sort).
         self._waiting.sort(key=lambda rid: (self.priorities[rid], self.ranks[rid]))
         self.added.append(request_id)
+
+    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        if not self.is_embedding:
+            raise NotAnEmbeddingModel(f"model {self.model_name} generates text; it does not "
+                                      "embed")
+        if not inputs:
+            raise EmptyInput("input is empty")
+        token_ids = []
+        for index, item in enumerate(inputs):
+            ids = self.encode(item) if isinstance(item, str) else list(item)
+            if not ids:
+                raise EmptyInput("input has no tokens", index)
+            if min(ids) < 0 or max(ids) >= self.vocab_size:
+                raise TokenOutOfVocabulary(f"token ids must be in [0, {self.vocab_size})", index)
+            if len(ids) > self.max_model_len:
+                raise InputTooLong(f"input is {len(ids)} tokens; this model's maximum input "
+                                   f"length is {self.max_model_len} tokens", index)
+            token_ids.append(ids)
+        return token_ids
+
+    def check_embedding_dimensions(self, dimensions: int | None) -> None:
+        """Any size up to ``EMBEDDING_SIZE`` (as a model declaring every Matryoshka size)."""
+        if dimensions is not None and dimensions > EMBEDDING_SIZE:
+            raise DimensionsNotSupported(f"dimensions must be at most {EMBEDDING_SIZE} for "
+                                         f"model {self.model_name}, got {dimensions}")
 
     def add_lora(self, name: str, path: str) -> None:
         if name not in self.lora_names:
@@ -227,6 +291,10 @@ class FakeEngine:
         finished = []
         for rid in list(self._running):
             request = self._requests[rid]
+            if request.pooling is not None:  # embedded whole in its first step
+                request.metrics.first_token_time = now
+                finished.append(self._finish(rid, "stop"))
+                continue
             request.generated.append(self._next_token(request))
             if request.metrics.first_token_time is None:
                 request.metrics.first_token_time = now
@@ -285,6 +353,9 @@ class FakeEngine:
             if rid in queue:
                 queue.remove(rid)
         request.metrics.finished_time = self._clock()
+        if request.pooling is not None:
+            return RequestOutput(rid, None, [], [], True, request.metrics,
+                                 embeddings=_vectors(request.inputs, request.pooling.dimensions))
         request.metrics.num_generated_tokens = len(request.generated) * request.params.n
         logprobs = None
         if request.params.logprobs is not None:
@@ -323,6 +394,21 @@ class FakeEngine:
             num_generated_tokens=self._num_generated_tokens,
             batch_size_hist=dict(self._batch_size_hist),
             scheduled_tokens_hist=dict(self._scheduled_tokens_hist))
+
+
+def _vectors(inputs: list[list[int]], dimensions: int | None) -> list[Any]:
+    """An embedding fake's vectors: per input, its length and token-id moments, normalized
+    (cut to ``dimensions`` first)."""
+    import torch
+
+    vectors = []
+    for ids in inputs:
+        t = torch.tensor(ids, dtype=torch.float64)
+        features = [float(len(ids)), *(float((t / 128).pow(k).mean())
+                                       for k in range(1, EMBEDDING_SIZE))]
+        vector = torch.tensor(features[:dimensions or EMBEDDING_SIZE], dtype=torch.float32)
+        vectors.append(torch.nn.functional.normalize(vector, dim=0))
+    return vectors
 
 
 class StepGate:

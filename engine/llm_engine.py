@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from engine.allocator import keep_step_buffers_on_heap
 from engine.config import EngineConfig
+from engine.embedding_inputs import check_dimensions, encode_inputs, pooling_runner
 from engine.lora.errors import LoRAError
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
 from engine.parallel_sampling import ParentRequest
-from engine.protocol import ChatTemplate
+from engine.pooling_params import PoolingParams
+from engine.protocol import ChatTemplate, Prompt
 from engine.request import RequestStatus
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
@@ -31,6 +33,7 @@ from engine.window_kv import WindowBlocks
 
 if TYPE_CHECKING:
     from engine.protocol import Engine
+    from engine.quality import EmbeddingAgreement
 
 
 class LLMEngine:
@@ -45,8 +48,17 @@ class LLMEngine:
         # where start-up time went (bench/startup.py prints it; a worker logs it)
         self.startup_seconds = started.startup_seconds
         num_blocks = self.model_runner.num_kv_blocks
-        # A request must always fit in the cache on its own, or it could never run.
-        self.max_model_len = min(started.model_len, num_blocks * config.block_size)
+        self.is_embedding = started.is_embedding
+        # A request must always fit in the cache on its own, or it could never run (an
+        # embedding engine keeps no cache: its inputs are bounded by the model alone).
+        self.max_model_len = (started.model_len if self.is_embedding
+                              else min(started.model_len, num_blocks * config.block_size))
+        # The bf16 embedding quality gate (``engine.embedding``): its report, when it ran.
+        self.dtype_gate: EmbeddingAgreement | None = None
+        if self.is_embedding:
+            from engine.embedding import gate_embedding_dtype
+
+            self.dtype_gate = gate_embedding_dtype(self, started.checkpoint, started.model_len)
         window = None
         if self.model_runner.kv_window is not None:
             size, num_window_blocks = self.model_runner.kv_window
@@ -111,8 +123,8 @@ class LLMEngine:
     def add_request(
         self,
         request_id: str,
-        prompt: str | list[int],
-        params: SamplingParams,
+        prompt: Prompt,
+        params: SamplingParams | PoolingParams,
         *,
         arrival_time: float | None = None,
         priority: int = 0,
@@ -132,14 +144,29 @@ class LLMEngine:
         nothing more: a lower rank is admitted before higher ranks that are waiting, but never
         preempts a running request nor caps its tokens (a caller's deadlines, say).
         Siblings of an n > 1 request share their prompt's full blocks through the prefix cache.
+
+        ``PoolingParams`` (an embedding engine): ``prompt`` is one input (a text or token ids)
+        or a list of them; the request finishes with one vector per input
+        (``RequestOutput.embeddings``, ``engine/embedding.py``).
         """
         for name, value in (("priority", priority), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        if isinstance(params, PoolingParams) or self.is_embedding:
+            if lora_name is not None:
+                raise ValueError("lora_name: an embedding request runs no LoRA adapter")
+            from engine.embedding import add_pooling_request
+
+            add_pooling_request(self, request_id, prompt, params, arrival_time=arrival_time,
+                                priority=priority, rank=rank)
+            return
         if lora_name is not None:
             self._check_lora(lora_name)
+        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+            raise ValueError("a generation prompt is one text or one list of token ids")
+        prompt = cast(str | list[int], prompt)
         text = prompt if isinstance(prompt, str) else None
         prompt_ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate_prompt(prompt_ids)
@@ -160,6 +187,14 @@ class LLMEngine:
             self._child_to_parent[child.request_id] = request_id
         for child in parent.children:
             self.scheduler.add_request(child)
+
+    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Each embedding input's checked token ids (``engine.embedding_inputs``)."""
+        pooling_runner(self)  # NotAnEmbeddingModel on a generation engine
+        return encode_inputs(self, inputs)
+
+    def check_embedding_dimensions(self, dimensions: int | None) -> None:
+        check_dimensions(self, dimensions)
 
     @property
     def lora_names(self) -> list[str]:
@@ -268,6 +303,10 @@ class LLMEngine:
         del self._parents[parent.request_id]
         for child in parent.children:
             del self._child_to_parent[child.request_id]
+        if parent.children and parent.children[0].is_pooling:
+            from engine.embedding import finish_pooling_request
+
+            return finish_pooling_request(self, parent)
         return parent.output(self.decode)
 
     # ---- stats --------------------------------------------------------------------------------

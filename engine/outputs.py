@@ -7,6 +7,10 @@ RequestOutput (engine -> caller), EngineStats and RequestProgress (engine -> met
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -49,6 +53,8 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # Pooling requests: the fp32 vector of each one computed this step ([hidden_size], CPU).
+    pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +135,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # An embedding request's vectors, one per input in input order (fp32, CPU; ``outputs`` is
+    # empty); None for generation. An aborted request's unfinished inputs are None.
+    embeddings: list[torch.Tensor | None] | None = None
 
     # Convenience for n == 1, the common case.
     @property
@@ -141,7 +150,7 @@ class RequestOutput:
 
     @property
     def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
+        return self.outputs[0].finish_reason if self.outputs else None
 
 
 @dataclass

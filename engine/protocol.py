@@ -9,6 +9,10 @@ default its ``EngineConfig`` already declares (STYLE rule 17).
 
 A request goes in through ``add_request`` and comes out of ``step`` (or ``abort_request``) as a
 ``RequestOutput``; ``get_stats`` and ``progress`` are what the metrics and the forecast read.
+An engine either generates or embeds (``is_embedding``): an embedding engine takes
+``PoolingParams`` requests, one input or a list of them, and finishes each with one vector per
+input (``RequestOutput.embeddings``); ``embedding_token_ids`` and
+``check_embedding_dimensions`` check an embeddings line before it is added.
 """
 
 from __future__ import annotations
@@ -18,10 +22,14 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 # A chat template as Hugging Face stores it: one Jinja text, or named ones ({"default", ...}).
 ChatTemplate = str | dict[str, str]
+# What ``add_request`` takes: a generation prompt (a text or token ids), or for an embedding
+# request one input of either kind or a list of them.
+Prompt = str | list[int] | list[str | list[int]]
 
 
 class Engine(Protocol):
@@ -75,11 +83,30 @@ class Engine(Protocol):
         raises (anything: jinja's errors are no ValueError) when the template refuses them."""
         ...
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: SamplingParams | PoolingParams, *,
                     arrival_time: float | None = None, priority: int = 0,
                     rank: int = 0, lora_name: str | None = None) -> None:
         """Queue one request; raises ``ValueError`` for one the engine cannot run
-        (``LoRAError`` for an adapter it cannot serve)."""
+        (``LoRAError`` for an adapter it cannot serve; ``NotAnEmbeddingModel`` for
+        ``PoolingParams`` on a generation engine or ``SamplingParams`` on an embedding one;
+        ``EmbeddingInputError`` for an embedding input the model cannot take)."""
+        ...
+
+    @property
+    def is_embedding(self) -> bool:
+        """The engine embeds (``PoolingParams`` requests) instead of generating text."""
+        ...
+
+    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        """Each embedding input's token ids, checked against the model (empty, too long, out
+        of the vocabulary: ``EmbeddingInputError`` kinds naming the input's index);
+        ``NotAnEmbeddingModel`` on a generation engine."""
+        ...
+
+    def check_embedding_dimensions(self, dimensions: int | None) -> None:
+        """Raise ``DimensionsNotSupported`` unless the model can return ``dimensions`` values
+        (None: its full size, always)."""
         ...
 
     @property

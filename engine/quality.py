@@ -1,4 +1,5 @@
-"""The bf16 quality gate: how often a lower-precision engine picks a reference engine's tokens.
+"""The bf16 quality gates: how often a lower-precision engine picks a reference engine's tokens,
+and how close its embeddings are to the reference's.
 
 Teacher forcing: the reference (fp32) engine's greedy outputs are fed, token by token, through
 both engines (``ModelRunner.score_tokens``, one prefill pass per sequence); at each output
@@ -12,10 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -45,8 +48,11 @@ def teacher_forced_agreement(
         token_ids = [*prompt_ids, *output_ids]
         # row i predicts token i + 1: the outputs are predicted by rows len(prompt) - 1 onwards
         first = len(prompt_ids) - 1
-        ref = reference.model_runner.score_tokens(token_ids)[first:]
-        cand = candidate.model_runner.score_tokens(token_ids)[first:]
+        ref_runner, cand_runner = reference.model_runner, candidate.model_runner
+        if not isinstance(ref_runner, ModelRunner) or not isinstance(cand_runner, ModelRunner):
+            raise ValueError("teacher forcing compares generation engines")
+        ref = ref_runner.score_tokens(token_ids)[first:]
+        cand = cand_runner.score_tokens(token_ids)[first:]
         if ref.shape != cand.shape:
             raise ValueError("the engines' vocabularies differ: "
                              f"{ref.shape[-1]} against {cand.shape[-1]}")
@@ -58,3 +64,34 @@ def teacher_forced_agreement(
         total_delta += float(delta.sum())
         max_delta = max(max_delta, float(delta.max()))
     return AgreementReport(positions, agreeing, total_delta / max(positions, 1), max_delta)
+
+
+class _Embedder(Protocol):
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class EmbeddingAgreement:
+    """Cosine similarity of a candidate's embeddings to a reference's, over a probe corpus."""
+
+    num_inputs: int
+    min_cosine: float
+    mean_cosine: float
+    threshold: float
+
+    @property
+    def passed(self) -> bool:
+        return self.min_cosine >= self.threshold
+
+
+def embedding_agreement(reference: _Embedder, candidate: _Embedder,
+                        token_ids: list[list[int]], *, min_cosine: float) -> EmbeddingAgreement:
+    """Every input embedded by both (one packed pass each); the gate passes when the worst
+    input's cosine is at least ``min_cosine``."""
+    if not token_ids:
+        raise ValueError("the probe corpus is empty")
+    ref = reference.embed(token_ids).double()
+    cand = candidate.embed(token_ids).double()
+    cosine = torch.nn.functional.cosine_similarity(ref, cand, dim=-1)
+    return EmbeddingAgreement(len(token_ids), float(cosine.min()), float(cosine.mean()),
+                              min_cosine)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import RequestMetrics, TokenLogprob
+from engine.pooling_params import PoolingParams
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -67,6 +68,8 @@ class Request:
     grammar: xgr.GrammarMatcher | None = None
     # The LoRA adapter it runs under (None: the base model); keys its prefix-cache blocks.
     lora_name: str | None = None
+    # A pooling (embedding) request: prefill-only, scheduled whole, no KV blocks, one vector out.
+    pooling_params: PoolingParams | None = None
 
     token_ids: list[int] = field(init=False)
     # Arrival order in the scheduler (set by Scheduler.add_request): breaks priority ties.
@@ -85,6 +88,8 @@ class Request:
     stop_reason: str | int | None = field(default=None, init=False)
     # Text decoded so far (kept only for stop-string matching) and the final text.
     text: str = field(default="", init=False)
+    # A pooling request's vector, once computed.
+    embedding: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
@@ -96,6 +101,10 @@ class Request:
         """Queue order in both the waiting and the running list: most urgent, lowest rank,
         then oldest."""
         return (self.priority, self.rank, self.arrival_seq)
+
+    @property
+    def is_pooling(self) -> bool:
+        return self.pooling_params is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -99,7 +99,10 @@ class Scheduler:
         one that does not fit stops admission. The adapters of the running requests are counted
         as seats are: a waiting request whose LoRA adapter is not among them while there are
         ``max_loras`` already is passed over (it waits for one to finish) and the requests
-        behind it are still admitted.
+        behind it are still admitted. Pooling (embedding) requests are prefill-only:
+        each is scheduled whole in one step with no KV blocks (alone when longer than the
+        budget), one that does not fit what is left waits while smaller ones behind it fill
+        the step, and each finishes in the step that computes it.
         """
         step = _Step(self.config.max_num_batched_tokens)
         step.urgent_priority, step.bulk_budget = self._bulk_cap()
@@ -170,6 +173,19 @@ class Scheduler:
                     break
                 i += 1
                 continue
+            if request.is_pooling:
+                fits = self._pooling_fits(request, step)
+                if fits is None:
+                    break
+                if fits:
+                    del self.waiting[i]
+                    self._start_pooling(request, step, now)
+                else:
+                    num_held += 1  # a smaller input behind it may still fill the budget
+                    if num_held >= config.max_num_seqs:
+                        break
+                    i += 1
+                continue
             computed_blocks: list = []
             num_hit = 0
             if request.num_computed_tokens == 0:
@@ -225,6 +241,29 @@ class Scheduler:
                 loras.add(lora)
             step.add(self._scheduled(request, num_new), request)
 
+    def _pooling_fits(self, request: Request, step: _Step) -> bool | None:
+        """Whether a pooling request runs this step: whole (it is never chunked, and keeps no
+        KV blocks to resume from), within what is left of the budget, or alone in an empty
+        step when it is longer than the whole budget. False: it waits, and smaller ones behind
+        it may fill the step; None: no seat is left, admission stops."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return None
+        num_new = request.num_tokens
+        if step.cap(request, num_new) < num_new:
+            return False
+        if num_new <= step.budget:
+            return True
+        return not step.scheduled and step.budget == step.initial_budget
+
+    def _start_pooling(self, request: Request, step: _Step, now: float) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_cached_tokens = 0
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = now
+        insort(self.running, request, key=_sort_key)
+        step.add(ScheduledRequest(request.request_id, 0, request.num_tokens, sample=False),
+                 request)
+
     def _take_budget(self, request: Request, num_tokens: int, step: _Step) -> bool:
         """Unschedule less urgent running requests (last first) until ``num_tokens`` are free.
 
@@ -264,6 +303,13 @@ class Scheduler:
         for sched in scheduler_output.scheduled:
             request = self.requests[sched.request_id]
             request.num_computed_tokens += sched.num_new_tokens
+            if request.is_pooling:  # done in its one step: its vector is its output
+                request.embedding = runner_output.pooled[request.request_id]
+                request.metrics.first_token_time = now
+                self.running.remove(request)
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                finished.append(request)
+                continue
             self.kv.cache_full_blocks(request)
             if not sched.sample:
                 continue

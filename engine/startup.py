@@ -13,6 +13,7 @@ from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
 from engine.model_runner import ModelRunner
 from engine.models.loader import Checkpoint, load_checkpoint
+from engine.pooling_runner import PoolingModelRunner
 
 if TYPE_CHECKING:  # transformers is imported on the tokenizer's thread (see ``start``)
     from transformers import PreTrainedTokenizerBase
@@ -27,10 +28,13 @@ class Started:
     model_name: str
     hf_config: Any  # the checkpoint's transformers config
     tokenizer: PreTrainedTokenizerBase
-    model_runner: ModelRunner
+    # a PoolingModelRunner for an embedding model (``is_embedding``), else a ModelRunner
+    model_runner: ModelRunner | PoolingModelRunner
     model_len: int  # the model's context, capped by the config's (not yet by the KV cache)
     startup_seconds: dict[str, float]
     eos_token_ids: tuple[int, ...]  # every id that ends a sequence
+    is_embedding: bool  # the engine pools (``EngineConfig.task``, ``is_embedding_model``)
+    checkpoint: Checkpoint  # what the bf16 embedding gate builds its fp32 reference from
 
 
 def start(config: EngineConfig) -> Started:
@@ -63,13 +67,16 @@ def start(config: EngineConfig) -> Started:
     }
     eos = eos_token_ids(checkpoint.config, tokenizer, checkpoint.generation_eos_token_ids())
     return Started(_model_name(config.model, checkpoint), checkpoint.config, tokenizer,
-                   model_runner, model_len, startup_seconds, eos)
+                   model_runner, model_len, startup_seconds, eos,
+                   isinstance(model_runner, PoolingModelRunner), checkpoint)
 
 
-def _build_runner(config: EngineConfig,
-                  checkpoint: Checkpoint) -> tuple[ModelRunner, int, float, float]:
-    """Build the ModelRunner (weights, KV cache, kernel); returns it, the model's context
-    length, the seconds spent loading the kernel and the seconds of the whole build."""
+def _build_runner(
+    config: EngineConfig, checkpoint: Checkpoint,
+) -> tuple[ModelRunner | PoolingModelRunner, int, float, float]:
+    """Build the model runner (weights, KV cache, kernel): a PoolingModelRunner (no KV cache)
+    for an embedding model, else a ModelRunner; returns it, the model's context length, the
+    seconds spent loading the kernel and the seconds of the whole build."""
     start_at = time.perf_counter()
     hf_config = checkpoint.config
     model_len = int(getattr(hf_config, "max_position_embeddings", 2048))
@@ -80,10 +87,17 @@ def _build_runner(config: EngineConfig,
             )
         model_len = config.max_model_len
     kernel_seconds = cpu_decode_attention.load_seconds
-    if config.tensor_parallel_size > 1:  # this process drives; helper ranks hold the rest
+    model_runner: ModelRunner | PoolingModelRunner
+    if is_embedding_model(config, checkpoint):
+        if config.tensor_parallel_size > 1:
+            raise ValueError("tensor_parallel_size > 1 is for generation models; an embedding "
+                             "model runs on one device (tensor_parallel_size=1)")
+        model_runner = PoolingModelRunner(config, checkpoint, model_len)
+        model_len = model_runner.max_len
+    elif config.tensor_parallel_size > 1:  # this process drives; helper ranks hold the rest
         from engine.distributed.runner import TPModelRunner
 
-        model_runner: ModelRunner = TPModelRunner.start_driver(config, checkpoint, model_len)
+        model_runner = TPModelRunner.start_driver(config, checkpoint, model_len)
     else:
         model_runner = ModelRunner(config, checkpoint, max_position=model_len)
     kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
@@ -106,6 +120,20 @@ def eos_token_ids(hf_config: Any, tokenizer: PreTrainedTokenizerBase,
         elif isinstance(source, list | tuple):
             ids.extend(int(x) for x in source)
     return tuple(dict.fromkeys(ids))
+
+
+def is_embedding_model(config: EngineConfig, checkpoint: Checkpoint) -> bool:
+    """Whether the engine pools (``EngineConfig.task``; "auto": an embedding architecture, or a
+    sentence-transformers folder with a Pooling module)."""
+    if config.task != "auto":
+        return config.task == "embed"
+    from engine.models.pooling_registry import is_embedding_architecture
+
+    architectures = list(getattr(checkpoint.config, "architectures", None) or [])
+    if architectures and is_embedding_architecture(architectures[0]):
+        return True
+    modules = checkpoint.path / "modules.json" if checkpoint.path.is_dir() else None
+    return modules is not None and modules.is_file() and ".Pooling" in modules.read_text()
 
 
 def _model_name(model: str, checkpoint: Checkpoint) -> str:

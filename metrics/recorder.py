@@ -27,7 +27,8 @@ from metrics.forecast import StepCost
 if TYPE_CHECKING:  # the engine's contracts, for the types only: importing engine costs nothing
     from engine.config import EngineConfig
     from engine.outputs import EngineStats, RequestOutput, RequestProgress
-    from engine.protocol import ChatTemplate, Engine
+    from engine.pooling_params import PoolingParams
+    from engine.protocol import ChatTemplate, Engine, Prompt
     from engine.sampling_params import SamplingParams
 
 # Timeline points: one a second, five minutes of them (the dashboard's charts, doctor rule 7).
@@ -244,9 +245,10 @@ class MeteredEngine:
 
     # -- metered ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *,
-                    arrival_time: float | None = None, priority: int = 0,
-                    rank: int = 0, lora_name: str | None = None) -> None:
+    def add_request(self, request_id: str, prompt: Prompt,
+                    params: SamplingParams | PoolingParams, *,
+                    arrival_time: float | None = None, priority: int = 0, rank: int = 0,
+                    lora_name: str | None = None) -> None:
         try:
             self._engine.add_request(request_id, prompt, params, arrival_time=arrival_time,
                                      priority=priority, rank=rank, lora_name=lora_name)
@@ -298,6 +300,16 @@ class MeteredEngine:
     @property
     def lora_names(self) -> list[str]:
         return self._engine.lora_names
+
+    @property
+    def is_embedding(self) -> bool:
+        return self._engine.is_embedding
+
+    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+        return self._engine.embedding_token_ids(inputs)
+
+    def check_embedding_dimensions(self, dimensions: int | None) -> None:
+        self._engine.check_embedding_dimensions(dimensions)
 
     def add_lora(self, name: str, path: str) -> None:
         self._engine.add_lora(name, path)

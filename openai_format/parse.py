@@ -1,9 +1,9 @@
 """Parse and check one line of an OpenAI Batch input file.
 
 Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions"
-| "/v1/responses", "body": {...}}``. ``parse_line`` never raises on user input: it returns a
-``BatchLine`` or a ``LineError`` whose message names the line and the field ("line 7:
-body.temperature must be between 0 and 2").
+| "/v1/responses" | "/v1/embeddings", "body": {...}}``. ``parse_line`` never raises on user
+input: it returns a ``BatchLine`` or a ``LineError`` whose message names the line and the field
+("line 7: body.temperature must be between 0 and 2").
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from openai_format.embeddings import EmbeddingRequest
 from openai_format.responses import failed_line
 from openai_format.responses_request import ResponsesRequest
 from openai_format.types import (
     CHAT_URL,
     COMPLETIONS_URL,
+    EMBEDDINGS_URL,
     ENDPOINTS,
     INVALID_TYPE,
     INVALID_VALUE,
@@ -29,11 +31,11 @@ from openai_format.types import (
     CompletionRequest,
 )
 
-Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest
+Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingRequest
 # The body type of each endpoint.
 BODY_TYPES: dict[str, type[Body]] = {
     CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest,
-    RESPONSES_URL: ResponsesRequest,
+    RESPONSES_URL: ResponsesRequest, EMBEDDINGS_URL: EmbeddingRequest,
 }
 
 # Line error codes.
@@ -47,7 +49,6 @@ CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 SERVER_ERROR = "server_error"
 
 UTF8_BOM = b"\xef\xbb\xbf"
-
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai_format.embeddings import EmbeddingRequest
 from openai_format.responses_request import ResponsesRequest
 from openai_format.tools import forced_call
 from openai_format.types import ChatCompletionRequest, CompletionRequest
@@ -53,7 +54,7 @@ def to_sampling_kwargs(body: Body) -> dict[str, Any]:
     }
 
 
-def engine_fields(body: Body) -> dict[str, Any]:
+def engine_fields(body: Body | EmbeddingRequest) -> dict[str, Any]:
     """What the engine needs from a validated body, as JSON, stored on the line's row when it
     is validated (upload/prepare, a job's creation) so the drain loop neither parses nor
     validates the body again (``pipeline.engine_adapter.prepare_fields``):
@@ -67,7 +68,14 @@ def engine_fields(body: Body) -> dict[str, Any]:
     - ``response`` (a /v1/responses body only): the request fields its ``Response`` object
       repeats (``ResponsesRequest.echo``). Such a body's other fields are its chat body's, with
       the fields an error names spelled as the Responses API spells them.
+
+    An embeddings body has ``embedding`` instead: its inputs as a list, ``encoding_format`` and
+    ``dimensions``.
     """
+    if isinstance(body, EmbeddingRequest):
+        return {"embedding": {"input": body.inputs(),
+                              "encoding_format": body.encoding_format or "float",
+                              "dimensions": body.dimensions}}
     if isinstance(body, ResponsesRequest):
         fields = engine_fields(body.as_chat)
         fields["response"] = body.echo()

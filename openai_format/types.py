@@ -31,7 +31,9 @@ from pydantic_core import PydanticCustomError
 CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 RESPONSES_URL = "/v1/responses"  # openai_format.responses_request
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
+EMBEDDINGS_URL = "/v1/embeddings"  # its body type: openai_format.embeddings
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL)
+GENERATION_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 
 # Error types raised by the validators below; openai_format.parse maps them to line error codes.
 INVALID_VALUE = "invalid_value"

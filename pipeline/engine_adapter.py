@@ -22,11 +22,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from engine.embedding_inputs import EmbeddingInputError, InputTooLong, NotAnEmbeddingModel
 from engine.lora.errors import LoRAError
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.pooling_params import PoolingParams
 from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from engine.structured_output import StructuredOutputError
+from openai_format.embeddings import embedding_body
 from openai_format.parse import (
     BODY_TYPES,
     CONTEXT_LENGTH_EXCEEDED,
@@ -45,7 +48,10 @@ from openai_format.responses import (
 )
 from openai_format.sampling import LORA_FIELD, engine_fields, sampling_kwargs
 from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
-from openai_format.types import CHAT_URL, INVALID_VALUE, RESPONSES_URL
+from openai_format.types import CHAT_URL, EMBEDDINGS_URL, INVALID_VALUE, RESPONSES_URL
+
+# A line error code of its own, as the model routing's: the line met a model of the other kind.
+WRONG_MODEL_KIND = "wrong_model_kind"
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +69,36 @@ class EngineInput:
     response_echo: dict[str, Any] | None = None
     # The LoRA adapter the line runs under (its batch's model when that is an adapter).
     lora_name: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt)
+
+    @property
+    def encoding_format(self) -> str | None:
+        return None
+
+
+@dataclass(frozen=True)
+class EmbeddingInput:
+    """What the engine gets for one /v1/embeddings line: its inputs' token ids."""
+
+    token_ids: list[list[int]]
+    params: PoolingParams
+    encoding_format: str = "float"
+    # EngineInput's fields that an embedding line never has.
+    tool_mode: None = None
+    format_field: None = None
+    response_echo: None = None
+    lora_name: None = None
+
+    @property
+    def prompt(self) -> list[str | list[int]]:
+        return [ids for ids in self.token_ids]  # the engine's type for a list of inputs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)
 
 
 @dataclass(frozen=True)
@@ -85,8 +121,10 @@ def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareErro
         return PrepareError(code, message)
 
 
-def prepare(engine: Engine, endpoint: str,
-            body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+Input = EngineInput | EmbeddingInput
+
+
+def prepare(engine: Engine, endpoint: str, body: dict[str, Any] | Body) -> Input | PrepareError:
     """The engine input for one line, or its error. Never raises: whatever goes wrong while
     one line is prepared fails that line (``server_error`` for what no check foresaw)."""
     try:
@@ -96,15 +134,14 @@ def prepare(engine: Engine, endpoint: str,
         return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
 
 
-def _prepare(engine: Engine, endpoint: str,
-             body: dict[str, Any] | Body) -> EngineInput | PrepareError:
+def _prepare(engine: Engine, endpoint: str, body: dict[str, Any] | Body) -> Input | PrepareError:
     request = parse_body(endpoint, body)
     if isinstance(request, PrepareError):
         return request
     return _prepare_fields(engine, engine_fields(request))
 
 
-def prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | PrepareError:
+def prepare_fields(engine: Engine, fields: dict[str, Any]) -> Input | PrepareError:
     """``prepare`` for a line whose body was validated when it was stored: its
     ``engine_fields`` (``openai_format.sampling``) become the engine input, with no parsing."""
     try:
@@ -114,7 +151,16 @@ def prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | Prep
         return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
 
 
-def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | PrepareError:
+def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> Input | PrepareError:
+    embedding = fields.get("embedding")
+    if engine.is_embedding != (embedding is not None):
+        return _wrong_kind(engine, embedding is not None)
+    if embedding is not None:
+        if fields.get(LORA_FIELD) is not None:
+            return PrepareError(INVALID_VALUE, f"body.model: {fields[LORA_FIELD]!r} is a LoRA "
+                                "adapter; an embeddings line runs on an embedding model, "
+                                "with no adapter", "model")
+        return _prepare_embedding(engine, embedding)
     tool_mode: ToolCallMode | None = None
     format_field = fields.get("format_field")
     mode = fields.get("tool_mode")
@@ -159,7 +205,39 @@ def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> EngineInput | Pre
                        fields.get(LORA_FIELD))
 
 
-def add_to_engine(engine: Engine, request_id: str, engine_input: EngineInput, *,
+def _wrong_kind(engine: Engine, wants_embedding: bool) -> PrepareError:
+    model = engine.model_name
+    if wants_embedding:
+        return PrepareError(WRONG_MODEL_KIND, f"model {model} generates text and cannot serve "
+                            f"{EMBEDDINGS_URL}: send this line to an embedding model", "model")
+    return PrepareError(WRONG_MODEL_KIND, f"model {model} is an embedding model: it serves "
+                        f"{EMBEDDINGS_URL} only, not chat or completions", "model")
+
+
+def _embedding_error(exc: EmbeddingInputError) -> PrepareError:
+    field = "input" if exc.index is None else f"input[{exc.index}]"
+    if isinstance(exc, InputTooLong):
+        return PrepareError(CONTEXT_LENGTH_EXCEEDED, f"body.{field}: {exc}", "input")
+    return PrepareError(INVALID_VALUE, f"body.{field}: {exc}", "input")
+
+
+def _prepare_embedding(engine: Engine, fields: dict[str, Any]) -> EmbeddingInput | PrepareError:
+    """An embeddings line's inputs tokenized and checked against the model (its length limit,
+    vocabulary and Matryoshka dimensions), each problem a line error naming the field."""
+    dimensions = fields.get("dimensions")
+    try:
+        engine.check_embedding_dimensions(dimensions)
+    except EmbeddingInputError as exc:
+        return PrepareError(INVALID_VALUE, f"body.dimensions: {exc}", "dimensions")
+    try:
+        token_ids = engine.embedding_token_ids(fields["input"])
+    except EmbeddingInputError as exc:
+        return _embedding_error(exc)
+    return EmbeddingInput(token_ids, PoolingParams(dimensions=dimensions),
+                          fields.get("encoding_format") or "float")
+
+
+def add_to_engine(engine: Engine, request_id: str, engine_input: Input, *,
                   priority: int = 0, rank: int = 0,
                   lora_name: str | None = None) -> PrepareError | None:
     """``engine.add_request``; a request the engine refuses (a schema its grammar compiler
@@ -169,6 +247,10 @@ def add_to_engine(engine: Engine, request_id: str, engine_input: EngineInput, *,
         engine.add_request(request_id, engine_input.prompt, engine_input.params,
                            priority=priority, rank=rank,
                            lora_name=lora_name or engine_input.lora_name)
+    except NotAnEmbeddingModel:
+        return _wrong_kind(engine, isinstance(engine_input, EmbeddingInput))
+    except EmbeddingInputError as exc:
+        return _embedding_error(exc)
     except StructuredOutputError as exc:
         return PrepareError(INVALID_VALUE, f"{engine_input.format_field or 'body'}: {exc}",
                             engine_input.format_field)
@@ -261,10 +343,18 @@ def _choice(c: CompletionOutput, engine: Engine, tool_mode: ToolCallMode | None,
 def response_body(
     output: RequestOutput, *, endpoint: str, model: str, engine: Engine, hex_id: str,
     tool_mode: ToolCallMode | None = None, response_echo: dict[str, Any] | None = None,
+    encoding_format: str | None = None,
 ) -> tuple[dict[str, Any], Usage]:
     """The chat.completion, text_completion or response object for a finished request, and
     its usage; ``engine`` decodes logprobs' tokens, ``hex_id`` (random hex) makes the object's
-    id. ``response_echo``: a /v1/responses line's ``EngineInput.response_echo``."""
+    id. ``response_echo``: a /v1/responses line's ``EngineInput.response_echo``. An embedding
+    request's is OpenAI's CreateEmbeddingResponse (``encoding_format`` float or base64), its
+    usage the prompt tokens of all its inputs."""
+    if output.embeddings is not None:
+        prompt_tokens = output.metrics.num_prompt_tokens
+        body = embedding_body(output.embeddings, model=model, prompt_tokens=prompt_tokens,
+                              encoding_format=encoding_format or "float")
+        return body, Usage(prompt_tokens, 0, 0)
     # gpt-oss (harmony): a chat answer splits into the final channel and the reasoning
     harmony = (harmony_tokens(engine.special_token_id)
                if endpoint in (CHAT_URL, RESPONSES_URL) else None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai_format.embeddings import EmbeddingRequest
 from openai_format.parse import BatchLine, LineError
 from openai_format.responses_request import ResponsesRequest
 from openai_format.types import ChatCompletionRequest
@@ -14,12 +15,16 @@ SORT_KEY_CHARS = 200
 DEFAULT_OUTPUT_TOKENS = 256
 CHARS_PER_TOKEN = 4  # English text in a BPE vocabulary; chat templates add ~4 a message
 MODEL_MISMATCH = "model_mismatch"  # OpenAI's code for a line naming another model
+TOO_MANY_INPUTS = "too_many_inputs"  # a batch's embedding inputs beyond its limit
 
 
 def sort_key(line: BatchLine) -> str:
     """The start of the prompt as text, so lines sharing a prefix (a system prompt, a RAG
     document) sort next to each other and run close together: the prefix cache then hits."""
     body = line.body
+    if isinstance(body, EmbeddingRequest):  # no prefix to share: group by length instead
+        inputs = body.inputs()
+        return f"\x00embedding {sum(len(i) for i in inputs):010d}"
     if isinstance(body, ResponsesRequest):
         body = body.as_chat  # the messages it runs as
     if isinstance(body, ChatCompletionRequest):
@@ -40,7 +45,12 @@ def stored_body(line: BatchLine) -> dict[str, Any]:
 def estimate_tokens(line: BatchLine) -> tuple[int, int]:
     """(prompt tokens, output tokens) of a line before it runs, without a tokenizer: what the
     ETA of its batch starts from (``api.eta``)."""
-    body = line.body.as_chat if isinstance(line.body, ResponsesRequest) else line.body
+    body = line.body
+    if isinstance(body, EmbeddingRequest):  # prefill only: nothing is generated
+        return sum(len(i) // CHARS_PER_TOKEN + 2 if isinstance(i, str) else len(i)
+                   for i in body.inputs()), 0
+    if isinstance(body, ResponsesRequest):
+        body = body.as_chat
     if isinstance(body, ChatCompletionRequest):
         chars = sum(len(m.text) for m in body.messages)
         prompt = chars // CHARS_PER_TOKEN + 4 * len(body.messages) + 1
@@ -57,6 +67,30 @@ def enqueued_tokens(line: BatchLine) -> int:
     The upload, prepare and a job's creation count with this one function."""
     prompt, output = estimate_tokens(line)
     return prompt + output
+
+
+class EmbeddingInputBudget:
+    """OpenAI's rule that a batch's embeddings lines hold at most ``limit`` inputs in all
+    (``Settings.max_batch_embedding_inputs``): the line that would go past it, and every later
+    one that would, is a line error; the lines before it run. The upload and the batch's
+    preparation count the same way."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.num_inputs = 0
+
+    def check(self, line: BatchLine) -> LineError | None:
+        body = line.body
+        if not isinstance(body, EmbeddingRequest):
+            return None
+        count = body.num_inputs
+        if self.num_inputs + count > self.limit:
+            return LineError(TOO_MANY_INPUTS, f"body.input: this line's {count} inputs would take "
+                             f"the batch past {self.limit} embedding inputs in all (the limit "
+                             f"for a batch; {self.num_inputs} are already in it)",
+                             line.line_no, line.custom_id, param="input")
+        self.num_inputs += count
+        return None
 class ModelTracker:
     """The one model a batch's lines name (OpenAI's rule): the first valid line naming one fixes
     it, unless ``model`` is given; a later line naming another is a line error. Lines naming

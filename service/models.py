@@ -357,5 +357,7 @@ class ServedModel(Base):
 
     id: Mapped[str] = mapped_column(String(200), primary_key=True)
     aliases: Mapped[list[str] | None] = _json()
+    # "generation" or "embedding" (service.served_models.KINDS); None: not announced yet
+    kind: Mapped[str | None] = mapped_column(String(20), nullable=True)
     created_at: Mapped[dt.datetime] = mapped_column(default=utcnow)  # first seen
     last_seen_at: Mapped[dt.datetime] = mapped_column(default=utcnow)

@@ -5,6 +5,11 @@ setting (a cached name, a folder, a ``.gguf`` file without the suffix); its alia
 other names it answers to (the cached name, the GGUF file's stem). Workers announce their model
 in the ``models`` table when they start and every few seconds after.
 
+A model is of one kind (``KINDS``): it generates (chat and completions lines) or it embeds
+(embeddings lines). Workers announce the kind with the model; a batch or job whose endpoint the
+model cannot serve is refused at create (``check_endpoint``). A configured model no worker has
+announced yet has no kind, and is not refused (its worker fails such lines instead).
+
 "Served" is the union of two sets, so that a batch is never refused because workers are
 restarting (a clean stop, a crash, a rolling upgrade, a node that takes minutes to load):
 - the deployment's configured models (``BOXCAR_MODELS``; unset, the one ``BOXCAR_MODEL``), which
@@ -24,10 +29,15 @@ from dataclasses import dataclass
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from openai_format.types import EMBEDDINGS_URL
 from service.db import utcnow
 from service.liveness import is_live
 from service.models import ServedModel, WorkerStatus
 from service.settings import Settings
+
+GENERATION = "generation"
+EMBEDDING = "embedding"
+KINDS = (GENERATION, EMBEDDING)
 
 
 def model_id(model: str, served_model_name: str | None = None) -> str:
@@ -59,25 +69,45 @@ class ModelEntry:
     # A LoRA adapter's base model (its id); None for a base model. An adapter's work goes to
     # its parent's queue: any worker serving the parent loads the adapter.
     parent: str | None = None
+    kind: str | None = None  # KINDS (an adapter: its parent's); None: no worker has said yet
 
     @property
     def names(self) -> tuple[str, ...]:
         return (self.id, *self.aliases)
 
 
-def announce(session: Session, *, model: str, aliases: list[str],
+def announce(session: Session, *, model: str, aliases: list[str], kind: str | None = None,
              now: dt.datetime | None = None) -> None:
-    """A worker says it serves ``model`` (insert the row, or refresh it and merge aliases)."""
+    """A worker says it serves ``model`` (insert the row, or refresh it and merge aliases) and
+    what kind of model it is."""
+    if kind is not None and kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     now = now or utcnow()
     row = session.get(ServedModel, model)
     if row is None:
-        session.add(ServedModel(id=model, aliases=sorted(set(aliases)), created_at=now,
-                                last_seen_at=now))
+        session.add(ServedModel(id=model, aliases=sorted(set(aliases)), kind=kind,
+                                created_at=now, last_seen_at=now))
         return
     merged = sorted(set(row.aliases or []) | set(aliases))
     if merged != (row.aliases or []):
         row.aliases = merged
+    if kind is not None and row.kind != kind:
+        row.kind = kind
     row.last_seen_at = now
+
+
+class WrongModelKind(Exception):
+    """A request's endpoint is not one its model serves (chat to an embedding model, ...)."""
+
+
+def check_endpoint(entry: ModelEntry, endpoint: str) -> None:
+    """Raise ``WrongModelKind`` when ``entry`` is known not to serve ``endpoint``."""
+    if entry.kind == EMBEDDING and endpoint != EMBEDDINGS_URL:
+        raise WrongModelKind(f"The model {entry.id!r} is an embedding model: it serves "
+                             f"{EMBEDDINGS_URL} only, not {endpoint}.")
+    if entry.kind == GENERATION and endpoint == EMBEDDINGS_URL:
+        raise WrongModelKind(f"The model {entry.id!r} generates text: it does not serve "
+                             f"{EMBEDDINGS_URL}; name an embedding model.")
 
 
 def default_model(settings: Settings) -> str:
@@ -135,13 +165,15 @@ def served_models(session: Session, settings: Settings,
         entries.append(ModelEntry(
             id=model, aliases=tuple(a for a in dict.fromkeys(aliases) if a != model),
             created=row.created_at if row else None, num_workers=int(live.get(model, 0)),
-            configured=model in configured))
-    workers = {entry.id: entry.num_workers for entry in entries}
+            configured=model in configured, kind=row.kind if row else None))
+    by_id = {entry.id: entry for entry in entries}
     for adapter, parent in configured_adapters(settings).items():
-        if adapter not in workers:
+        if adapter not in by_id:
+            base = by_id.get(parent)
             entries.append(ModelEntry(id=adapter, aliases=(), created=None,
-                                      num_workers=workers.get(parent, 0), configured=True,
-                                      parent=parent))
+                                      num_workers=base.num_workers if base else 0,
+                                      configured=True, parent=parent,
+                                      kind=base.kind if base else None))
     return entries
 
 

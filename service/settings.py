@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from openai_format.embeddings import MAX_BATCH_EMBEDDING_INPUTS
 from service.expiry import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S
 
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
@@ -71,6 +72,8 @@ class Settings(BaseSettings):
     max_enqueued_tokens: int | None = None
     # The Retry-After of a job refused for the quota (seconds).
     quota_retry_after: int = 30
+    # Embedding inputs a batch's lines hold in all (OpenAI's limit: 50,000); more are line errors.
+    max_batch_embedding_inputs: int = MAX_BATCH_EMBEDDING_INPUTS
     # Windows a batch may ask for; each is its deadline, which orders the queue
     # (service.queue_order: earliest deadline first).
     completion_windows: list[str] = Field(default_factory=lambda: ["1h", "4h", "24h"])
@@ -109,7 +112,7 @@ class Settings(BaseSettings):
 
     @field_validator("shard_size", "max_file_lines", "max_file_bytes", "worker_max_shards",
                      "worker_max_lines", "worker_max_jobs", "max_shard_attempts",
-                     "max_inline_requests")
+                     "max_inline_requests", "max_batch_embedding_inputs")
     @classmethod
     def _positive(cls, value: int) -> int:
         if value < 1:

@@ -81,8 +81,10 @@ class Drainer:
         self.at_risk = at_risk
         self.queue = LineQueue()
         self._in_engine: dict[str, LineWork] = {}
-        # How a line's output is read back, for lines with tool calls or a Response object.
-        self._read_back: dict[str, tuple[ToolCallMode | None, dict[str, Any] | None]] = {}
+        # How a line's output is read back, for lines with tool calls, a Response object or
+        # an embedding encoding: (tool mode, response echo, encoding format).
+        self._read_back: dict[str, tuple[ToolCallMode | None, dict[str, Any] | None,
+                                         str | None]] = {}
         self._drops: list[Callable[[LineWork], bool]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -201,15 +203,18 @@ class Drainer:
             self._fail(work, engine_input.code, engine_input.message, param=engine_input.param)
             return
         self._in_engine[work.engine_request_id] = work
-        if engine_input.tool_mode is not None or engine_input.response_echo is not None:
+        if (engine_input.tool_mode is not None or engine_input.response_echo is not None
+                or engine_input.encoding_format is not None):
             self._read_back[work.engine_request_id] = (engine_input.tool_mode,
-                                                       engine_input.response_echo)
-        num_tokens = len(engine_input.prompt)
+                                                       engine_input.response_echo,
+                                                       engine_input.encoding_format)
+        num_tokens = engine_input.num_tokens
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
 
     def _finish(self, output: RequestOutput) -> None:
         work = self._in_engine.pop(output.request_id, None)
-        tool_mode, response_echo = self._read_back.pop(output.request_id, (None, None))
+        tool_mode, response_echo, encoding_format = self._read_back.pop(
+            output.request_id, (None, None, None))
         if work is None:
             return
         if output.finish_reason == "abort":
@@ -221,6 +226,7 @@ class Drainer:
                 model=(work.engine_fields or {}).get(LORA_FIELD) or self.model_name,
                 engine=self.engine, hex_id=hex_id,
                 tool_mode=tool_mode, response_echo=response_echo,
+                encoding_format=encoding_format,
             )
         except Exception as exc:
             log.exception("could not build the response of %s", work.engine_request_id)

@@ -108,7 +108,8 @@ class Housekeeper(RoundLoop):
         shard_ids = self._attempt("prepare", batch_id, lambda: prepare_batch(
             self.db, self.storage, batch_id, worker_id=self.worker_id,
             shard_size=self.settings.shard_size, mixed_endpoints=self.settings.mixed_endpoints,
-            adapters=configured_adapters(self.settings)))
+            adapters=configured_adapters(self.settings),
+            max_embedding_inputs=self.settings.max_batch_embedding_inputs))
         if shard_ids:
             self._on_prepared(shard_ids)
         elif shard_ids is not None:  # failed at prepare: final, its event is queued

@@ -50,6 +50,7 @@ class LeaseKeeper(RoundLoop):
         on_batches_touched: Callable[[set[str]], None],
         model: str | None = None,
         aliases: list[str] | None = None,
+        kind: str | None = None,
         engine_alive: Callable[[], bool] = lambda: True,
         on_engine_dead: Callable[[], None] = lambda: None,
         on_claims: Callable[[int, int], None] = lambda attempts, won: None,
@@ -66,6 +67,7 @@ class LeaseKeeper(RoundLoop):
         self._on_batches_touched = on_batches_touched
         self.model = model  # claim only this model's shards (None: any, a test's fake engine)
         self.aliases = aliases or []
+        self.kind = kind  # service.served_models.KINDS
         self._last_check = 0.0
         self._last_reap = 0.0
         self._last_announce = 0.0  # never: the first round announces (unless start() did)
@@ -236,7 +238,8 @@ class LeaseKeeper(RoundLoop):
         (at start, then once a minute: the model's TTL is much longer)."""
         if self.model is not None:
             with self.db.session() as session:
-                served_models.announce(session, model=self.model, aliases=self.aliases)
+                served_models.announce(session, model=self.model, aliases=self.aliases,
+                                       kind=self.kind)
             self._last_announce = time.monotonic()
 
     def check(self) -> None:

@@ -21,12 +21,20 @@ from pydantic_core import to_json
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
+from openai_format.embeddings import MAX_BATCH_EMBEDDING_INPUTS
 from openai_format.parse import CustomIdTracker, LineError, parse_line
 from openai_format.sampling import line_engine_fields
 from service import counters, ids
 from service.counters import CounterDelta
 from service.db import Database, utcnow
-from service.lines import ModelTracker, enqueued_tokens, estimate_tokens, sort_key, stored_body
+from service.lines import (
+    EmbeddingInputBudget,
+    ModelTracker,
+    enqueued_tokens,
+    estimate_tokens,
+    sort_key,
+    stored_body,
+)
 from service.models import (
     CANCELLING,
     FAILED,
@@ -72,13 +80,15 @@ def claim_batch_lease(
 
 def _line_rows(
     storage: ObjectStorage, file: File, batch: Batch, errors: list[dict], *, mixed_endpoints: bool,
-    estimates: list[int], json_value: Callable[[dict], Any], lora: str | None = None,
+    estimates: list[int], json_value: Callable[[dict], Any], max_embedding_inputs: int,
+    lora: str | None = None,
 ) -> Iterator[dict]:
     """The rows of the file's lines; ``estimates`` collects [prompt, output] token estimates
     of the valid ones. The JSON columns hold ``json_value`` of their dicts."""
     tracker = CustomIdTracker()
     # The upload's check again: the file's model (its lines' first), else the batch's.
     models = ModelTracker(file.model or batch.model)
+    inputs = EmbeddingInputBudget(max_embedding_inputs)
     tenant_id, batch_id = batch.tenant_id, batch.id
     for line_no, raw in enumerate(iter_lines(storage, file.storage_key), start=1):
         if not raw.strip():
@@ -87,7 +97,7 @@ def _line_rows(
                             endpoint=None if mixed_endpoints else batch.endpoint)
         if not isinstance(parsed, LineError):
             parsed = (tracker.check(parsed.custom_id, line_no=line_no) or models.check(parsed)
-                      or parsed)
+                      or inputs.check(parsed) or parsed)
         if isinstance(parsed, LineError):
             if len(errors) < MAX_BATCH_ERRORS:
                 errors.append({"code": parsed.code, "message": parsed.message, "param": None,
@@ -180,6 +190,7 @@ def _copy_lines(session: Session, rows: list[dict]) -> None:
 def prepare_batch(
     db: Database, storage: ObjectStorage, batch_id: str, *, worker_id: str, shard_size: int,
     mixed_endpoints: bool = False, adapters: dict[str, str] | None = None,
+    max_embedding_inputs: int = MAX_BATCH_EMBEDDING_INPUTS,
 ) -> list[str] | None:
     """Turn a validating batch into lines and shards. Returns the new shard ids, or None when
     the batch was not this worker's to prepare (not validating, or leased by another).
@@ -196,7 +207,8 @@ def prepare_batch(
             return None
     try:
         return _prepare(db, storage, batch_id, shard_size=shard_size,
-                        mixed_endpoints=mixed_endpoints, adapters=adapters or {})
+                        mixed_endpoints=mixed_endpoints, adapters=adapters or {},
+                        max_embedding_inputs=max_embedding_inputs)
     except Exception:
         log.exception("preparing %s failed", batch_id)
         with db.session() as session:
@@ -208,7 +220,7 @@ def prepare_batch(
 
 def _prepare(
     db: Database, storage: ObjectStorage, batch_id: str, *, shard_size: int,
-    mixed_endpoints: bool, adapters: dict[str, str],
+    mixed_endpoints: bool, adapters: dict[str, str], max_embedding_inputs: int,
 ) -> list[str]:
     with db.session() as session:
         batch = session.scalars(select(Batch).where(Batch.id == batch_id)).one()
@@ -223,6 +235,7 @@ def _prepare(
         lora = batch.model if batch.model in adapters else None
         rows = list(_line_rows(storage, file, batch, errors, mixed_endpoints=mixed_endpoints,
                                estimates=estimates, lora=lora,
+                               max_embedding_inputs=max_embedding_inputs,
                                json_value=_json_text if _copies(session) else _as_is))
         num_shards = _assign_shards(rows, batch_id=batch.id, shard_size=shard_size)
         num_failed = sum(1 for r in rows if r["status"] == LINE_FAILED)

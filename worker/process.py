@@ -39,7 +39,7 @@ from service import ids
 from service.db import Database
 from service.models import IN_PROGRESS, Shard
 from service.queue import CeleryQueue, EmbeddedQueue, TaskQueue, make_queue
-from service.served_models import model_id, setting_aliases
+from service.served_models import EMBEDDING, GENERATION, model_id, setting_aliases
 from service.settings import Settings
 from service.storage import ObjectStorage, make_storage
 from worker import claims
@@ -223,6 +223,7 @@ class WorkerService:
                                   drainer=self.drainer, announce_shards=self._announce_shards,
                                   on_batches_touched=self.housekeeper.batches_touched,
                                   model=model_name, aliases=aliases,
+                                  kind=EMBEDDING if self.engine.is_embedding else GENERATION,
                                   engine_alive=self._engine_thread.is_alive,
                                   on_engine_dead=self._engine_thread_died,
                                   on_claims=self.recorder.observe_claims)

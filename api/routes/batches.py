@@ -33,7 +33,12 @@ from service.models import (
 from service.objects import batch_object, live_totals
 from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
 from service.quotas import TOKEN_LIMIT_EXCEEDED, QuotaExceeded, limit_for, reserve
-from service.served_models import ModelNotServed, resolve_request_model
+from service.served_models import (
+    ModelNotServed,
+    WrongModelKind,
+    check_endpoint,
+    resolve_request_model,
+)
 from service.settings import parse_completion_window
 from service.webhooks import check_url_literal, queue_event
 
@@ -169,6 +174,7 @@ def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, win
                     requests=(r.model_dump() for r in request.requests),
                     max_bytes=settings.max_file_bytes, max_lines=settings.max_file_lines,
                     expires_after=settings.file_expires_after,
+                    max_embedding_inputs=settings.max_batch_embedding_inputs,
                 )
             else:
                 file = get_file(session, tenant_id=tenant_id, file_id=request.input_file_id)
@@ -180,7 +186,7 @@ def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, win
                 raise ApiError(400, f"File {file.id} has no valid request lines "
                                f"({file.num_errors} lines with problems; see the file's "
                                "line_errors).", param="input_file_id", code="invalid_file")
-            model = served_model(session, ctx, file.model)
+            model = served_model(session, ctx, file.model, request.endpoint)
             now = utcnow()
             row = Batch(
                 id=ids.batch_id(), tenant_id=tenant_id, endpoint=request.endpoint,
@@ -213,13 +219,18 @@ def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, win
         raise
 
 
-def served_model(session: Session, ctx: AppContext, name: str | None) -> str:
+def served_model(session: Session, ctx: AppContext, name: str | None, endpoint: str) -> str:
     """The id of the served model ``name`` names (None: the default); a 400 on ``model`` when
-    no worker serves it: work is never run on another model."""
+    no worker serves it (work is never run on another model) or when the model is of the other
+    kind (a chat endpoint for an embedding model, or the reverse)."""
     try:
-        return resolve_request_model(session, ctx.settings, name).id
+        entry = resolve_request_model(session, ctx.settings, name)
+        check_endpoint(entry, endpoint)
     except ModelNotServed as exc:
         raise ApiError(400, str(exc), param="model", code="model_not_found") from exc
+    except WrongModelKind as exc:
+        raise ApiError(400, str(exc), param="model", code="wrong_model_kind") from exc
+    return entry.id
 
 
 @router.get("/v1/batches")

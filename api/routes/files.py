@@ -60,7 +60,7 @@ async def create_file(request: Request, tenant: TenantDep, ctx: ContextDep) -> d
         raise ApiError(413, f"File is too large: the limit is {settings.max_file_bytes} bytes.",
                        code="file_too_large", param="file")
     ingest = JsonlIngest(ctx.storage, ids.file_id(), settings.max_file_bytes,
-                         settings.max_file_lines)
+                         settings.max_file_lines, settings.max_batch_embedding_inputs)
     parser = MultipartStream(request.headers.get("content-type"), ingest.feed)
     try:
         await _receive(request, parser)

@@ -10,30 +10,43 @@ from pydantic import BaseModel, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.deps import ContextDep, TenantDep
+from api.deps import AppContext, ContextDep, TenantDep
 from api.errors import ApiError, not_found
 from api.pagination import paginate
 from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
 from openai_format.parse import LineError, parse_line
 from openai_format.sampling import line_engine_fields
-from openai_format.types import CHAT_URL, COMPLETIONS_URL, ENDPOINTS, RESPONSES_URL
+from openai_format.types import (
+    CHAT_URL,
+    COMPLETIONS_URL,
+    EMBEDDINGS_URL,
+    ENDPOINTS,
+    RESPONSES_URL,
+)
 from service import ids
 from service.lines import enqueued_tokens, sort_key, stored_body
 from service.models import JOB_PRIORITY_BASE, JOB_QUEUED, Job, RequestLine, Shard
 from service.objects import job_object
 from service.queue_order import MAX_PRIORITY, MIN_PRIORITY
 from service.quotas import TOKEN_LIMIT_EXCEEDED, QuotaExceeded, limit_for, reserve
-from service.served_models import queue_model
+from service.served_models import (
+    EMBEDDING,
+    ModelNotServed,
+    queue_model,
+    resolve_request_model,
+)
 from service.webhooks import check_url_literal
 
 router = APIRouter(tags=["jobs"])
 
 
 class JobCreateRequest(BaseModel):
-    """``body`` is a /v1/chat/completions, /v1/completions or /v1/responses request body;
-    ``endpoint`` defaults to chat when the body has ``messages``, to responses when it has
-    ``input``."""
+    """``body`` is a /v1/chat/completions, /v1/completions, /v1/responses or /v1/embeddings
+    request body; ``endpoint`` defaults to chat when the body has ``messages``, to embeddings
+    when it has ``input`` and names an embedding model (or names none and the default model is
+    one), to responses when it has ``input`` otherwise, else to completions.
+    """
 
     body: dict[str, Any]
     endpoint: str | None = None
@@ -41,6 +54,26 @@ class JobCreateRequest(BaseModel):
     # Among jobs, higher runs first; every job runs ahead of bulk lines (service.queue_order).
     priority: int = Field(0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
     metadata: dict[str, str] | None = None
+
+
+def _endpoint_of(body: dict[str, Any], ctx: AppContext) -> str:
+    """A body's endpoint when the job names none (``JobCreateRequest``). Both /v1/responses and
+    /v1/embeddings bodies carry ``input``: the model's kind, as its workers announced it,
+    tells them apart (a model of no known kind, or a name no model answers to, is taken as a
+    generation model; ``served_model`` then refuses what it must)."""
+    if "messages" in body:
+        return CHAT_URL
+    if "input" not in body or "prompt" in body:
+        return COMPLETIONS_URL
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        return RESPONSES_URL  # the body's own validation names the bad field
+    with ctx.db.read_session() as session:
+        try:
+            entry = resolve_request_model(session, ctx.settings, name)
+        except ModelNotServed:
+            return RESPONSES_URL
+    return EMBEDDINGS_URL if entry.kind == EMBEDDING else RESPONSES_URL
 
 
 def get_job(session: Session, *, tenant_id: str, job_id: str) -> Job:
@@ -56,9 +89,7 @@ def job_line(session: Session, job_id: str) -> RequestLine | None:
 
 @router.post("/v1/jobs")
 def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) -> dict:
-    endpoint = request.endpoint or (CHAT_URL if "messages" in request.body
-                                    else RESPONSES_URL if "input" in request.body
-                                    else COMPLETIONS_URL)
+    endpoint = request.endpoint or _endpoint_of(request.body, ctx)
     if endpoint not in ENDPOINTS:
         raise ApiError(400, f"Invalid endpoint {endpoint!r}: supported are {', '.join(ENDPOINTS)}.",
                        param="endpoint", code="invalid_endpoint")
@@ -80,7 +111,7 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
     shard_id = ids.shard_id(job_id, 0)
     tokens = enqueued_tokens(parsed)
     with ctx.db.session() as session:
-        model = served_model(session, ctx, parsed.body.model)
+        model = served_model(session, ctx, parsed.body.model, endpoint)
         try:
             reserve(session, tenant_id=tenant.id, model=model, tokens=tokens,
                     limit=limit_for(key_limit=tenant.max_enqueued_tokens,

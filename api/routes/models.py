@@ -30,6 +30,8 @@ def model_object(entry: ModelEntry) -> dict[str, Any]:
         "num_workers": entry.num_workers,
         # a LoRA adapter's base model (vLLM's field); None for a base model
         "parent": entry.parent,
+        # "generation" or "embedding" once a worker has announced it (None before).
+        "kind": entry.kind,
     }
 
 

@@ -50,7 +50,8 @@ _NAME = "boxcar_paged_decode_attention"
 # One library for the CPU kernels: the decode attention and the bf16 layer's fused elementwise
 # ops (``cpu_fused_ops.py``), one build, one cache entry, one import.
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                 for name in ("paged_decode_attention.cpp", "cpu_fused_ops.cpp"))
+                 for name in ("paged_decode_attention.cpp", "cpu_fused_ops.cpp",
+                              "packed_attention.cpp"))
 # -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension then binds to
 # torch's own libgomp (same soname, already loaded): one thread pool.
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")

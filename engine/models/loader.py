@@ -28,8 +28,16 @@ if TYPE_CHECKING:
 # file without a converted folder, or a config.json ``read_model_config`` leaves to transformers.
 
 # SmolLM and SmolLM2 are LlamaForCausalLM; Gemma 3's text-only checkpoints Gemma3ForCausalLM.
-SUPPORTED_ARCHITECTURES = tuple(MODEL_REGISTRY)
-_ARCHITECTURE_OF_MODEL_TYPE = ARCHITECTURE_OF_MODEL_TYPE
+SUPPORTED_ARCHITECTURES = (
+    *MODEL_REGISTRY,
+    # embedding models (engine/models/pooling_registry.py)
+    "BertModel",
+    "LlamaModel",
+    "MistralModel",
+    "Qwen2Model",
+    "Qwen3Model",
+)
+_ARCHITECTURE_OF_MODEL_TYPE = {**ARCHITECTURE_OF_MODEL_TYPE, "bert": "BertModel"}
 
 
 _SAFETENSORS_DTYPES = {

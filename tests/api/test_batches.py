@@ -47,7 +47,7 @@ def test_batch_request_errors(client):
                                                 "endpoint": "/v1/chat/completions",
                                                 "completion_window": "24h", **body})
 
-    bad_endpoint = create(endpoint="/v1/embeddings")
+    bad_endpoint = create(endpoint="/v1/moderations")
     assert bad_endpoint.status_code == 400
     assert bad_endpoint.json()["error"]["param"] == "endpoint"
     assert create(completion_window="2h").status_code == 400

@@ -225,8 +225,9 @@ def test_folder_without_config_or_gguf(tmp_path: Path) -> None:
     ("config", "named"),
     [
         ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
-        ({"architectures": ["LlamaModel"], "model_type": "llama"}, "LlamaModel"),
-        ({"model_type": "bert"}, "model_type 'bert'"),
+        # LlamaModel and BertModel load as embedding models (tests/engine/test_embeddings.py)
+        ({"architectures": ["T5EncoderModel"], "model_type": "t5"}, "T5EncoderModel"),
+        ({"model_type": "roberta"}, "model_type 'roberta'"),
     ],
 )
 def test_unsupported_architecture(tmp_path: Path, config: dict, named: str) -> None:

@@ -171,7 +171,7 @@ def test_method_not_post(method: object) -> None:
     assert error.custom_id == "req-1"
 
 
-@pytest.mark.parametrize("url", ["/v1/embeddings", "/v1/chat/completion", None, 3])
+@pytest.mark.parametrize("url", ["/v1/moderations", "/v1/chat/completion", None, 3])
 def test_unknown_url(url: object) -> None:
     data = chat()
     data["url"] = url

@@ -26,7 +26,7 @@ def test_engine_is_built_and_stepped_on_one_thread_not_the_callers(make_stack, s
     stack = make_stack(sqlite_url)
     engines: list[ThreadRecordingEngine] = []
     monkeypatch.setattr(service_module, "build_engine",
-                        lambda settings, storage: engines.append(ThreadRecordingEngine())
+                        lambda settings, storage=None: engines.append(ThreadRecordingEngine())
                         or engines[-1])
     worker = WorkerService(stack.settings, db=stack.ctx.db, storage=stack.ctx.storage,
                            queue=stack.ctx.queue)
@@ -43,7 +43,7 @@ def test_a_failing_engine_build_raises_from_start_and_leaves_no_thread(make_stac
                                                                        monkeypatch):
     stack = make_stack(sqlite_url)
 
-    def broken(settings, storage):
+    def broken(settings, storage=None):
         raise ValueError("no such model")
 
     monkeypatch.setattr(service_module, "build_engine", broken)

@@ -448,6 +448,7 @@ static const char* isa() {
 }
 
 void register_fused_ops(pybind11::module& m);  // cpu_fused_ops.cpp, built into this library
+void register_packed_attention(pybind11::module& m);  // packed_attention.cpp, the same
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs, like torch's own ops: other Python threads of the process
@@ -456,4 +457,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("isa", &isa, "the instruction set this build was compiled for");
   register_fused_ops(m);
+  register_packed_attention(m);
 }

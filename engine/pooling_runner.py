@@ -1,0 +1,130 @@
+"""PoolingModelRunner: the model runner of an embedding engine (the only code of its step that
+touches device tensors).
+
+A step's sequences go in whole and back to back, as one flat token batch with per-sequence
+offsets and no padding (``engine/layers/packed_attention.py``); no KV cache exists, since a
+pooling request keeps nothing after its step. Out comes one pooled fp32 vector per sequence
+(``engine/layers/pooling.py``), normalized where the model's sentence-transformers files (or
+the engine's ``pooling`` / ``normalize`` options) say so.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import EngineConfig
+from engine.layers.attention_metadata import AttentionMetadata
+from engine.layers.linear import (
+    bf16_packing_available,
+    mkl_packing_available,
+    pack_linear_weights,
+)
+from engine.layers.packed_attention import PackedAttentionBackend
+from engine.layers.pooling import PoolerConfig, PoolingType, pool, read_pooler_config
+from engine.lora.manager import LoRAManager
+from engine.model_runner import resolve_device, resolve_dtype
+from engine.models.decoder_embedding import DecoderEmbeddingModel
+from engine.models.no_init import no_init_weights
+from engine.models.pooling_registry import build_embedding_model
+from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.request import Request
+
+
+class PoolingModelRunner:
+    # No KV cache: the scheduler is built with none, and pooling requests ask for none.
+    num_kv_blocks = 0
+    kv_cache_seconds = 0.0
+    kv_window: tuple[int, int] | None = None  # no sliding-window pool either
+    lora: LoRAManager | None = None  # no LoRA adapters on a pooling model
+
+    def __init__(self, config: EngineConfig, checkpoint, max_position: int,
+                 dtype: torch.dtype | None = None) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = dtype or resolve_dtype(config.dtype, self.device)
+        hf_config = checkpoint.config
+        with torch.device(self.device), no_init_weights():
+            model, default_pooling = build_embedding_model(hf_config, max_position)
+        model.to(dtype=self.dtype)
+        if isinstance(model, DecoderEmbeddingModel):
+            model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
+        model.load_weights(checkpoint.iter_weights(self.dtype))
+        self.model = model.eval()
+        self.vocab_size: int = hf_config.vocab_size
+        self.hidden_size: int = model.hidden_size
+        folder = checkpoint.path if isinstance(checkpoint.path, Path) else None
+        self.pooler = _with_options(read_pooler_config(folder, default_pooling, hf_config),
+                                    config)
+        max_len = min(max_position, getattr(model, "max_position", max_position))
+        if self.pooler.max_seq_len is not None and config.max_model_len is None:
+            max_len = min(max_len, self.pooler.max_seq_len)
+        self.max_len = max_len
+        use_triton = (config.attention_backend == "triton"
+                      or (config.attention_backend is None and self.device.type == "cuda"))
+        native_cpu = (self.device.type == "cpu" and config.attention_backend in (None, "cpu")
+                      and not os.environ.get("BOXCAR_NO_CPU_KERNELS"))
+        self.attn = PackedAttentionBackend(causal=model.causal, use_triton=use_triton,
+                                           use_cpu_kernel=native_cpu)
+        self.packed_weights = False
+        if native_cpu:
+            fp32 = self.dtype == torch.float32
+            if (fp32 and mkl_packing_available()) or (
+                    self.dtype == torch.bfloat16 and bf16_packing_available()):
+                pack_linear_weights(model)
+                self.packed_weights = True
+
+    @torch.inference_mode()
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """``[len(token_ids), hidden_size]`` fp32 pooled (and normalized) vectors of sequences
+        packed into one pass: the step's computation, without a scheduler."""
+        device = self.device
+        lens = [len(ids) for ids in token_ids]
+        flat = [t for ids in token_ids for t in ids]
+        positions = [p for n in lens for p in range(n)]
+        starts = [0]
+        for n in lens:
+            starts.append(starts[-1] + n)
+        empty_table = torch.zeros((0, 1), dtype=torch.int32, device=device)
+        no_lens = torch.zeros(0, dtype=torch.int32, device=device)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.zeros(0, dtype=torch.int64, device=device),
+            num_decodes=0,
+            decode_block_tables=empty_table,
+            decode_context_lens=no_lens,
+            num_prefills=len(lens),
+            prefill_query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            prefill_block_tables=empty_table,
+            prefill_context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+            prefill_query_lens_list=lens,
+            prefill_context_lens_list=lens,
+        )
+        hidden = self.model(torch.tensor(flat, dtype=torch.int64, device=device),
+                            torch.tensor(positions, dtype=torch.int64, device=device),
+                            self.attn, metadata)  # [num_tokens, hidden_size]
+        pooled = pool(hidden, lens, self.pooler.pooling_type)  # [num_seqs, hidden_size] fp32
+        if self.pooler.normalize:
+            pooled = F.normalize(pooled, p=2, dim=-1)
+        return pooled.cpu()
+
+    def execute(self, scheduler_output: SchedulerOutput,
+                requests: dict[str, Request]) -> ModelRunnerOutput:
+        """Every scheduled request is a whole pooling input (the scheduler schedules them so)."""
+        scheduled = scheduler_output.scheduled
+        token_ids = [requests[s.request_id].prompt_token_ids for s in scheduled]
+        pooled = self.embed(token_ids)
+        return ModelRunnerOutput({}, pooled={s.request_id: pooled[i]
+                                             for i, s in enumerate(scheduled)})
+
+
+def _with_options(pooler: PoolerConfig, config: EngineConfig) -> PoolerConfig:
+    """The model's pooling with the engine's ``pooling`` / ``normalize`` options on top."""
+    pooling_type = pooler.pooling_type
+    if config.pooling is not None:
+        pooling_type = PoolingType(config.pooling)
+    normalize = pooler.normalize if config.normalize is None else config.normalize
+    return PoolerConfig(pooling_type, normalize, pooler.max_seq_len,
+                        pooler.matryoshka_dimensions)
