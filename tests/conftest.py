@@ -9,6 +9,9 @@ import pytest
 
 # Two cores: one torch thread per test process keeps parallel runs from thrashing.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Triton kernels run on the CPU through the interpreter, which triton reads when it is first
+# imported: any test module may import it (peft does), so set it before every one of them.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
