@@ -20,21 +20,18 @@ from engine.layers.rotary import RotaryEmbedding, rope_parameters_of
 from engine.models.causal_lm import CausalLM, check_window, layer_windows
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
-                 window: int | None) -> None:
+class DecoderLayer(nn.Module):
+    """``h = x + attn(norm(x)); out = h + mlp(norm(h))``, any attention and MLP (a mixture of
+    experts too). Returns the MLP's output and the residual before it, which the next norm adds,
+    fused."""
+
+    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int,
+                 eps: float) -> None:
         super().__init__()
-        eps = config.rms_norm_eps
-        self.self_attn = SelfAttention(
-            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            head_dim_of(config), rotary, qkv_bias=qkv_bias,
-            qk_norm=(lambda dim: RMSNorm(dim, eps)) if qk_norm else None,
-            sliding_window=window,
-        )
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size,
-                            getattr(config, "hidden_act", "silu"))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
 
     def forward(
         self,
@@ -56,17 +53,29 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden_states), residual
 
 
-class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
+class LlamaDecoderLayer(DecoderLayer):
+    def __init__(self, config, rotary: RotaryEmbedding, qkv_bias: bool, qk_norm: bool,
+                 window: int | None) -> None:
+        eps = config.rms_norm_eps
+        attention = SelfAttention(
+            config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            head_dim_of(config), rotary, qkv_bias=qkv_bias,
+            qk_norm=(lambda dim: RMSNorm(dim, eps)) if qk_norm else None,
+            sliding_window=window,
+        )
+        mlp = GatedMLP(config.hidden_size, config.intermediate_size,
+                       getattr(config, "hidden_act", "silu"))
+        super().__init__(attention, mlp, config.hidden_size, eps)
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers, the final norm: ``[num_tokens]`` ids to hidden states."""
+
+    def __init__(self, config, rotary: RotaryEmbedding, layers: list[DecoderLayer]) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), max_position,
-                                          rope_parameters_of(config),
-                                          config.max_position_embeddings)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, self.rotary_emb, qkv_bias, qk_norm, check_window(window))
-            for window in layer_windows(config)
-        )
+        self.rotary_emb = rotary
+        self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
@@ -85,6 +94,16 @@ class LlamaModel(nn.Module):
         if residual is None:  # no layers
             return self.norm(hidden_states)
         return self.norm.add_and_norm(hidden_states, residual)[0]
+
+
+class LlamaModel(DecoderModel):
+    def __init__(self, config, qkv_bias: bool, qk_norm: bool, max_position: int) -> None:
+        rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters_of(config),
+                                 config.max_position_embeddings)
+        super().__init__(config, rotary, [
+            LlamaDecoderLayer(config, rotary, qkv_bias, qk_norm, check_window(window))
+            for window in layer_windows(config)
+        ])
 
 
 def head_dim_of(config) -> int:

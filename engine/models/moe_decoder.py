@@ -26,60 +26,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.moe import FusedExperts, MoeConfig, SparseMoeBlock
-from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters_of
 from engine.models.causal_lm import CausalLM, check_window, layer_windows
-from engine.models.llama import head_dim_of
+from engine.models.llama import DecoderLayer, DecoderModel, head_dim_of
 
-
-class MoeDecoderLayer(nn.Module):
-    """``h = x + attn(norm(x)); out = h + mlp(norm(h))``. Like the dense families' layers it
-    returns the MLP's output and the residual before it, which the next norm adds, fused."""
-
-    def __init__(self, self_attn: nn.Module, mlp: nn.Module, hidden_size: int,
-                 eps: float) -> None:
-        super().__init__()
-        self.self_attn = self_attn
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(hidden_size, eps)
-        self.post_attention_layernorm = RMSNorm(hidden_size, eps)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
-                kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,
-                metadata: AttentionMetadata, residual: torch.Tensor | None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, kv_cache, attn, metadata)
-        hidden_states, residual = self.post_attention_layernorm.add_and_norm(
-            hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
-class MoeModel(nn.Module):
-    def __init__(self, config, rotary: RotaryEmbedding, layers: list[MoeDecoderLayer]) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = rotary
-        self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]], attn: AttentionBackend,
-                metadata: AttentionMetadata) -> torch.Tensor:
-        hidden_states = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
-        residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden_states, residual = layer(positions, hidden_states, kv_cache, attn, metadata,
-                                            residual)
-        if residual is None:  # no layers
-            return self.norm(hidden_states)
-        return self.norm.add_and_norm(hidden_states, residual)[0]
+# A mixture of experts is the dense pre-norm decoder with a ``SparseMoeBlock`` as its MLP.
+MoeDecoderLayer = DecoderLayer
+MoeModel = DecoderModel
 
 
 @dataclass(frozen=True)
