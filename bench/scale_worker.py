@@ -42,10 +42,10 @@ def main(argv: list[str] | None = None) -> int:
     engine = engine_from_env(dict(os.environ))  # a bad setting stops here, before Celery starts
     start_from_env(dict(os.environ), "worker")
 
-    def build_engine(settings: Any) -> FakeEngine:
+    def build_engine(settings: Any, storage: Any = None) -> FakeEngine:
         return engine
 
-    process.build_engine = build_engine  # type: ignore[assignment]
+    process.build_engine = build_engine
     return boxcar_main(argv)
 
 
