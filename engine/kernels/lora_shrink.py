@@ -15,12 +15,16 @@ import triton.language as tl
 
 
 @triton.jit
-def _lora_shrink_kernel(
-    x_ptr, a_ptr, y_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
+def _segmented_matmul_kernel(
+    x_ptr, w_ptr, out_ptr, seg_start_ptr, seg_len_ptr, seg_slot_ptr,
     N, K,
-    stride_xm, stride_xk, stride_al, stride_an, stride_ak, stride_ym, stride_yn,
+    stride_xm, stride_xk, stride_wl, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
+    """Each segment's rows of ``x [num_tokens, K]`` times its slot's ``w [N, K]`` transposed,
+    in fp32: stored into ``out`` (shrink: ``x @ A.T``) or, with ``ACCUMULATE``, added to it in
+    its dtype (expand: ``out += y @ B.T``)."""
     segment = tl.program_id(0)
     tile_m = tl.program_id(1)
     tile_n = tl.program_id(2)
@@ -34,18 +38,23 @@ def _lora_shrink_kernel(
     row_mask = rows < seg_len
     col_mask = cols < N
     x_rows = x_ptr + (start + rows)[:, None] * stride_xm
-    a_cols = a_ptr + slot * stride_al + cols[None, :] * stride_an
+    w_cols = w_ptr + slot * stride_wl + cols[None, :] * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :],
                     other=0.0)
-        a = tl.load(a_cols + ks[:, None] * stride_ak, mask=k_mask[:, None] & col_mask[None, :],
+        w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & col_mask[None, :],
                     other=0.0)
-        acc += tl.dot(x.to(tl.float32), a.to(tl.float32))
-    y = y_ptr + (start + rows)[:, None] * stride_ym + cols[None, :] * stride_yn
-    tl.store(y, acc, mask=row_mask[:, None] & col_mask[None, :])
+        acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+    mask = row_mask[:, None] & col_mask[None, :]
+    out = out_ptr + (start + rows)[:, None] * stride_om + cols[None, :] * stride_on
+    if ACCUMULATE:
+        base = tl.load(out, mask=mask, other=0.0)
+        tl.store(out, (base.to(tl.float32) + acc).to(base.dtype), mask=mask)
+    else:
+        tl.store(out, acc, mask=mask)
 
 
 def check_segments(seg_start: torch.Tensor, seg_len: torch.Tensor,
@@ -74,11 +83,11 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, seg_start: torch.Tensor,
     if num_segments == 0 or max_seg_len == 0:
         return y
     grid = (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n))
-    _lora_shrink_kernel[grid](
+    _segmented_matmul_kernel[grid](
         x, a_stack, y, seg_start, seg_len, seg_slot, n, k,
         x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
         y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACCUMULATE=False,
     )
     return y
 
