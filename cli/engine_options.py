@@ -59,6 +59,9 @@ _HELP: dict[str, dict[str, Any]] = {
     "num_threads": {"flag": "--threads", "help": "CPU threads for torch"},
     "attention_backend": {"choices": ("cpu", "torch", "triton"),
                           "help": "attention kernels (default: chosen by device)"},
+    "cpu_gemm": {"choices": ("mkl", "onednn"),
+                 "help": "library for fp32 matrix products on a CPU (default: MKL on Intel, "
+                         "oneDNN elsewhere)"},
     "enforce_eager": {"help": "no CUDA graphs"},
     "lora_modules": {"action": "append", "type": str, "metavar": "NAME=PATH",
                      "help": "a LoRA adapter (a PEFT folder; for serve and worker also an "

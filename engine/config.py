@@ -36,6 +36,9 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     attention_backend: str | None = None
+    # The library that multiplies fp32 weights on a CPU ("mkl" or "onednn"); None: by CPU
+    # vendor (engine/layers/linear.py: MKL on Intel, oneDNN elsewhere).
+    cpu_gemm: str | None = None
     enforce_eager: bool = False
     # Ranks one model is split over (tensor parallel, docs/tensor-parallel.md): this process
     # drives, and starts tensor_parallel_size - 1 helper processes, one per further device.
@@ -112,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
+        if self.cpu_gemm not in (None, "mkl", "onednn"):
+            raise ValueError(f"cpu_gemm must be 'mkl' or 'onednn', got {self.cpu_gemm!r}")
         if self.attention_backend not in (None, "cpu", "torch", "triton"):
             raise ValueError(
                 "attention_backend must be 'cpu', 'torch' or 'triton', "

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.linear import (
     bf16_packing_available,
-    mkl_packing_available,
+    fp32_gemm,
     pack_linear_weights,
 )
 from engine.layers.packed_attention import PackedAttentionBackend
@@ -72,9 +72,10 @@ class PoolingModelRunner:
         self.packed_weights = False
         if native_cpu:
             fp32 = self.dtype == torch.float32
-            if (fp32 and mkl_packing_available()) or (
-                    self.dtype == torch.bfloat16 and bf16_packing_available()):
-                pack_linear_weights(model)
+            gemm = fp32_gemm(config.cpu_gemm) if fp32 else "onednn"
+            if gemm is not None and (fp32 or (
+                    self.dtype == torch.bfloat16 and bf16_packing_available())):
+                pack_linear_weights(model, gemm=gemm)
                 self.packed_weights = True
 
     @torch.inference_mode()

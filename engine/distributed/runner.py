@@ -39,7 +39,7 @@ from engine.distributed.weights import iter_shard_weights
 from engine.input_batch import InputBatch, build_input_batch
 from engine.layers.linear import (
     bf16_packing_available,
-    mkl_packing_available,
+    fp32_gemm,
     pack_linear_weights,
 )
 from engine.model_runner import ModelRunner, resolve_device
@@ -122,11 +122,13 @@ class TPModelRunner(ModelRunner):
         """Pack the shares' linear weights; no greedy screen (it wants the whole output
         layer: the gathered logits give the argmax instead)."""
         fp32 = self.dtype == torch.float32
-        if not (mkl_packing_available() if fp32 else bf16_packing_available()):
+        gemm = fp32_gemm(self.config.cpu_gemm) if fp32 else "onednn"
+        if gemm is None or (not fp32 and not bf16_packing_available()):
             return
         head = self.model.lm_head.weight
         pack_linear_weights(self.model,
-                            shared={id(head)} if self.model.tie_word_embeddings else set())
+                            shared={id(head)} if self.model.tie_word_embeddings else set(),
+                            gemm=gemm)
         self.packed_weights = True
 
     def _capture_cuda_graphs(self) -> None:

@@ -1,4 +1,4 @@
-"""Prepacked linears (engine/layers/linear.py): MKL for fp32, oneDNN for bf16."""
+"""Prepacked linears (engine/layers/linear.py): MKL or oneDNN for fp32, oneDNN for bf16."""
 
 from __future__ import annotations
 
@@ -9,8 +9,11 @@ import torch.nn.functional as F
 from engine.layers.linear import (
     Linear,
     bf16_packing_available,
+    fp32_gemm,
     mkl_packing_available,
     onednn_linear,
+    onednn_packing_available,
+    pack_linear_weights,
     row_bucket,
 )
 
@@ -26,15 +29,17 @@ def make_linear(dtype: torch.dtype, bias: bool) -> tuple[Linear, torch.Tensor]:
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_equals_plain_linear(dtype, bias):
-    if dtype == torch.float32 and not mkl_packing_available():
+@pytest.mark.parametrize("dtype,gemm", [(torch.float32, "mkl"), (torch.float32, "onednn"),
+                                        (torch.bfloat16, "onednn")])
+def test_packed_equals_plain_linear(dtype, gemm, bias):
+    if gemm == "mkl" and not mkl_packing_available():
         pytest.skip("no MKL packing here")
-    if dtype == torch.bfloat16 and not bf16_packing_available():
-        pytest.skip("oneDNN packs bf16 only on CPUs with bf16 units")
+    if gemm == "onednn" and not onednn_packing_available(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
     layer, x = make_linear(dtype, bias)
     want = F.linear(x, layer.weight, layer.bias)
-    layer.pack()
+    layer.pack(gemm=gemm)
+    assert layer.packed_by == gemm
     assert layer.weight.untyped_storage().nbytes() <= layer.weight.element_size()  # dropped
     got = layer(x)
     assert got.shape == want.shape and got.dtype == dtype
@@ -82,3 +87,42 @@ def test_bf16_packing_refused_with_a_value_error_where_onednn_cannot(monkeypatch
         layer.pack()
     assert layer.packed_weight is None  # still a plain linear, still usable
     assert layer(x).shape == (3, 5, 160)
+
+
+def test_fp32_gemm_is_mkl_on_intel_and_onednn_elsewhere(monkeypatch):
+    import engine.layers.linear as linear
+
+    monkeypatch.setattr(linear, "mkl_packing_available", lambda: True)
+    monkeypatch.setattr(linear, "onednn_packing_available", lambda dtype: True)
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "GenuineIntel")
+    assert fp32_gemm() == "mkl"
+    assert fp32_gemm("onednn") == "onednn"  # an explicit choice wins
+    monkeypatch.setattr(linear, "cpu_vendor", lambda: "AuthenticAMD")
+    assert fp32_gemm() == "onednn"
+    assert fp32_gemm("mkl") == "mkl"
+    monkeypatch.setattr(linear, "onednn_packing_available", lambda dtype: False)
+    assert fp32_gemm() == "mkl"  # the other library where the preferred one cannot pack
+    with pytest.raises(ValueError, match="cpu_gemm 'onednn'.*cannot pack"):
+        fp32_gemm("onednn")
+    with pytest.raises(ValueError, match="cpu_gemm must be one of"):
+        fp32_gemm("blas")
+    monkeypatch.setattr(linear, "mkl_packing_available", lambda: False)
+    assert fp32_gemm() is None  # nothing packs: the linears stay plain
+
+
+@pytest.mark.parametrize("rows", [1, 7, 17, 100, 257])
+def test_onednn_fp32_rows_of_every_bucket_match_plain_linear(rows):
+    if not onednn_packing_available(torch.float32):
+        pytest.skip("oneDNN does not pack fp32 here")
+    layer, _ = make_linear(torch.float32, bias=True)
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    want = F.linear(x, layer.weight, layer.bias)
+    assert pack_linear_weights(layer, gemm="onednn") == 1
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+
+
+def test_engine_config_names_cpu_gemm_choices():
+    from engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_gemm must be 'mkl' or 'onednn'"):
+        EngineConfig(model="m", cpu_gemm="openblas")
