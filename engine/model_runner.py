@@ -20,10 +20,11 @@ from engine.layers.attention_metadata import AttentionBackend
 from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
 from engine.layers.linear import (
     bf16_packing_available,
-    mkl_packing_available,
+    fp32_gemm,
     pack_linear_weights,
 )
 from engine.layers.lora import lora_batch, wrap_lora_linears
+from engine.layers.moe import pack_experts
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
@@ -148,20 +149,23 @@ class ModelRunner:
         )
 
     def _pack_weights(self) -> None:
-        """Prepack the linear weights (``engine/layers/linear.py``: MKL for fp32, oneDNN for
-        bf16 where the CPU has bf16 units) and screen greedy rows' output projection
-        (``greedy_screen.py``): in fp32 where the CPU has bf16 units; in bf16 always, since
-        the screen's token is the fp32 argmax and the plain bf16 projection's is not. The
-        output layer keeps its weight when the embedding or the screen reads it."""
+        """Prepack the linear weights (``engine/layers/linear.py``: MKL or oneDNN by CPU for
+        fp32, oneDNN for bf16 where the CPU has bf16 units) and screen greedy rows' output
+        projection (``greedy_screen.py``): in fp32 where the CPU has bf16 units; in bf16
+        always, since the screen's token is the fp32 argmax and the plain bf16 projection's
+        is not. The output layer keeps its weight when the embedding or the screen reads
+        it."""
         head = self.model.lm_head.weight
         fp32 = self.dtype == torch.float32
         if not fp32 or bf16_is_native():
             self.greedy_screen = GreedyScreen(head.detach()[: self.vocab_size])
-        can_pack = mkl_packing_available() if fp32 else bf16_packing_available()
-        if not can_pack:
+        gemm = fp32_gemm(self.config.cpu_gemm) if fp32 else "onednn"
+        if gemm is None or (not fp32 and not bf16_packing_available()):
             return
         keep = self.model.tie_word_embeddings or self.greedy_screen is not None
-        pack_linear_weights(self.model, shared={id(head)} if keep else set())
+        pack_linear_weights(self.model, shared={id(head)} if keep else set(), gemm=gemm)
+        if gemm == "onednn":  # MoE experts too (engine/layers/moe.py)
+            pack_experts(self.model)
         self.packed_weights = True
 
     def _make_attention_backend(self) -> AttentionBackend:

@@ -17,6 +17,13 @@ over tokens); the rows are scaled by their routing weight, put back in (token, k
 over k. That is transformers' own ``grouped_mm`` experts path, so fp32 outputs agree with it. On
 a GPU the Triton kernel (``engine/kernels/fused_moe.py``) does the same in two launches.
 
+On a CPU the runner may ``pack()`` the experts for oneDNN (bf16 always, fp32 where oneDNN is the
+CPU's fp32 GEMM: ``engine/layers/linear.py``): each expert's two weights in oneDNN's blocked
+layout, one ``onednn_linear`` per expert with rows. ``grouped_mm`` hands every expert's weight to
+a GEMM that repacks it on each call; on an AMD EPYC (1 thread, 16 experts of 512 x 1,024) the
+packed loop took 6.6 ms against 17.7 ms at 8 rows an expert (decode) in fp32, and 14 ms against
+100 ms at 128 rows in bf16.
+
 The expert weights are stacked: ``w13`` ``[num_experts, 2 * intermediate, hidden]`` (the gate's
 rows, then the up projection's) and ``w2`` ``[num_experts, hidden, intermediate]``, with optional
 biases; models fill them from whatever layout their checkpoint stores.
@@ -30,6 +37,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from engine.layers.linear import onednn_linear
 
 Scoring = Literal["softmax_topk", "topk_softmax"]
 Activation = Literal["silu", "swiglu_clamped"]
@@ -105,11 +114,21 @@ def grouped_mm_available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                   sorted_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+                   sorted_ids: torch.Tensor, counts: torch.Tensor,
+                   packed: list[torch.Tensor] | None = None) -> torch.Tensor:
     """``x[i] @ weight[e].T (+ bias[e])`` for rows grouped by expert: ``x [rows, in]`` sorted so
-    expert e's ``counts[e]`` rows are contiguous, ``weight [num_experts, out, in]``."""
+    expert e's ``counts[e]`` rows are contiguous, ``weight [num_experts, out, in]`` (or, where
+    ``packed``, each expert's weight packed for oneDNN)."""
     w = weight.transpose(1, 2)  # [num_experts, in, out], a view
-    if grouped_mm_available(x, w):
+    if packed is not None:
+        out = x.new_empty(x.shape[0], weight.shape[1])
+        start = 0
+        for expert, count in enumerate(counts.tolist()):  # one GEMM per expert with rows
+            if count:
+                out[start:start + count] = onednn_linear(x[start:start + count],
+                                                         packed[expert], None)
+                start += count
+    elif grouped_mm_available(x, w):
         offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
         out = F.grouped_mm(x, w, offs=offsets)
     else:
@@ -144,6 +163,22 @@ class FusedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(e, h, i))
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i)) if config.expert_bias else None
         self.w2_bias = nn.Parameter(torch.empty(e, h)) if config.expert_bias else None
+        # Each expert's w13 and w2 packed for oneDNN, once ``pack()`` ran (CPU only).
+        self.packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        """Pack every expert's two weights for oneDNN (module docstring) and drop the stacked
+        copies: ``w13``/``w2`` become zero-byte views of their shapes."""
+        if self.w13.device.type != "cpu":
+            raise ValueError(f"expert packing is for CPU weights, got {self.w13.device}")
+        reorder = torch.ops.mkldnn._reorder_linear_weight
+        self.packed = ([reorder(w.contiguous()) for w in self.w13.detach()],
+                       [reorder(w.contiguous()) for w in self.w2.detach()])
+        for name in ("w13", "w2"):
+            weight = getattr(self, name)
+            shape_only = torch.zeros((1, 1, 1), dtype=weight.dtype).expand(weight.shape)
+            setattr(self, name, nn.Parameter(shape_only, requires_grad=False))
 
     def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
         c = self.config
@@ -162,22 +197,26 @@ class FusedExperts(nn.Module):
                 return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids,
                                  self.w13_bias, self.w2_bias, self.activation)
         return experts_grouped(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_bias,
-                               self.w2_bias, self.activation)
+                               self.w2_bias, self.activation, self.packed)
 
 
 def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                     w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-                    activation) -> torch.Tensor:
+                    activation,
+                    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+                    ) -> torch.Tensor:
     """The grouped torch path (module docstring); ``activation`` maps ``[rows, 2 * inter]``
-    to ``[rows, inter]``."""
+    to ``[rows, inter]``; ``packed``: the experts' weights packed for oneDNN."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)  # [num_tokens * k], pair p is token p // k
     sorted_ids, order = torch.sort(flat_ids, stable=True)
     counts = torch.bincount(flat_ids, minlength=w13.shape[0])  # tokens per expert
     rows = x.index_select(0, order // top_k)  # [num_tokens * k, hidden], grouped by expert
-    hidden = activation(grouped_linear(rows, w13, w13_bias, sorted_ids, counts))
-    out = grouped_linear(hidden, w2, w2_bias, sorted_ids, counts)  # [num_tokens * k, hidden]
+    packed13, packed2 = packed if packed is not None else (None, None)
+    hidden = activation(grouped_linear(rows, w13, w13_bias, sorted_ids, counts, packed13))
+    # [num_tokens * k, hidden]
+    out = grouped_linear(hidden, w2, w2_bias, sorted_ids, counts, packed2)
     out = out * topk_weights.reshape(-1)[order].unsqueeze(-1)
     unsorted = torch.empty_like(out)
     unsorted[order] = out  # back to (token, k) order
@@ -207,3 +246,11 @@ class SparseMoeBlock(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+
+
+def pack_experts(model: nn.Module) -> int:
+    """Pack every ``FusedExperts`` of ``model`` for oneDNN; returns how many were packed."""
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    for module in experts:
+        module.pack()
+    return len(experts)

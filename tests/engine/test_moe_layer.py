@@ -163,3 +163,26 @@ def test_experts_grouped_is_the_layer_forward() -> None:
 def test_bad_moe_config_names_the_field(kwargs, field) -> None:
     with pytest.raises(ValueError, match=field):
         MoeConfig(hidden_size=8, intermediate_size=8, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("expert_bias", [False, True])
+def test_packed_experts_equal_the_stacked_weights(dtype, expert_bias) -> None:
+    """oneDNN-packed experts (the CPU path where oneDNN multiplies) give the stacked weights'
+    result, an expert without rows included, and hold no stacked copy afterwards."""
+    from engine.layers.linear import onednn_packing_available
+
+    if not onednn_packing_available(dtype):
+        pytest.skip(f"oneDNN does not pack {dtype} here")
+    config = MoeConfig(HIDDEN, 16, NUM_EXPERTS, 2, expert_bias=expert_bias)
+    experts = _experts(config).to(dtype)
+    weights, ids = _routing(23, 2)
+    x = torch.randn(23, HIDDEN).to(dtype)
+    with torch.no_grad():
+        want = experts(x, weights.to(dtype), ids)
+        assert moe.pack_experts(torch.nn.Sequential(experts)) == 1
+        got = experts(x, weights.to(dtype), ids)
+    assert experts.w13.untyped_storage().nbytes() <= experts.w13.element_size()
+    assert experts.packed is not None and len(experts.packed[0]) == NUM_EXPERTS
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
