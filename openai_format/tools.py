@@ -5,13 +5,16 @@ one call: a named function's output is its arguments object; "required" produces
 ``{"name": ..., "arguments": {...}}`` with ``name`` one of the tools (an ``anyOf``, one branch
 per tool). ``tool_choice`` "auto" leaves the choice to the model: its chat template gets the
 tools, and a family's own call syntax is parsed from the text (``HERMES_TOOL_CALL``: Qwen2/2.5/3
-and Hermes models write ``<tool_call>{"name", "arguments"}</tool_call>``).
+and Hermes models write ``<tool_call>{"name", "arguments"}</tool_call>``) or, for gpt-oss's
+harmony format (``HARMONY_TOOL_CALL``), from its messages to ``functions.{name}``
+(``openai_format.reasoning.split_harmony``).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +24,16 @@ from openai_format.types import ChatCompletionRequest
 # How a chat template that writes Hermes-style calls can be recognised.
 HERMES_TOOL_CALL = "<tool_call>"
 _HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+# ... and one that renders gpt-oss's harmony calls (``to=functions.{name}`` ... ``<|call|>``).
+HARMONY_TOOL_CALL = "<|call|>"
 
 
 @dataclass(frozen=True)
 class ToolCallMode:
     """How the text of a chat line's output becomes tool calls: ``forced_name`` (the text is
     the named function's arguments), ``forced_any`` (the text is ``{"name", "arguments"}``) or
-    ``hermes`` (calls between ``<tool_call>`` tags inside free text)."""
+    ``hermes`` (calls between ``<tool_call>`` tags inside free text) or ``harmony`` (the
+    completion's messages to functions, ``harmony_tool_calls``)."""
 
     kind: str
     name: str | None = None
@@ -57,10 +63,25 @@ def template_supports_tools(chat_template: Any) -> str | None:
     """The call syntax a chat template teaches the model (``"hermes"``), or None."""
     if isinstance(chat_template, dict):  # named templates: the tool_use one, else the default
         chat_template = chat_template.get("tool_use") or chat_template.get("default")
-    if isinstance(chat_template, str) and HERMES_TOOL_CALL in chat_template and (
-            "tools" in chat_template):
+    if not isinstance(chat_template, str) or "tools" not in chat_template:
+        return None
+    if HERMES_TOOL_CALL in chat_template:
         return "hermes"
+    if HARMONY_TOOL_CALL in chat_template and "functions." in chat_template:
+        return "harmony"
     return None
+
+
+def harmony_tool_calls(calls: Iterable[tuple[str, str]]) -> list[dict] | None:
+    """OpenAI ``tool_calls`` for harmony's (name, arguments text) calls; None if any call's
+    arguments are not a JSON object (the completion is then left as it is)."""
+    out = []
+    for name, text in calls:
+        arguments = _json_object(text)
+        if arguments is None or not name:
+            return None
+        out.append(_call(name, arguments))
+    return out
 
 
 def tool_calls_from_text(mode: ToolCallMode, text: str) -> tuple[str | None, list[dict]]:

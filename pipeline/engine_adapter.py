@@ -47,7 +47,12 @@ from openai_format.responses import (
     text_completion_body,
 )
 from openai_format.sampling import LORA_FIELD, engine_fields, sampling_kwargs
-from openai_format.tools import ToolCallMode, template_supports_tools, tool_calls_from_text
+from openai_format.tools import (
+    ToolCallMode,
+    harmony_tool_calls,
+    template_supports_tools,
+    tool_calls_from_text,
+)
 from openai_format.types import CHAT_URL, EMBEDDINGS_URL, INVALID_VALUE, RESPONSES_URL
 
 # A line error code of its own, as the model routing's: the line met a model of the other kind.
@@ -330,7 +335,11 @@ def _choice(c: CompletionOutput, engine: Engine, tool_mode: ToolCallMode | None,
         split = split_harmony(list(c.token_ids), lambda ids: engine.decode(ids, True), harmony)
     if split is not None:  # a harmony chat completion: the final channel is the answer
         text, reasoning, reasoning_tokens = split.content, split.reasoning, split.reasoning_tokens
-    if tool_mode is not None and c.finish_reason != "length":
+    if tool_mode is not None and tool_mode.kind == "harmony":
+        calls = harmony_tool_calls((call.name, call.arguments) for call in split.tool_calls
+                                   ) if split is not None else None
+        tool_calls = calls or []
+    elif tool_mode is not None and c.finish_reason != "length":
         content, tool_calls = tool_calls_from_text(tool_mode, text)
         text = content or ""
     return ChoiceResult(

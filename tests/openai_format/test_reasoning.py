@@ -121,3 +121,61 @@ def test_other_models_and_endpoints_are_untouched(tokenizer):
     body, _ = response_body(_output(tokenizer, ANSWER), endpoint=COMPLETIONS_URL, model="m",
                             engine=_Vocab(tokenizer), hex_id="ab")
     assert "analysis" in body["choices"][0]["text"]  # raw text: a completion is not a chat
+
+
+CALL = ("<|channel|>analysis<|message|>Need the weather.<|end|>"
+        "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+        "<|message|>{\"city\": \"Paris\"}<|call|>")
+
+
+@pytest.mark.parametrize("text", [
+    CALL,
+    # the recipient after the role instead of after the channel name
+    "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+    "{\"city\": \"Paris\"}<|call|>",
+])
+def test_messages_to_functions_are_tool_calls(tokenizer, text):
+    split = split_harmony(_ids(tokenizer, text), _decode(tokenizer), _specials(tokenizer))
+    assert split is not None
+    assert [(c.name, c.arguments) for c in split.tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+    assert split.content == ""  # the call is neither answer nor reasoning
+
+
+def test_a_call_cut_off_before_call_is_not_a_call(tokenizer):
+    ids = _ids(tokenizer, CALL.removesuffix("<|call|>")[:-4])
+    split = split_harmony(ids, _decode(tokenizer), _specials(tokenizer))
+    assert split is not None and split.tool_calls == ()
+
+
+def test_harmony_tool_calls_in_the_chat_response(tokenizer):
+    from openai_format.tools import ToolCallMode
+
+    body, _ = response_body(_output(tokenizer, CALL), endpoint=CHAT_URL, model="m",
+                            engine=_Vocab(tokenizer), hex_id="ab",
+                            tool_mode=ToolCallMode("harmony"))
+    completion = ChatCompletion.model_validate(body)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = choice.message.tool_calls or []
+    assert len(calls) == 1 and calls[0].function.name == "get_weather"
+    assert calls[0].function.arguments == '{"city": "Paris"}'
+    assert (choice.message.model_extra or {})["reasoning_content"] == "Need the weather."
+    # arguments that are not a JSON object: no call is made up; the answer stays as it is
+    bad = CALL.replace('{"city": "Paris"}', "city=Paris")
+    body, _ = response_body(_output(tokenizer, bad), endpoint=CHAT_URL, model="m",
+                            engine=_Vocab(tokenizer), hex_id="ab",
+                            tool_mode=ToolCallMode("harmony"))
+    assert "tool_calls" not in body["choices"][0]["message"]
+    assert body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_harmony_template_with_tools_is_recognised():
+    from openai_format.tools import template_supports_tools
+
+    template = ("{% if tools %}namespace functions {% endif %}{% for m in messages %}"
+                "{% if m.tool_calls %}<|start|>assistant to=functions.{{ m.tool_calls[0]"
+                ".function.name }}<|channel|>commentary json<|message|>...<|call|>{% endif %}"
+                "{% endfor %}")
+    assert template_supports_tools(template) == "harmony"
+    assert template_supports_tools("<|call|> no tools here") is None
