@@ -130,3 +130,42 @@ def test_lora_linear_stacked_path_equals_segmented_path_and_base_rows_pay_nothin
         gpu = linear(x)
     torch.testing.assert_close(gpu, cpu, atol=1e-5, rtol=1e-5)
     assert torch.equal(gpu[base_rows], expected[base_rows])
+
+
+def test_long_segments_on_onednn_equal_the_plain_formula():
+    """Where oneDNN multiplies the base weight, a segment of ONEDNN_MIN_ROWS rows or more runs
+    on oneDNN's packed A and B, a shorter one on matmul: both the plain formula."""
+    from engine.layers.linear import Linear, onednn_packing_available
+    from engine.layers.lora import (
+        ONEDNN_MIN_ROWS,
+        LoRABatch,
+        LoRALinear,
+        LoRAPiece,
+        LoRASegment,
+        ModuleLoRA,
+        lora_batch,
+    )
+
+    if not onednn_packing_available(torch.float32):
+        pytest.skip("oneDNN does not pack fp32 here")
+    g = torch.Generator().manual_seed(3)
+    base = Linear(16, 24, bias=False)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(24, 16, generator=g))
+    module = ModuleLoRA(torch.randn(5, 16, generator=g), [
+        LoRAPiece(0, 8, 0, 2, 0.5, torch.randn(8, 2, generator=g), (0,)),
+        LoRAPiece(16, 8, 2, 3, 2.0, torch.randn(8, 3, generator=g), (2,))])
+    long = ONEDNN_MIN_ROWS + 5
+    x = torch.randn(long + 7, 16, generator=g)
+    want = base(x)
+    for rows in (slice(0, long), slice(long + 1, long + 7)):
+        want[rows, 0:8] += 0.5 * (x[rows] @ module.lora_a[:2].T) @ module.pieces[0].lora_b.T
+        want[rows, 16:24] += 2.0 * (x[rows] @ module.lora_a[2:].T) @ module.pieces[1].lora_b.T
+    base.pack(gemm="onednn")
+    linear = LoRALinear(base, 0, ("q_proj", "k_proj", "v_proj"), (8, 8, 8))
+    segments = [LoRASegment(0, long, "a", [module]), LoRASegment(long + 1, long + 7, "a",
+                                                                  [module])]
+    with lora_batch(LoRABatch(segments)):
+        got = linear(x)
+    assert module._onednn is not None  # the long segment took the packed copies
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
