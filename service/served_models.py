@@ -109,8 +109,13 @@ def announce(session: Session, *, model: str, aliases: list[str], kind: str | No
         row.aliases = merged
     if kind is not None and row.kind != kind:
         row.kind = kind
-    if row.last_seen_at < now - dt.timedelta(seconds=SEEN_REFRESH_FRACTION * model_ttl):
-        row.last_seen_at = now
+    due = now - dt.timedelta(seconds=SEEN_REFRESH_FRACTION * model_ttl)
+    if row.last_seen_at < due:
+        # Conditional: of a fleet that starts at once and finds the row due, one writes it;
+        # the others' statements find it fresh once that one commits.
+        session.execute(update(ServedModel)
+                        .where(ServedModel.id == model, ServedModel.last_seen_at < due)
+                        .values(last_seen_at=now).execution_options(synchronize_session=False))
 
 
 def worker_stopped(session: Session, *, model: str, now: dt.datetime | None = None) -> None:
