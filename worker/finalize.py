@@ -55,7 +55,7 @@ from service.models import (
 from service.objects import batch_object
 from service.storage import ObjectStorage
 from service.webhooks import queue_event
-from worker.prepare import claim_batch_lease, prepare_unfinished
+from worker.prepare import claim_batch_lease, is_unfinished, prepare_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +77,18 @@ def has_open_lines(session: Session, batch_id: str) -> bool:
 
 def finalizable_batches(session: Session, *, now: dt.datetime | None = None,
                         limit: int = 50) -> list[str]:
-    """Batches that need finalizing now: cancelled, past their window, finished, or left half
-    finalized by a worker whose lease ran out; none whose prepare is unfinished."""
+    """Batches that need finalizing now: past their window, left half finalized by a worker
+    whose lease ran out, or, once their prepare is over, cancelled or finished."""
     now = now or utcnow()
     lease_free = Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now)
     num_open = (select(func.coalesce(func.sum(BatchCounter.num_open), 0))
                 .where(BatchCounter.batch_id == Batch.id).scalar_subquery())
-    query = select(Batch.id).where(lease_free, ~prepare_unfinished(), (
-        (Batch.status.in_((CANCELLING, FINALIZING)))
-        | (Batch.status.in_((VALIDATING, IN_PROGRESS)) & (Batch.expires_at < now))
-        | ((Batch.status == IN_PROGRESS) & (num_open <= 0))
+    query = select(Batch.id).where(lease_free, (
+        (Batch.status == FINALIZING)
+        # Even a prepare that never ends (its file is gone from storage) ends with its window.
+        | (Batch.status.in_((VALIDATING, IN_PROGRESS, CANCELLING)) & (Batch.expires_at < now))
+        | (~prepare_unfinished() & ((Batch.status == CANCELLING)
+                                    | ((Batch.status == IN_PROGRESS) & (num_open <= 0))))
     )).order_by(Batch.pk).limit(limit)
     return list(session.scalars(query).all())
 
@@ -100,9 +102,9 @@ def _may_be_ready(session: Session, batch_id: str, now: dt.datetime) -> bool:
                           .where(Batch.id == batch_id)).one_or_none()
     if row is None or row.status not in (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING):
         return False
-    if row.prepared_lines and row.prepared_at is None:
-        return False
     expired = row.expires_at is not None and row.expires_at <= now
+    if is_unfinished(row.status, row.prepared_lines, row.prepared_at):
+        return expired
     if row.status != IN_PROGRESS or row.outcome is not None or expired:
         return row.status != VALIDATING or expired
     return counters.num_open(session, batch_id) <= 0
@@ -111,8 +113,9 @@ def _may_be_ready(session: Session, batch_id: str, now: dt.datetime) -> bool:
 def _decide(session: Session, batch: Batch, now: dt.datetime) -> str | None:
     if batch.outcome is not None:
         return batch.outcome
-    if batch.prepared_lines and batch.prepared_at is None:
-        return None  # prepare stopped half way (its lease ran out): it resumes first
+    # Prepare stopped half way (its lease ran out): it resumes first, unless the window ended.
+    if is_unfinished(batch.status, batch.prepared_lines, batch.prepared_at):
+        return EXPIRED if batch.expires_at is not None and batch.expires_at <= now else None
     if batch.status == CANCELLING:
         return CANCELLED
     if batch.status == VALIDATING:

@@ -46,6 +46,7 @@ from service.models import (
     VALIDATING,
     Batch,
     File,
+    RequestLine,
     Shard,
 )
 from service.objects import batch_object
@@ -82,15 +83,21 @@ def chunk_shards(num_shards: int) -> int:
 
 
 def prepare_unfinished() -> ColumnElement[bool]:
-    """Batches whose prepare committed a chunk but not its last: not to be finalized (their
-    open lines are not all there yet), to be resumed."""
-    return (Batch.prepared_lines > 0) & Batch.prepared_at.is_(None)
+    """Batches whose prepare committed a chunk but not its last: to be resumed, and not to be
+    finalized (their open lines are not all there yet) unless their window ends first."""
+    return (Batch.status.in_(_PREPARING) & (Batch.prepared_lines > 0)
+            & Batch.prepared_at.is_(None))
+
+
+def is_unfinished(status: str, prepared_lines: int, prepared_at: dt.datetime | None) -> bool:
+    """``prepare_unfinished`` of a batch row's values."""
+    return status in _PREPARING and prepared_lines > 0 and prepared_at is None
 
 
 def to_prepare() -> ColumnElement[bool]:
     """Batches a prepare should start (validating) or resume (unfinished)."""
-    return Batch.prepared_at.is_(None) & ((Batch.status == VALIDATING)
-                                         | (Batch.prepared_lines > 0))
+    return (Batch.status.in_(_PREPARING) & Batch.prepared_at.is_(None)
+            & ((Batch.status == VALIDATING) | (Batch.prepared_lines > 0)))
 
 
 def claim_batch_lease(
@@ -203,11 +210,14 @@ class _Prepare:
                 select(func.count()).select_from(Shard).where(Shard.batch_id == batch.id)) or 0
         self.batch, self.cursor = batch, batch.prepared_lines
         self.model = self.adapters.get(batch.model, batch.model) if batch.model else None
-        if file.deleted_at is not None and self.cursor == 0:
+        if file.deleted_at is not None:
+            error = {"code": "invalid_file", "param": "input_file_id", "line": None,
+                     "message": f"input file {file.id} was deleted"}
             with self.db.session() as session:
-                self._fail(session, [{"code": "invalid_file", "param": "input_file_id",
-                                      "line": None,
-                                      "message": f"input file {file.id} was deleted"}])
+                if self.num_shards:
+                    self._end_at_cursor(session, error)
+                else:
+                    self._fail(session, [error], num_failed=self._num_committed(session))
             return []
         totals = self.totals
         rows = line_rows(
@@ -284,6 +294,29 @@ class _Prepare:
         if shard_ids:
             self.on_shards(shard_ids)
         return shard_ids
+
+    def _num_committed(self, session: Session) -> int:
+        """The lines committed so far (the counters count each once, ``service.counters``)."""
+        sums = counters.sums(session, [self.batch_id]).get(self.batch_id, CounterDelta())
+        return sums.num_open + sums.num_completed + sums.num_failed
+
+    def _end_at_cursor(self, session: Session, error: dict) -> None:
+        """The input file was deleted half way: the batch runs the lines committed so far."""
+        batch = self.batch
+        tokens = session.scalar(select(func.sum(RequestLine.enqueued_tokens))
+                                .where(RequestLine.batch_id == batch.id)) or 0
+        moved = session.execute(
+            update(Batch).where(Batch.id == batch.id, Batch.lease_owner == self.worker_id,
+                                Batch.prepared_lines == self.cursor)
+            .values(prepared_at=utcnow(), lease_owner=None, lease_expires_at=None,
+                    num_total=self._num_committed(session), enqueued_tokens=tokens,
+                    errors=[*(batch.errors or []), {**error, "message": error["message"]
+                            + f" while it was prepared: lines after {self.cursor} not read"}])
+            .execution_options(synchronize_session=False)).rowcount
+        if moved != 1:
+            raise PrepareLeaseLost(f"batch {batch.id}: its prepare was taken over")
+        log.warning("batch %s: its input file was deleted half way; it runs its first %d lines",
+                    batch.id, self.cursor)
 
     def _fail(self, session: Session, errors: list[dict], *, num_failed: int = 0) -> None:
         now = utcnow()

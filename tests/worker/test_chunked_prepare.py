@@ -201,3 +201,46 @@ def test_a_prepare_whose_lease_was_taken_over_commits_nothing_more(make_stack, a
     with pytest.raises(PrepareLeaseLost):
         prepare_batch(db, storage, batch_id, worker_id="prep", shard_size=2)
     assert layout(db, batch_id) == expected
+
+
+def _killed_half_way(stack, monkeypatch) -> str:
+    """A 60-line batch whose preparer was killed in its third chunk (lines 1-20 committed)."""
+    batch_id = stack.create_batch(lines(60))["id"]
+    with monkeypatch.context() as patch:
+        patch.setattr(prepare_rows, "iter_lines", _stopping_at(30, Killed()))
+        with pytest.raises(Killed):
+            prepare_batch(stack.ctx.db, stack.ctx.storage, batch_id, worker_id="prep",
+                          shard_size=2)
+    _expire_lease(stack.ctx.db, batch_id)
+    return batch_id
+
+
+def test_an_unfinished_prepare_past_its_window_is_expired(make_stack, sqlite_url, monkeypatch):
+    stack = make_stack(sqlite_url)
+    db = stack.ctx.db
+    batch_id = _killed_half_way(stack, monkeypatch)
+    assert finalize.finalize_batch(db, stack.ctx.storage, batch_id, worker_id="w") is None
+    with db.session() as session:  # its window ends before any worker resumes it
+        session.execute(update(Batch).where(Batch.id == batch_id).values(
+            expires_at=utcnow() - dt.timedelta(seconds=1)))
+    with db.read_session() as session:
+        assert finalize.finalizable_batches(session) == [batch_id]
+    assert finalize.finalize_batch(db, stack.ctx.storage, batch_id, worker_id="w") == "expired"
+    assert prepare_batch(db, stack.ctx.storage, batch_id, worker_id="w", shard_size=2) is None
+    counts = stack.batch(batch_id)["request_counts"]
+    assert counts == {"total": 20, "completed": 0, "failed": 20}  # the lines it had
+
+
+def test_a_file_deleted_half_way_ends_prepare_at_the_cursor(make_stack, sqlite_url,
+                                                            monkeypatch):
+    stack = make_stack(sqlite_url)
+    db = stack.ctx.db
+    batch_id = _killed_half_way(stack, monkeypatch)
+    file_id = stack.batch(batch_id)["input_file_id"]
+    assert stack.client.delete(f"/v1/files/{file_id}").status_code == 200
+    assert prepare_batch(db, stack.ctx.storage, batch_id, worker_id="w", shard_size=2) == []
+    half = layout(db, batch_id)
+    assert half["batch"][:2] == ("in_progress", 20) and half["batch"][6:9] == (20, True, None)
+    assert half["batch"][2][-1]["code"] == "invalid_file"
+    assert "lines after 20 not read" in half["batch"][2][-1]["message"]
+    assert half["counters"] == (16, 4)
