@@ -90,8 +90,8 @@ class ModelEntry:
         return (self.id, *self.aliases)
 
 
-def announce(session: Session, *, model: str, aliases: list[str], kind: str | None = None,
-             now: dt.datetime | None = None, model_ttl: float = 3600.0) -> None:
+def announce(session: Session, *, model: str, aliases: list[str], model_ttl: float,
+             kind: str | None = None, now: dt.datetime | None = None) -> None:
     """A worker says it serves ``model`` and what kind of model it is: insert the row, or merge
     aliases and kind into it. Its ``last_seen_at`` is written only when it is older than
     ``SEEN_REFRESH_FRACTION`` of ``model_ttl`` (the worker's heartbeat says the rest), so

@@ -81,8 +81,8 @@ def test_a_model_is_seen_through_its_workers_heartbeats_then_its_row(any_db_url)
     now = utcnow()
     long_ago = now - dt.timedelta(seconds=TTL + 600)
     with db.session() as session:  # announced long ago; a worker of it beats now
-        served_models.announce(session, model="tiny", aliases=[], now=long_ago)
-        served_models.announce(session, model="gone", aliases=[], now=long_ago)
+        served_models.announce(session, model="tiny", aliases=[], now=long_ago, model_ttl=TTL)
+        served_models.announce(session, model="gone", aliases=[], now=long_ago, model_ttl=TTL)
     worker = publisher(db, "w1")
     worker.publish()
     assert served(db, now=now) == {"tiny": 1}  # "gone": no heartbeat, its row too old
@@ -105,7 +105,7 @@ def test_pruning_a_killed_workers_row_keeps_its_last_heartbeat(any_db_url):
     db = migrated(any_db_url)
     killed_at = utcnow() - PRUNE_AFTER - dt.timedelta(minutes=5)
     with db.session() as session:
-        served_models.announce(session, model="tiny", aliases=[],
+        served_models.announce(session, model="tiny", aliases=[], model_ttl=TTL,
                                now=killed_at - dt.timedelta(minutes=30))
         session.add(WorkerStatus(id="killed", model="tiny", started_at=killed_at,
                                  heartbeat_at=killed_at))
