@@ -17,9 +17,10 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import delete, update
+from sqlalchemy import delete, func, select, update
 
 from metrics.recorder import EngineRecorder
+from service import served_models
 from service.db import Database, utcnow
 from service.liveness import stale_after
 from service.loop import RoundLoop
@@ -84,17 +85,26 @@ class MetricsPublisher(RoundLoop):
                                          metrics=snapshot))
 
     def remove(self) -> None:
-        """A clean stop: the worker leaves the list at once."""
+        """A clean stop: the worker leaves the list at once, and its model's row records that
+        it was seen until now (its heartbeat said so until this delete)."""
         try:
             with self.db.session() as session:
                 session.execute(delete(WorkerStatus).where(WorkerStatus.id == self.worker_id))
+                if self.model is not None:
+                    served_models.worker_stopped(session, model=self.model)
         except Exception:
             log.exception("could not remove worker %s from the workers table", self.worker_id)
 
     def _prune(self) -> None:
         try:
             with self.db.session() as session:
-                session.execute(delete(WorkerStatus).where(
-                    WorkerStatus.heartbeat_at < utcnow() - PRUNE_AFTER))
+                old = WorkerStatus.heartbeat_at < utcnow() - PRUNE_AFTER
+                # Their heartbeats go: their models' rows keep when they were last seen.
+                for model, last in session.execute(
+                        select(WorkerStatus.model, func.max(WorkerStatus.heartbeat_at))
+                        .where(old, WorkerStatus.model.is_not(None))
+                        .group_by(WorkerStatus.model)).all():
+                    served_models.worker_stopped(session, model=model, now=last)
+                session.execute(delete(WorkerStatus).where(old))
         except Exception:
             log.exception("could not prune old worker rows")

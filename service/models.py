@@ -161,6 +161,12 @@ class Batch(Base):
     est_prompt_tokens_per_line: Mapped[float] = mapped_column(Float, default=0.0)
     est_output_tokens_per_line: Mapped[float] = mapped_column(Float, default=0.0)
 
+    # Prepare's cursor (worker.prepare): its input lines, by line number, whose rows are
+    # committed (a resumed prepare inserts only the lines after it), and when its last chunk
+    # committed (None until then: finalize waits for it).
+    prepared_lines: Mapped[int] = mapped_column(Integer, default=0)
+    prepared_at: Mapped[dt.datetime | None]
+
     # Lease for the one-worker stages (validating -> in_progress, finalizing).
     lease_owner: Mapped[str | None] = mapped_column(String(100))
     lease_expires_at: Mapped[dt.datetime | None]

@@ -3,7 +3,15 @@
 A worker loads one model. Its id is ``served_model_name`` or the last part of its ``model``
 setting (a cached name, a folder, a ``.gguf`` file without the suffix); its aliases are the
 other names it answers to (the cached name, the GGUF file's stem). Workers announce their model
-in the ``models`` table when they start and every few seconds after.
+in the ``models`` table when they start (its aliases, its kind, when it was first seen).
+
+When a model was last seen is the latest of two times, so that no row is written by every
+worker every few seconds (32 workers queued on the one ``models`` row of their model): its
+workers' own heartbeats (``workers.model``, ``workers.heartbeat_at``, each worker's row written
+only by that worker), and the row's ``last_seen_at``, which a worker's announcement (once a
+minute) refreshes only when it is older than ``SEEN_REFRESH_FRACTION`` of ``model_ttl``, and a
+worker's clean stop sets (its heartbeat row goes with it). So a model is seen until its last
+worker's last heartbeat, or its stop, whether that worker's row is still there or not.
 
 A model is of one kind (``KINDS``): it generates (chat and completions lines) or it embeds
 (embeddings lines). Workers announce the kind with the model; a batch or job whose endpoint the
@@ -15,7 +23,8 @@ restarting (a clean stop, a crash, a rolling upgrade, a node that takes minutes 
 - the deployment's configured models (``BOXCAR_MODELS``; unset, the one ``BOXCAR_MODEL``), which
   are served even before any worker has started; the first is the default for requests that
   name no model;
-- every model a worker announced within ``model_ttl`` seconds (default one hour).
+- every model a worker announced, heartbeat or stopped within ``model_ttl`` seconds (default
+  one hour).
 Work accepted for a served model with no live worker waits in that model's queue until one
 starts (or its completion window ends); it never runs on another model.
 """
@@ -26,7 +35,7 @@ import datetime as dt
 import os
 from dataclasses import dataclass
 
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
 from openai_format.types import EMBEDDINGS_URL
@@ -34,6 +43,11 @@ from service.db import utcnow
 from service.liveness import is_live
 from service.models import ServedModel, WorkerStatus
 from service.settings import Settings
+
+# A model's row is refreshed by its workers' announcements once older than this fraction of
+# model_ttl (six minutes at the default hour): one write by one worker, not one per worker per
+# minute; between refreshes its workers' heartbeats say it is seen.
+SEEN_REFRESH_FRACTION = 0.1
 
 GENERATION = "generation"
 EMBEDDING = "embedding"
@@ -76,10 +90,12 @@ class ModelEntry:
         return (self.id, *self.aliases)
 
 
-def announce(session: Session, *, model: str, aliases: list[str], kind: str | None = None,
-             now: dt.datetime | None = None) -> None:
-    """A worker says it serves ``model`` (insert the row, or refresh it and merge aliases) and
-    what kind of model it is."""
+def announce(session: Session, *, model: str, aliases: list[str], model_ttl: float,
+             kind: str | None = None, now: dt.datetime | None = None) -> None:
+    """A worker says it serves ``model`` and what kind of model it is: insert the row, or merge
+    aliases and kind into it. Its ``last_seen_at`` is written only when it is older than
+    ``SEEN_REFRESH_FRACTION`` of ``model_ttl`` (the worker's heartbeat says the rest), so
+    nothing is written at all when nothing changed."""
     if kind is not None and kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     now = now or utcnow()
@@ -93,7 +109,21 @@ def announce(session: Session, *, model: str, aliases: list[str], kind: str | No
         row.aliases = merged
     if kind is not None and row.kind != kind:
         row.kind = kind
-    row.last_seen_at = now
+    due = now - dt.timedelta(seconds=SEEN_REFRESH_FRACTION * model_ttl)
+    if row.last_seen_at < due:
+        # Conditional: of a fleet that starts at once and finds the row due, one writes it;
+        # the others' statements find it fresh once that one commits.
+        session.execute(update(ServedModel)
+                        .where(ServedModel.id == model, ServedModel.last_seen_at < due)
+                        .values(last_seen_at=now).execution_options(synchronize_session=False))
+
+
+def worker_stopped(session: Session, *, model: str, now: dt.datetime | None = None) -> None:
+    """A worker of ``model`` stops (its heartbeat row is deleted): the model was seen now."""
+    now = now or utcnow()
+    session.execute(update(ServedModel)
+                    .where(ServedModel.id == model, ServedModel.last_seen_at < now)
+                    .values(last_seen_at=now).execution_options(synchronize_session=False))
 
 
 class WrongModelKind(Exception):
@@ -147,8 +177,14 @@ def served_models(session: Session, settings: Settings,
     """Every served model (see the module's docstring), configured ones first, then by id."""
     now = now or utcnow()
     seen_since = now - dt.timedelta(seconds=settings.model_ttl)
+    # Seen: its row says so, or a worker's heartbeat does (off the heartbeat index: a row per
+    # worker, however many lines or batches there are).
+    beating = (select(WorkerStatus.model)
+               .where(WorkerStatus.heartbeat_at >= seen_since, WorkerStatus.model.is_not(None))
+               .distinct())
     announced = {row.id: row for row in session.scalars(
-        select(ServedModel).where(ServedModel.last_seen_at >= seen_since))}
+        select(ServedModel).where(or_(ServedModel.last_seen_at >= seen_since,
+                                      ServedModel.id.in_(beating))))}
     configured = configured_models(settings)
     # Configured ids are looked up too: their first-seen time and workers' aliases.
     for row in session.scalars(select(ServedModel).where(ServedModel.id.in_(list(configured)))):

@@ -1,7 +1,9 @@
 """Finalize: a batch's output and error files, built from its line rows, and its final status.
 
 First a read with no lock: a running batch whose counters (``service.counters``) still show open
-lines, within its window, is not ready, and nothing is written. So a batch is finalized once,
+lines, within its window, is not ready, nor one whose prepare has not committed its last chunk
+(``worker.prepare.prepare_unfinished``: its counters do not count the lines still to come), and
+nothing is written. So a batch is finalized once,
 when the writer that closed its last line (or a cancel, the deadline, the periodic scan) says so,
 not tried at every finished shard. Then, under a lease on the batch row: decide the outcome
 (completed when no line is open, which the lines themselves confirm; cancelled after a cancel;
@@ -53,7 +55,7 @@ from service.models import (
 from service.objects import batch_object
 from service.storage import ObjectStorage
 from service.webhooks import queue_event
-from worker.prepare import claim_batch_lease
+from worker.prepare import claim_batch_lease, is_unfinished, prepare_unfinished
 
 log = logging.getLogger(__name__)
 
@@ -75,28 +77,34 @@ def has_open_lines(session: Session, batch_id: str) -> bool:
 
 def finalizable_batches(session: Session, *, now: dt.datetime | None = None,
                         limit: int = 50) -> list[str]:
-    """Batches that need finalizing now: cancelled, past their window, finished, or left half
-    finalized by a worker whose lease ran out."""
+    """Batches that need finalizing now: past their window, left half finalized by a worker
+    whose lease ran out, or, once their prepare is over, cancelled or finished."""
     now = now or utcnow()
     lease_free = Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now)
     num_open = (select(func.coalesce(func.sum(BatchCounter.num_open), 0))
                 .where(BatchCounter.batch_id == Batch.id).scalar_subquery())
     query = select(Batch.id).where(lease_free, (
-        (Batch.status.in_((CANCELLING, FINALIZING)))
-        | (Batch.status.in_((VALIDATING, IN_PROGRESS)) & (Batch.expires_at < now))
-        | ((Batch.status == IN_PROGRESS) & (num_open <= 0))
+        (Batch.status == FINALIZING)
+        # Even a prepare that never ends (its file is gone from storage) ends with its window.
+        | (Batch.status.in_((VALIDATING, IN_PROGRESS, CANCELLING)) & (Batch.expires_at < now))
+        | (~prepare_unfinished() & ((Batch.status == CANCELLING)
+                                    | ((Batch.status == IN_PROGRESS) & (num_open <= 0))))
     )).order_by(Batch.pk).limit(limit)
     return list(session.scalars(query).all())
 
 
 def _may_be_ready(session: Session, batch_id: str, now: dt.datetime) -> bool:
     """Whether finalize has anything to decide, read without a lock: a running batch with
-    open lines left (its counters say) and time left is not ready."""
-    row = session.execute(select(Batch.status, Batch.outcome, Batch.expires_at)
+    open lines left (its counters say) and time left is not ready, nor one whose prepare is
+    unfinished (its lines are not all there)."""
+    row = session.execute(select(Batch.status, Batch.outcome, Batch.expires_at,
+                                 Batch.prepared_lines, Batch.prepared_at)
                           .where(Batch.id == batch_id)).one_or_none()
     if row is None or row.status not in (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING):
         return False
     expired = row.expires_at is not None and row.expires_at <= now
+    if is_unfinished(row.status, row.prepared_lines, row.prepared_at):
+        return expired
     if row.status != IN_PROGRESS or row.outcome is not None or expired:
         return row.status != VALIDATING or expired
     return counters.num_open(session, batch_id) <= 0
@@ -105,6 +113,9 @@ def _may_be_ready(session: Session, batch_id: str, now: dt.datetime) -> bool:
 def _decide(session: Session, batch: Batch, now: dt.datetime) -> str | None:
     if batch.outcome is not None:
         return batch.outcome
+    # Prepare stopped half way (its lease ran out): it resumes first, unless the window ended.
+    if is_unfinished(batch.status, batch.prepared_lines, batch.prepared_at):
+        return EXPIRED if batch.expires_at is not None and batch.expires_at <= now else None
     if batch.status == CANCELLING:
         return CANCELLED
     if batch.status == VALIDATING:

@@ -1,7 +1,8 @@
 """Batch stages that one worker does at a time under a lease on the batch row: prepare
-(validating -> in_progress) and finalize (-> completed / cancelled / expired). Batches come from
-broker messages, from the writer (a batch's shard just finished) and from polling. Every scan
-also deletes expired files, ``service.expiry.DELETE_STEP`` at a time.
+(validating -> in_progress, resumed where an earlier one stopped) and finalize (-> completed /
+cancelled / expired). Batches come from broker messages, from the writer (a batch's shard just
+finished) and from polling. Every scan also deletes expired files, ``service.expiry.DELETE_STEP``
+at a time.
 
 A stage that fails (object storage or the database is down) is retried by this worker with
 exponential backoff, ``RETRY_FIRST_SECONDS`` doubling up to ``RETRY_MAX_SECONDS``, so it runs
@@ -22,12 +23,12 @@ from sqlalchemy import select
 from service.db import Database, utcnow
 from service.expiry import delete_expired
 from service.loop import RoundLoop
-from service.models import VALIDATING, Batch
+from service.models import Batch
 from service.served_models import configured_adapters
 from service.settings import Settings
 from service.storage import ObjectStorage
 from worker.finalize import finalizable_batches, finalize_batch
-from worker.prepare import prepare_batch
+from worker.prepare import prepare_batch, to_prepare
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +106,21 @@ class Housekeeper(RoundLoop):
             return time.monotonic() < self._backoff.get((stage, batch_id), (0, 0.0))[1]
 
     def prepare(self, batch_id: str) -> list[str] | None:
+        """Prepare (or resume preparing) ``batch_id``; each chunk's shards are announced as it
+        commits (``on_prepared``)."""
         shard_ids = self._attempt("prepare", batch_id, lambda: prepare_batch(
             self.db, self.storage, batch_id, worker_id=self.worker_id,
             shard_size=self.settings.shard_size, mixed_endpoints=self.settings.mixed_endpoints,
             adapters=configured_adapters(self.settings),
-            max_embedding_inputs=self.settings.max_batch_embedding_inputs))
-        if shard_ids:
-            self._on_prepared(shard_ids)
-        elif shard_ids is not None:  # failed at prepare: final, its event is queued
-            self._on_finalized()
+            max_embedding_inputs=self.settings.max_batch_embedding_inputs,
+            on_shards=self._on_prepared))
+        if shard_ids is not None:
+            if not shard_ids:  # failed at prepare (final, its event is queued), or no new shard
+                self._on_finalized()
+            # Its shards may all be done already (their last writer found prepare unfinished):
+            # finalize looks at it now rather than at the next scan.
+            with self._lock:
+                self._candidates.add(batch_id)
         return shard_ids
 
     def finalize(self, batch_id: str) -> str | None:
@@ -128,7 +135,7 @@ class Housekeeper(RoundLoop):
         with self.db.read_session() as session:
             waiting = session.scalars(
                 select(Batch.id).where(
-                    Batch.status == VALIDATING,
+                    to_prepare(),
                     Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now)
                     | (Batch.lease_owner == self.worker_id))
                 .order_by(Batch.pk).limit(5)

@@ -234,12 +234,13 @@ class LeaseKeeper(RoundLoop):
             self._announce_shards(reaped)
 
     def announce(self) -> None:
-        """Say (again) that this worker serves its model, so it stays served while it runs
-        (at start, then once a minute: the model's TTL is much longer)."""
+        """Say (again) that this worker serves its model (at start, then once a minute): a read
+        of the model's row, written only when something changed or it is due a refresh
+        (``service.served_models``: the heartbeat keeps the model seen meanwhile)."""
         if self.model is not None:
             with self.db.session() as session:
                 served_models.announce(session, model=self.model, aliases=self.aliases,
-                                       kind=self.kind)
+                                       kind=self.kind, model_ttl=self.settings.model_ttl)
             self._last_announce = time.monotonic()
 
     def check(self) -> None:

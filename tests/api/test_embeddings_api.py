@@ -22,7 +22,8 @@ def embedding_line(custom_id: str, value, **body) -> dict:
 
 def announce(ctx, model: str, kind: str | None) -> None:
     with ctx.db.session() as session:
-        served_models.announce(session, model=model, aliases=[], kind=kind)
+        served_models.announce(session, model=model, aliases=[], kind=kind,
+                               model_ttl=ctx.settings.model_ttl)
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ DEFAULT = "SmolLM2-135M-Instruct"  # the settings' default model: configured, so
 def announce(ctx, model: str, aliases=(), *, ago: float = 0.0) -> dt.datetime:
     at = utcnow() - dt.timedelta(seconds=ago)
     with ctx.db.session() as session:
-        served_models.announce(session, model=model, aliases=list(aliases), now=at)
+        served_models.announce(session, model=model, aliases=list(aliases), now=at,
+                               model_ttl=ctx.settings.model_ttl)
     return at
 
 
