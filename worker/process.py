@@ -225,6 +225,13 @@ class WorkerService:
                                 max_model_len=engine.max_model_len,
                                 interval=min(settings.worker_metrics_interval / 2, 0.5))
         self.drainer.on_step = forecaster.gather
+
+        def admitted() -> None:  # new lines in an idle engine: forecast and publish them now
+            forecaster.gather(force=True)
+            if self.publisher is not None:
+                self.publisher.wake()  # out of an idle heartbeat's back-off
+
+        self.drainer.on_admit = admitted
         self.drainer.at_risk = forecaster.at_risk
         self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
                                           model=model_name,
