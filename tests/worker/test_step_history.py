@@ -11,6 +11,8 @@ import random
 import pytest
 
 from metrics.forecast import Cost, LineProgress, OutputLengths, StepCost, forecast
+from metrics.publisher import MetricsPublisher
+from metrics.recorder import EngineRecorder
 from metrics.step_history import SAVED_STEPS, StepHistoryStore, history_key, parse_history
 from service.models import WorkerStatus
 from service.storage import LocalStorage, get_bytes, put_bytes
@@ -211,3 +213,20 @@ def test_a_restarted_worker_starts_from_its_engines_steps(make_stack, sqlite_url
     forecast_now = wait_for(published, 10, 0.02, "the restarted worker's first forecast")
     assert forecast_now["batches"] == {} and forecast_now["cost"]["fixed"] >= 0
     assert restored.num_observed == 0  # fitted from the earlier run's steps alone
+
+
+def test_the_heartbeat_saves_the_history_every_save_s(make_stack, sqlite_url, tmp_path):
+    stack = make_stack(sqlite_url)
+    recorder = EngineRecorder({})
+    storage = LocalStorage(str(tmp_path / "history"))
+    now = [0.0]
+    store = StepHistoryStore(storage, "h.json", recorder.step_cost, save_s=60.0,
+                             clock=lambda: now[0])
+    publisher = MetricsPublisher(stack.ctx.db, recorder, worker_id="w", model="m",
+                                 interval=1.0, history=store)
+    recorder.step_cost.observe(0.1, num_decode=1, num_prefill=0)
+    publisher.publish()
+    assert not storage.exists("h.json")  # not a minute yet
+    now[0] = 61.0
+    publisher.publish()
+    assert parse_history(get_bytes(storage, "h.json")) == [(1.0, 0.0, 0.1)]
