@@ -2,10 +2,11 @@
 deadline.
 
 Most of the answer comes from the workers. Each one forecasts, for the lines it holds (in its
-engine and in its line queue), when each batch's share will be done, from what only it knows:
-every sequence's computed and generated tokens, the order its lines will enter the engine, and
-what its own steps cost (``metrics.forecast``, published with its heartbeat). A batch whose
-lines are all held is done when the last worker holding some says so.
+engine and in its line queue), when each batch's share will be done, from what only it knows: every
+sequence's computed and generated tokens, the order its lines will enter the engine, and what its
+own steps cost (``metrics.forecast``, published with its heartbeat; a restarted worker starts from
+its engine's earlier steps, ``metrics.step_history``). A batch whose lines are all held is done
+when the last worker holding some says so, and never before now.
 
 Lines no worker holds yet (shards still pending) run after the workers' held work, at the pace
 the workers' step costs give for a full engine. Per line: its prompt tokens times (1 - its prefix
@@ -159,7 +160,9 @@ def _from_forecasts(b: _Live, live: list[_Live], forecasts: list[WorkerForecast]
         return sum(f.batches[batch.id][0] for f in forecasts if batch.id in f.batches)
 
     ends = [f.at + f.batches[b.id][1] for f in forecasts if b.id in f.batches]
-    held_end = max(ends) if ends else now
+    # A forecast's end that has passed while its lines are still open (a step ran longer than
+    # forecast, and the next forecast comes after it) is late, not done: never in the past.
+    held_end = max([*ends, now])
     pending = b.remaining - held(b)
     if pending <= 0:
         return held_end

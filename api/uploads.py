@@ -33,6 +33,13 @@ def file_storage_key(file_id: str) -> str:
     return f"files/{file_id}"
 
 
+def file_too_large(max_bytes: int, *, param: str = "file") -> ApiError:
+    """The 400 of a batch file over ``max_bytes`` (OpenAI answers a 400 naming the field, not a
+    413), whether its declared length says so or its streamed bytes pass the limit."""
+    return ApiError(400, f"'{param}' is larger than the limit of {max_bytes:,} bytes per batch "
+                    "file.", code="file_too_large", param=param)
+
+
 @dataclass
 class JsonlIngest:
     """Streams bytes into storage and checks them line by line. ``feed`` raises ``ApiError``."""
@@ -56,6 +63,8 @@ class JsonlIngest:
     _writer: Any = None
     _inputs: EmbeddingInputBudget | None = None
 
+    param: str = "file"  # the request field the lines came in (``requests`` when inline)
+
     @property
     def storage_key(self) -> str:
         return file_storage_key(self.file_id)
@@ -66,10 +75,7 @@ class JsonlIngest:
             self._writer = self._cm.__enter__()
         self.num_bytes += len(data)
         if self.num_bytes > self.max_bytes:
-            raise ApiError(
-                413, f"File is too large: the limit is {self.max_bytes} bytes.",
-                code="file_too_large", param="file",
-            )
+            raise file_too_large(self.max_bytes, param=self.param)
         self._writer.write(data)
         self._tail += data
         start = 0
@@ -96,8 +102,8 @@ class JsonlIngest:
         self.num_lines += 1
         if self.num_lines > self.max_lines:
             raise ApiError(
-                400, f"File has more than {self.max_lines} lines, the limit per batch file.",
-                code="too_many_lines", param="file",
+                400, f"'{self.param}' has more than {self.max_lines:,} lines, the limit per "
+                "batch file.", code="too_many_lines", param=self.param,
             )
         result = parse_line(raw, line_no=self._line_no)
         if isinstance(result, LineError):
@@ -265,7 +271,8 @@ def store_inline_requests(
 ) -> File:
     """Write an inline ``requests`` array as a batch input file, checked like an upload, that
     expires ``expires_after`` seconds from now (None: never)."""
-    ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines, max_embedding_inputs)
+    ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines, max_embedding_inputs,
+                         param="requests")
     try:
         for request in requests:
             line = {"custom_id": request.get("custom_id"), "method": request.get("method", "POST"),

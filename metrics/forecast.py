@@ -71,19 +71,49 @@ class Cost:
 
 class StepCost:
     """The fitted ``Cost`` of this worker's steps; thread-safe (the engine thread observes,
-    the metrics thread fits)."""
+    the metrics thread fits).
+
+    ``restore`` puts steps of an earlier run of the same engine (``metrics.step_history``) in
+    front of this run's: they give the fit the shape of a step (how it grows with its decodes
+    and prompt tokens) from the first forecast on, where a fresh worker has only the prior;
+    the level (the machine's load now) comes from this run's steps as soon as there are
+    ``MIN_RECENT_STEPS``."""
 
     def __init__(self, history: int = STEP_HISTORY, recent_s: float = RECENT_S) -> None:
         self._lock = threading.Lock()
         self._steps: deque[tuple[float, float, float]] = deque(maxlen=history)
-        self._ends: deque[float] = deque(maxlen=history)  # time.monotonic() at each step's end
+        # time.monotonic() at each step's end; -inf for a restored step (never recent)
+        self._ends: deque[float] = deque(maxlen=history)
         self._recent_s = recent_s
+        self._num_observed = 0
 
     def observe(self, seconds: float, *, num_decode: float, num_prefill: float,
                 at: float | None = None) -> None:
         with self._lock:
             self._steps.append((num_decode, num_prefill, seconds))
             self._ends.append(time.monotonic() if at is None else at)
+            self._num_observed += 1
+
+    def restore(self, steps: Iterable[tuple[float, float, float]]) -> None:
+        """Put ``(decodes, prefill tokens, seconds)`` of an earlier run before this run's
+        steps (oldest first), as far as the history has room."""
+        with self._lock:
+            room = (self._steps.maxlen or 0) - len(self._steps)
+            earlier = list(steps)[-room:] if room > 0 else []
+            self._steps.extendleft(reversed(earlier))
+            self._ends.extendleft([-np.inf] * len(earlier))
+
+    def history(self, max_steps: int) -> list[tuple[float, float, float]]:
+        """The last ``max_steps`` steps as ``(decodes, prefill tokens, seconds)``, oldest
+        first (restored ones included): what ``restore`` takes."""
+        with self._lock:
+            return list(self._steps)[-max_steps:] if max_steps > 0 else []
+
+    @property
+    def num_observed(self) -> int:
+        """Steps observed by this run (restored ones not counted)."""
+        with self._lock:
+            return self._num_observed
 
     def fit(self) -> Cost | None:
         """None until a step has been seen."""
@@ -102,6 +132,7 @@ class StepCost:
         weight = np.sqrt(PRIOR_STEPS) * max(float(decode.max()), 1.0)
         prior = np.array([[0.0, weight, -weight]])
         coef = _non_negative_lstsq(np.vstack([design, prior]), np.append(seconds, 0.0))
+        # Restored steps end at -inf: recent only while this run has none of its own.
         num_recent = max(int((ends >= ends[-1] - self._recent_s).sum()), MIN_RECENT_STEPS)
         recent = slice(-num_recent, None)
         predicted = float((design[recent] @ coef).sum())

@@ -20,6 +20,7 @@ from typing import Any
 from sqlalchemy import delete, func, select, update
 
 from metrics.recorder import EngineRecorder
+from metrics.step_history import StepHistoryStore
 from service import served_models
 from service.db import Database, utcnow
 from service.liveness import stale_after
@@ -38,13 +39,15 @@ class MetricsPublisher(RoundLoop):
 
     def __init__(self, db: Database, recorder: EngineRecorder, *, worker_id: str,
                  model: str | None, interval: float,
-                 forecast: Callable[[], dict[str, Any] | None] | None = None) -> None:
+                 forecast: Callable[[], dict[str, Any] | None] | None = None,
+                 history: StepHistoryStore | None = None) -> None:
         super().__init__(interval, idle_interval=stale_after(interval) / 3)
         self.db = db
         self.recorder = recorder
         self.worker_id = worker_id
         self.model = model
         self._forecast = forecast  # the held lines' forecast (worker.forecaster), or none
+        self.history = history  # the step history kept across restarts, saved every so often
         self._started_at = utcnow()
         self._last_counters: dict | None = None
         self._unchanged = False
@@ -83,6 +86,8 @@ class MetricsPublisher(RoundLoop):
                 session.add(WorkerStatus(id=self.worker_id, model=self.model,
                                          started_at=self._started_at, heartbeat_at=now,
                                          metrics=snapshot))
+        if self.history is not None:
+            self.history.maybe_save()  # after the beat: a slow storage never delays it
 
     def remove(self) -> None:
         """A clean stop: the worker leaves the list at once, and its model's row records that

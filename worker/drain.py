@@ -63,6 +63,7 @@ class Drainer:
         low_water: int | None = None,
         on_hungry: Callable[[], None] = lambda: None,
         on_step: Callable[[], None] = lambda: None,
+        on_admit: Callable[[], None] = lambda: None,
         at_risk: Callable[[str], bool] = lambda batch_id: False,
     ) -> None:
         self.engine = engine
@@ -76,6 +77,11 @@ class Drainer:
         self._on_hungry = on_hungry
         # After each step and each idle turn, on this thread (the forecast's gather).
         self.on_step = on_step
+        # After a top-up brought lines into an idle engine, before the step that starts them
+        # (the forecast's gather, at once): that step prefills them all and may take seconds,
+        # and a forecast that still saw the engine empty would leave their batch's estimate to
+        # the API's guess for lines no worker holds.
+        self.on_admit = on_admit
         # Whether a batch's deadline is at risk (the forecast's word): its lines then enter
         # the engine more urgent than other bulk lines (``service.queue_order``).
         self.at_risk = at_risk
@@ -154,10 +160,13 @@ class Drainer:
         self._apply_drops()
         if not self.engine.has_unfinished_requests() and self.queue.num_jobs:
             time.sleep(self.job_collect_window)
+        was_idle = not self.engine.has_unfinished_requests()
         self._top_up()
         if not self.engine.has_unfinished_requests():
             self.on_step()  # the forecast sees the engine empty, not its last busy state
             return False
+        if was_idle:
+            self.on_admit()
         try:
             outputs = self.engine.step()
         except Exception as exc:

@@ -1,12 +1,13 @@
 """What this worker publishes about the lines it holds: per batch, how many and when they will be
 done (``metrics.forecast``), for the API's ``estimated_completion_at`` (``api.eta``).
 
-``gather`` runs on the engine thread after a step, at most every ``interval`` seconds: it reads
-the engine's sequences (only that thread may) and the line queue into plain ``LineProgress``
-values. ``snapshot`` runs on the metrics thread when the heartbeat publishes: it fits the step
-cost and runs the forecast there, off the engine's path, and keeps the batches whose held lines
-it sees finishing after their deadline (``at_risk``: the drain loop gives their next lines a
-more urgent engine priority, ``service.queue_order``).
+``gather`` runs on the engine thread after a step, at most every ``interval`` seconds, and before
+the first step of an idle engine's new lines (a prefill of seconds, during which the forecast would
+otherwise still show the engine empty): it reads the engine's sequences (only that thread may) and
+the line queue into plain ``LineProgress`` values. ``snapshot`` runs on the metrics thread when the
+heartbeat publishes: it fits the step cost and runs the forecast there, off the engine's path, and
+keeps the batches whose held lines it sees finishing after their deadline (``at_risk``: the drain
+loop gives their next lines a more urgent engine priority, ``service.queue_order``).
 """
 
 from __future__ import annotations
@@ -40,10 +41,11 @@ class Forecaster:
 
     # -- the engine thread --------------------------------------------------------------------
 
-    def gather(self) -> None:
-        """Read the held lines' progress, if ``interval`` has passed since the last read."""
+    def gather(self, *, force: bool = False) -> None:
+        """Read the held lines' progress, if ``interval`` has passed since the last read (or
+        ``force``: lines just entered an idle engine)."""
         now = time.monotonic()
-        if now - self._gathered_at < self.interval:
+        if not force and now - self._gathered_at < self.interval:
             return
         self._gathered_at = now
         drainer = self.drainer

@@ -20,6 +20,7 @@ only while its line is open, and a shard that keeps breaking engines is failed a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -34,6 +35,7 @@ from sqlalchemy import select
 from engine.protocol import Engine
 from metrics.publisher import MetricsPublisher
 from metrics.recorder import EngineRecorder, MeteredEngine, engine_config, worker_registry
+from metrics.step_history import StepHistoryStore, history_key
 from openai_format.ids import new_id
 from service import ids
 from service.db import Database
@@ -162,6 +164,7 @@ class WorkerService:
         self.housekeeper: Housekeeper | None = None
         self.recorder: EngineRecorder | None = None
         self.publisher: MetricsPublisher | None = None
+        self.step_history: StepHistoryStore | None = None
         self._on_fatal = on_fatal
         self.failure: BaseException | None = None  # what broke the engine, once it did
         self.failed = threading.Event()  # set when the shutdown after a failure is done
@@ -209,16 +212,32 @@ class WorkerService:
             low_water=max(2 * engine.config.max_num_seqs, settings.shard_size),
             on_hungry=lambda: self.leases.wake_hungry(),
         )
+        # The forecast starts from this engine's own earlier steps (metrics.step_history).
+        self.step_history = StepHistoryStore(
+            self.storage, history_key(model_name=engine.model_name,
+                                      engine_config=dataclasses.asdict(engine.config)),
+            self.recorder.step_cost)
+        restored = self.step_history.load()
+        if restored:
+            log.info("step cost: %d steps of this engine's earlier runs restored", restored)
         forecaster = Forecaster(self.drainer, self.recorder.step_cost,
                                 seats=self.drainer.max_num_seqs,
                                 max_model_len=engine.max_model_len,
                                 interval=min(settings.worker_metrics_interval / 2, 0.5))
         self.drainer.on_step = forecaster.gather
+
+        def admitted() -> None:  # new lines in an idle engine: forecast and publish them now
+            forecaster.gather(force=True)
+            if self.publisher is not None:
+                self.publisher.wake()  # out of an idle heartbeat's back-off
+
+        self.drainer.on_admit = admitted
         self.drainer.at_risk = forecaster.at_risk
         self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
                                           model=model_name,
                                           interval=settings.worker_metrics_interval,
-                                          forecast=forecaster.snapshot)
+                                          forecast=forecaster.snapshot,
+                                          history=self.step_history)
         self.leases = LeaseKeeper(self.db, settings, worker_id=self.worker_id, held=self.held,
                                   drainer=self.drainer, announce_shards=self._announce_shards,
                                   on_batches_touched=self.housekeeper.batches_touched,
@@ -327,6 +346,8 @@ class WorkerService:
             self.webhooks.stop()
         if self.publisher is not None:
             self.publisher.remove()
+        if self.step_history is not None:
+            self.step_history.save()
         log.info("worker %s stopped", self.worker_id)
 
     def wait_started(self, timeout: float | None = None) -> bool:

@@ -79,7 +79,7 @@ CASES = [
     Case("declared length over the limit", "header", "POST", "/v1/files", {
         "content": b"x", "headers": {"content-type": "multipart/form-data; boundary=b",
                                      "content-length": str(1 << 30)}},
-         413, "file_too_large", "file", "limit is 65536 bytes"),
+         400, "file_too_large", "file", "limit of 65,536 bytes"),
     Case("body that is not JSON", "body", "POST", "/v1/batches", {
         "content": b'{"endpoint": ', "headers": {"content-type": "application/json"}},
          400, "invalid_json", None, "not valid JSON"),
@@ -109,7 +109,7 @@ CASES = [
         json.dumps([chat_line("a", "hi")]).encode()), 400, "invalid_file", "file",
         "got a list"),
     Case("file over the byte limit", "file", "POST", "/v1/files", _upload(
-        GOOD * (70_000 // len(GOOD))), 413, "file_too_large", "file", "limit is 65536 bytes"),
+        GOOD * (70_000 // len(GOOD))), 400, "file_too_large", "file", "limit of 65,536 bytes"),
     Case("file over the line limit", "file", "POST", "/v1/files", _upload(
         jsonl([chat_line(f"l{i}", "hi") for i in range(51)])), 400, "too_many_lines", "file",
         "more than 50 lines"),

@@ -173,6 +173,20 @@ def test_held_lines_end_when_the_workers_forecast_says(client, ctx):
     assert etas[a].estimated_completion_at == pytest.approx(now + 15.0)
 
 
+def test_a_forecast_whose_end_has_passed_is_late_not_done(client, ctx):
+    """The worker forecast its lines' end 3 s after a forecast made 10 s ago (its engine then
+    ran one long step, a prefill of seconds, and has published nothing newer): the lines are
+    still open, so the estimate is now, not 7 s ago."""
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    _start(ctx, a, open_lines=10)
+    now = time.time()
+    _worker(ctx, model, rate=100.0, forecast=_forecast(now - 10.0, 3.0, {a: (10, 3.0)}))
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0, now=now)
+    assert etas[a].estimated_completion_at == pytest.approx(now)
+
+
 def test_lines_no_worker_holds_run_after_the_held_work_in_queue_order(client, ctx):
     created = make_batch(client).json()
     day, model = created["id"], created["model"]

@@ -56,13 +56,33 @@ def test_request_level_errors_are_clear_4xx(client):
     assert upload(client, b"").status_code == 400
     assert upload(client, b"[1, 2]\n").status_code == 400
     too_large = upload(client, b'{"custom_id": "x"}\n' * 5000)
-    assert too_large.status_code == 413
+    assert too_large.status_code == 400
+    assert too_large.json()["error"]["param"] == "file"
     assert too_large.json()["error"]["code"] == "file_too_large"
     too_many = upload(client, jsonl([chat_line(str(i), "x") for i in range(51)]))
     assert too_many.status_code == 400 and too_many.json()["error"]["code"] == "too_many_lines"
     missing = client.post("/v1/files", data={"purpose": "batch"})
     assert missing.status_code == 400
     assert client.get("/v1/files/file-nope").status_code == 404
+
+
+def test_limits_are_400s_naming_the_field(client):
+    """Over the byte or the line limit, by upload or inline: a 400 in OpenAI's shape whose
+    param (and message) names the field the lines came in."""
+    too_large = upload(client, b'{"custom_id": "x"}\n' * 5000).json()["error"]
+    assert (too_large["code"], too_large["param"]) == ("file_too_large", "file")
+    assert too_large["message"].startswith("'file' is larger than the limit of 65,536 bytes")
+    too_many = upload(client, jsonl([chat_line(str(i), "x") for i in range(51)])).json()["error"]
+    assert (too_many["code"], too_many["param"]) == ("too_many_lines", "file")
+    assert too_many["message"].startswith("'file' has more than 50 lines")
+    big = [{"custom_id": f"i{i}", "body": {"messages": [{"role": "user", "content": "x" * 1700}]}}
+           for i in range(45)]  # each line under the line-size limit, all of them over 64 KiB
+    inline = client.post("/v1/batches", json={"endpoint": "/v1/chat/completions",
+                                              "completion_window": "24h", "requests": big})
+    assert inline.status_code == 400, inline.text
+    error = inline.json()["error"]
+    assert (error["code"], error["param"]) == ("file_too_large", "requests")
+    assert error["message"].startswith("'requests' is larger than the limit")
 
 
 def test_rejected_upload_leaves_nothing_behind(client, ctx):

@@ -51,3 +51,24 @@ def test_line_max_tokens_reads_either_field():
     assert line_max_tokens({"max_tokens": 9}) == 9
     assert line_max_tokens({"input": "x", "max_output_tokens": 5}) == 5  # a /v1/responses body
     assert line_max_tokens({}) is None and line_max_tokens({"max_tokens": True}) is None
+
+
+def test_lines_entering_an_idle_engine_are_forecast_before_their_first_step():
+    """The first step of an idle engine's new lines prefills them all (seconds on a CPU): the
+    forecast is gathered before it, so it does not show the engine empty meanwhile."""
+    engine = FakeEngine(max_num_seqs=2)
+    drainer, forecaster = make(engine)
+    forecaster.interval = 3600.0  # only a forced gather reads now
+    at_admit: list[tuple[int, dict]] = []
+
+    def admitted() -> None:
+        forecaster.gather(force=True)
+        at_admit.append((drainer.num_steps, forecaster.snapshot()["batches"]))
+
+    drainer.on_admit = admitted
+    assert not drainer.turn()  # idle: gathers the empty engine (the first gather)
+    drainer.add([line(i, "x", 4) for i in range(1, 4)], is_job=False)
+    assert drainer.turn()
+    assert at_admit == [(0, {"x": {"lines": 3, "seconds_left": 8.0}})]
+    assert drainer.turn()  # the engine was busy: no forced gather
+    assert len(at_admit) == 1
