@@ -23,7 +23,8 @@ over the tokens per second the workers computed in the last ``RATE_WINDOW_S`` se
 timelines.
 
 Null while unknown: a batch still validating (no lines yet) or no worker has stepped recently.
-A batch's open lines, finished lines and usage come from its counter rows (``service.counters``),
+A batch's open lines, finished lines and usage come from its counter rows (``service.counters``)
+(while its prepare still commits chunks, the open lines are the file's lines not finished),
 so a read costs a few rows per live batch whatever the batches' sizes; it is cached ``CACHE_S``
 seconds per process and serves every poll: the cost does not grow with the number of pollers.
 """
@@ -194,8 +195,11 @@ def _live_batches(session: Session) -> list[_Live]:
                                   output_tokens=c.output_tokens, cached_tokens=c.cached_tokens,
                                   est_prompt=b.est_prompt_tokens_per_line,
                                   est_output=b.est_output_tokens_per_line)
+        remaining = c.num_open
+        if b.prepared_at is None:  # prepare still committing chunks: the file's lines count
+            remaining = max(remaining, b.num_total - c.num_completed - c.num_failed)
         live.append(_Live(b.id, b.model, b.status, bulk_rank(deadline, b.priority), deadline,
-                          c.num_open, prompt, output))
+                          remaining, prompt, output))
     return live
 
 

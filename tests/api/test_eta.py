@@ -53,7 +53,7 @@ def test_throughput_counts_recent_busy_seconds_of_every_worker():
 
 def _start(ctx, batch_id: str, *, open_lines: int, done_lines: int = 0) -> None:
     with ctx.db.session() as session:
-        values = dict(status=IN_PROGRESS, in_progress_at=utcnow(),
+        values = dict(status=IN_PROGRESS, in_progress_at=utcnow(), prepared_at=utcnow(),
                       est_prompt_tokens_per_line=100.0, est_output_tokens_per_line=50.0)
         session.execute(update(Batch).where(Batch.id == batch_id).values(**values))
         tenant = session.scalar(select(Batch.tenant_id).where(Batch.id == batch_id))
@@ -228,3 +228,24 @@ def test_the_estimate_reads_the_counters_never_the_lines(client, ctx):
         event.remove(ctx.db.read_engine, "before_cursor_execute", record)
     assert etas[a].work_left == 7 * 150.0
     assert statements and not [s for s in statements if "request_lines" in s]
+
+
+def test_a_batch_still_preparing_counts_its_file_s_lines(client, ctx):
+    """Prepare commits chunks: while it runs, the counters hold only the committed lines, and
+    the estimate counts every line of the file that has not finished."""
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    _start(ctx, a, open_lines=10, done_lines=2)  # the first chunks: 12 of the file's 50
+    with ctx.db.session() as session:
+        session.execute(update(Batch).where(Batch.id == a).values(num_total=50,
+                                                                  prepared_at=None))
+    _worker(ctx, model, rate=100.0)
+    with ctx.db.read_session() as session:
+        etas = estimate(session, worker_metrics_interval=2.0)
+    per_line = etas[a].work_left / 48  # 50 lines, 2 finished; checked against 10 below
+    assert per_line > 0
+    with ctx.db.session() as session:  # prepare's last chunk: the counters are whole again
+        session.execute(update(Batch).where(Batch.id == a).values(prepared_at=utcnow()))
+    with ctx.db.read_session() as session:
+        assert estimate(session, worker_metrics_interval=2.0)[a].work_left == pytest.approx(
+            10 * per_line)
