@@ -1,7 +1,8 @@
 """Multi-LoRA: the same lines on the base model, spread over adapters in one batch, and one
 adapter at a time with merged weights.
 
-``python -m bench.lora [--lines 64] [--adapters 8] [--prompt-tokens 64] [--max-tokens 32]``
+``python -m bench.lora [--lines 64] [--adapters 8] [--prompt-tokens 64] [--max-tokens 32]
+[--rounds 3]``
 
 Random-weight PEFT adapters (ranks spread over 8..64, every one on all seven projections) are
 written next to the default model's converted folder, once per run. Three variants, greedy, EOS
@@ -24,6 +25,7 @@ import argparse
 import json
 import math
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -116,15 +118,20 @@ class LoRATimer:
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int,
-             loras: list[str | None] | None = None) -> tuple[float, int, list[list[int]]]:
+             loras: list[str | None] | None = None, rounds: int = 1
+             ) -> tuple[float, float, int, list[list[int]]]:
+    """(median seconds, total seconds, tokens of one round, the tokens) over ``rounds`` runs of
+    the same lines: the median, so that a round slowed by another process does not count."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params, lora_name=loras)
-    seconds = time.perf_counter() - start
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params, lora_name=loras)
+        times.append(time.perf_counter() - start)
     tokens = [o.outputs[0].token_ids for o in outs]
-    return seconds, sum(len(t) for t in tokens), tokens
+    return statistics.median(times), sum(times), sum(len(t) for t in tokens), tokens
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of each variant's lines; the median counts")
     args = parser.parse_args(argv)
 
     import torch
@@ -168,20 +177,22 @@ def main(argv: list[str] | None = None) -> None:
         spread = [names[i % n] for i in range(args.lines)]
         print(f"model {model}, {args.lines} lines of {args.prompt_tokens} prompt tokens, "
               f"{args.max_tokens} generated each; {n} adapters of ranks {ranks} on all seven "
-              f"projections; {args.dtype}, {args.threads} thread(s)")
+              f"projections; {args.dtype}, {args.threads} thread(s), median of {args.rounds} "
+              "round(s)")
 
         base = LLM(model, **engine_args)
-        a_s, a_tok, _ = generate(base, prompts, args.max_tokens)
+        a_s, _, a_tok, _ = generate(base, prompts, args.max_tokens, rounds=args.rounds)
         del base
 
         mixed = LLM(model, lora_modules=[f"{k}={v}" for k, v in folders.items()], max_loras=n,
                     max_lora_rank=args.max_rank, **engine_args)
         timer = LoRATimer()
         try:
-            b_s, b_tok, b_tokens = generate(mixed, prompts, args.max_tokens, spread)
+            b_s, b_total, b_tok, b_tokens = generate(mixed, prompts, args.max_tokens, spread,
+                                                     rounds=args.rounds)
         finally:
             timer.close()
-        lora_share = timer.seconds / b_s
+        lora_share = timer.seconds / b_total
         del mixed
 
         c_s, c_tok, c_start = 0.0, 0, 0.0
@@ -193,7 +204,8 @@ def main(argv: list[str] | None = None) -> None:
             write_merged(merged, checkpoint.path, folder, config)
             llm = LLM(str(merged), **engine_args)
             c_start += time.perf_counter() - start
-            seconds, tokens, outs = generate(llm, [prompts[i] for i in rows], args.max_tokens)
+            seconds, _, tokens, outs = generate(llm, [prompts[i] for i in rows], args.max_tokens,
+                                                rounds=args.rounds)
             c_s += seconds
             c_tok += tokens
             # merged fp32 weights round differently from base + delta: count agreeing lines
