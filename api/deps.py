@@ -75,7 +75,8 @@ class AppContext:
 
     def __post_init__(self) -> None:
         self.schema = SchemaGate(self.db)
-        self.etas = EtaCache(self.settings.worker_metrics_interval)
+        self.etas = EtaCache(self.settings.worker_metrics_interval,
+                             refresh_session=self.db.read_session)
         self.keys = KeyCache(self.settings.api_key_cache_seconds)
 
 

@@ -17,7 +17,8 @@ from api.routes.files import get_file
 from api.uploads import store_inline_requests
 from metrics.counters import BATCHES_CREATED
 from openai_format.types import ENDPOINTS, metadata_problem
-from service import ids
+from service import counters, ids
+from service.counters import CounterDelta
 from service.db import utcnow
 from service.expiry import ExpiresAfterError, parse_expires_after
 from service.models import (
@@ -105,15 +106,38 @@ def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
     return row
 
 
+# A status poll's one statement: the batch and its counters' sums (a few rows, one per worker
+# that wrote to it, whatever the batch's size).
+_SUMS = counters.sums_of_one(bindparam("batch_id"))
+_GET_BATCH_WITH_SUMS = (
+    select(Batch, *counters.sums_columns(_SUMS))
+    .outerjoin(_SUMS, _SUMS.c.batch_id == Batch.id)
+    .where(Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")))
+
+
+def get_batch_with_sums(session: Session, *, tenant_id: str,
+                        batch_id: str) -> tuple[Batch, CounterDelta]:
+    row = session.execute(_GET_BATCH_WITH_SUMS,
+                          {"batch_id": batch_id, "tenant_id": tenant_id}).first()
+    if row is None:
+        raise not_found("batch", batch_id)
+    return row[0], counters.delta_of(row[1:])
+
+
 LIVE = (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING)
 
 
-def render(session: Session, row: Batch, ctx: AppContext) -> dict:
-    """The batch object; a live batch's counts come from its counters, never from its lines."""
+def render(session: Session, row: Batch, ctx: AppContext,
+           sums: CounterDelta | None = None) -> dict:
+    """The batch object; a live batch's counts come from its counters (``sums``, or read
+    here), never from its lines. Its ETA from ``ctx.etas``, which a poll never waits on once
+    it holds a value (``api.eta.EtaCache``)."""
     if row.status not in LIVE:
         return batch_object(row)
     eta = ctx.etas.get(session).get(row.id)
-    return batch_object(row, live_totals(session, [row])[row.id],
+    totals = (counters.as_totals(row.num_total, sums) if sums is not None
+              else live_totals(session, [row])[row.id])
+    return batch_object(row, totals,
                         estimated_completion_at=eta.estimated_completion_at if eta else None,
                         deadline_at_risk=eta.late if eta else False)
 
@@ -242,14 +266,24 @@ def list_batches(
 ) -> dict:
     with ctx.db.read_session() as session:
         cursor = get_batch(session, tenant_id=tenant.id, batch_id=after) if after else None
+        found: dict[str, CounterDelta] = {}
+
+        def sums_of_page(rows: list[Batch]) -> None:  # one statement for the page's live ones
+            found.update(counters.sums(session, [r.id for r in rows if r.status in LIVE]))
+
         return paginate(session, select(Batch).where(Batch.tenant_id == tenant.id),
-                        cursor=cursor, limit=limit, render=lambda row: render(session, row, ctx))
+                        cursor=cursor, limit=limit, before_render=sums_of_page,
+                        render=lambda row: render(session, row, ctx,
+                                                  found.get(row.id, CounterDelta())))
 
 
 @router.get("/v1/batches/{batch_id}")
 def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
-    with ctx.db.read_session() as session:
-        return render(session, get_batch(session, tenant_id=tenant.id, batch_id=batch_id), ctx)
+    # One statement, outside a transaction: a poll's round trips to the database are each a
+    # wait for a CPU on a busy machine.
+    with ctx.db.autocommit_session() as session:
+        row, sums = get_batch_with_sums(session, tenant_id=tenant.id, batch_id=batch_id)
+        return render(session, row, ctx, sums)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
