@@ -258,18 +258,32 @@ class EtaCache:
         self._value: dict[str, BatchEta] = {}
         self._refreshing = False
 
+    def get_nowait(self) -> dict[str, BatchEta] | None:
+        """The value when ``get`` would not compute it on the caller's thread (it may start
+        the refresh thread); None when it would: the caller then calls ``get`` on a thread
+        of its own (an event loop must not wait on ``estimate``)."""
+        with self._lock:
+            return self._current()
+
     def get(self, session: Session) -> dict[str, BatchEta]:
         with self._lock:
-            age = self._clock() - self._at
-            if age < self._ttl:
-                return self._value
-            if self._refresh_session is None or age >= self._max_stale:
+            found = self._current()
+            if found is None:
                 self._store(estimate(session, worker_metrics_interval=self._interval))
-                return self._value
-            if not self._refreshing:
-                self._refreshing = True
-                threading.Thread(target=self._refresh, name="eta-refresh", daemon=True).start()
+                found = self._value
+            return found
+
+    def _current(self) -> dict[str, BatchEta] | None:
+        """Under the lock: the value if it will do (starting a refresh when it is old)."""
+        age = self._clock() - self._at
+        if age < self._ttl:
             return self._value
+        if self._refresh_session is None or age >= self._max_stale:
+            return None
+        if not self._refreshing:
+            self._refreshing = True
+            threading.Thread(target=self._refresh, name="eta-refresh", daemon=True).start()
+        return self._value
 
     def _store(self, value: dict[str, BatchEta]) -> None:
         self._value, self._at = value, self._clock()

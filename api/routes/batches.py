@@ -6,19 +6,23 @@ import datetime as dt
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from api.deps import AppContext, ContextDep, TenantDep, TenantRef
 from api.errors import ApiError, not_found
+from api.eta import BatchEta
 from api.pagination import paginate
+from api.poll_reads import POLL_STATEMENT, batch_and_sums
 from api.routes.files import get_file
 from api.uploads import store_inline_requests
 from metrics.counters import BATCHES_CREATED
 from openai_format.types import ENDPOINTS, metadata_problem
 from service import counters, ids
-from service.counters import CounterDelta
+from service.counters import CounterDelta, LineTotals
 from service.db import utcnow
 from service.expiry import ExpiresAfterError, parse_expires_after
 from service.models import (
@@ -106,24 +110,6 @@ def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
     return row
 
 
-# A status poll's one statement: the batch and its counters' sums (a few rows, one per worker
-# that wrote to it, whatever the batch's size).
-_SUMS = counters.sums_of_one(bindparam("batch_id"))
-_GET_BATCH_WITH_SUMS = (
-    select(Batch, *counters.sums_columns(_SUMS))
-    .outerjoin(_SUMS, _SUMS.c.batch_id == Batch.id)
-    .where(Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")))
-
-
-def get_batch_with_sums(session: Session, *, tenant_id: str,
-                        batch_id: str) -> tuple[Batch, CounterDelta]:
-    row = session.execute(_GET_BATCH_WITH_SUMS,
-                          {"batch_id": batch_id, "tenant_id": tenant_id}).first()
-    if row is None:
-        raise not_found("batch", batch_id)
-    return row[0], counters.delta_of(row[1:])
-
-
 LIVE = (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING)
 
 
@@ -134,9 +120,13 @@ def render(session: Session, row: Batch, ctx: AppContext,
     it holds a value (``api.eta.EtaCache``)."""
     if row.status not in LIVE:
         return batch_object(row)
-    eta = ctx.etas.get(session).get(row.id)
-    totals = (counters.as_totals(row.num_total, sums) if sums is not None
-              else live_totals(session, [row])[row.id])
+    if sums is None:
+        return live_object(row, live_totals(session, [row])[row.id], ctx.etas.get(session))
+    return live_object(row, counters.as_totals(row.num_total, sums), ctx.etas.get(session))
+
+
+def live_object(row: Batch, totals: LineTotals, etas: dict[str, BatchEta]) -> dict:
+    eta = etas.get(row.id)
     return batch_object(row, totals,
                         estimated_completion_at=eta.estimated_completion_at if eta else None,
                         deadline_at_risk=eta.late if eta else False)
@@ -277,13 +267,39 @@ def list_batches(
                                                   found.get(row.id, CounterDelta())))
 
 
-@router.get("/v1/batches/{batch_id}")
-def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
-    # One statement, outside a transaction: a poll's round trips to the database are each a
-    # wait for a CPU on a busy machine.
+@router.get("/v1/batches/{batch_id}", response_model=None)
+async def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> JSONResponse:
+    # One statement, outside a transaction, on the event loop where the driver allows
+    # (``api.poll_reads``): on a busy machine every round trip and every hop between threads is
+    # a wait for a CPU. The body is encoded here: FastAPI's encoding of a returned dict would
+    # walk it once more.
+    params = {"batch_id": batch_id, "tenant_id": tenant.id}
+    if ctx.poll_reader is None:
+        return JSONResponse(await run_in_threadpool(_retrieve_on_thread, ctx, params))
+    row = await ctx.poll_reader.fetch_one(params)
+    if row is None:
+        raise not_found("batch", batch_id)
+    batch, sums = batch_and_sums(row)
+    if batch.status not in LIVE:
+        return JSONResponse(batch_object(batch))
+    etas = ctx.etas.get_nowait()
+    if etas is None:  # none yet, or old: estimate on a thread, never on the loop
+        etas = await run_in_threadpool(_etas_on_thread, ctx)
+    return JSONResponse(live_object(batch, counters.as_totals(batch.num_total, sums), etas))
+
+
+def _retrieve_on_thread(ctx: AppContext, params: dict[str, str]) -> dict:
     with ctx.db.autocommit_session() as session:
-        row, sums = get_batch_with_sums(session, tenant_id=tenant.id, batch_id=batch_id)
-        return render(session, row, ctx, sums)
+        row = session.execute(POLL_STATEMENT, params).first()
+        if row is None:
+            raise not_found("batch", params["batch_id"])
+        batch, sums = batch_and_sums(row)
+        return render(session, batch, ctx, sums)
+
+
+def _etas_on_thread(ctx: AppContext) -> dict[str, BatchEta]:
+    with ctx.db.read_session() as session:
+        return ctx.etas.get(session)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")

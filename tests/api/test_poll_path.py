@@ -5,6 +5,7 @@ for once there is one; the pool still pings, and replaces, a connection that sat
 from __future__ import annotations
 
 import threading
+import uuid
 from contextlib import contextmanager
 
 import pytest
@@ -14,6 +15,7 @@ from sqlalchemy import create_engine, event, text, update
 import api.eta
 from api.app import build_context, create_app
 from api.eta import BatchEta, EtaCache
+from api.poll_reads import POLL_STATEMENT, AsyncReader
 from service.counters import CounterDelta, add
 from service.db import ping_when_idle
 from service.models import IN_PROGRESS, Batch
@@ -34,8 +36,11 @@ def pg_client(pg_url, tmp_path):
     ctx.db.dispose()
 
 
-def test_a_live_batch_poll_is_one_statement_outside_a_transaction(pg_client):
+@pytest.mark.parametrize("path", ["event loop", "thread"])
+def test_a_live_batch_poll_is_one_statement_outside_a_transaction(pg_client, path):
     client, ctx = pg_client
+    if path == "thread":  # as on SQLite
+        ctx.poll_reader = None
     batch = make_batch(client, [chat_line(f"l{i}", "x") for i in range(6)]).json()
     with ctx.db.session() as session:
         session.execute(update(Batch).where(Batch.id == batch["id"])
@@ -58,10 +63,33 @@ def test_a_live_batch_poll_is_one_statement_outside_a_transaction(pg_client):
     assert body["request_counts"] == {"total": 6, "completed": 1, "failed": 1}
     assert body["usage"]["input_tokens"] == 5
     assert 'desc="1 statements"' in response.headers["server-timing"]
-    assert in_transaction == [False]
+    # On the loop the statement is psycopg's own (autocommit): none of SQLAlchemy's.
+    assert in_transaction == ([] if path == "event loop" else [False])
     assert client.get("/v1/batches/batch_nope").status_code == 404
     listed = client.get("/v1/batches").json()["data"]
     assert listed[0]["request_counts"] == body["request_counts"]
+    with ctx.db.session() as session:  # a finished batch: its stored totals
+        session.execute(update(Batch).where(Batch.id == batch["id"])
+                        .values(status="completed", num_completed=5, num_failed=1))
+    done = client.get(f"/v1/batches/{batch['id']}").json()
+    assert done["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+
+
+def test_the_loop_reader_replaces_a_connection_the_server_dropped(pg_client):
+    client, ctx = pg_client
+    now = [0.0]
+    name = f"boxcar-test-{uuid.uuid4().hex[:8]}"
+    ctx.poll_reader = AsyncReader(ctx.db.url, POLL_STATEMENT, clock=lambda: now[0],
+                                  application_name=name)
+    batch = make_batch(client).json()
+    assert client.get(f"/v1/batches/{batch['id']}").status_code == 200
+    with create_engine(ctx.db.url).connect() as other:  # the server drops the reader's
+        dropped = other.execute(text("SELECT count(pg_terminate_backend(pid)) FROM "
+                                     "pg_stat_activity WHERE application_name = :name"),
+                                {"name": name}).scalar()
+    assert dropped == 1
+    now[0] = 5.0  # idle past the ping's threshold: pinged, found dead, replaced
+    assert client.get(f"/v1/batches/{batch['id']}").status_code == 200
 
 
 def test_the_pool_pings_only_connections_that_sat_idle(pg_url):
@@ -115,7 +143,9 @@ def test_a_poll_gets_the_old_etas_while_one_thread_computes_the_next(monkeypatch
     monkeypatch.setattr(api.eta, "estimate", fake_estimate)
     cache = EtaCache(2.0, ttl=2.0, clock=lambda: now[0], refresh_session=refresh_session,
                      max_stale=10.0)
-    assert cache.get("poll")["b"].estimated_completion_at == 1.0  # none yet: computed here
+    assert cache.get_nowait() is None  # none yet: the event loop must go to a thread
+    assert cache.get("poll")["b"].estimated_completion_at == 1.0  # ... which computes it
+    assert cache.get_nowait() is cache.get("poll")
     now[0] = 3.0  # past the TTL: the old value at once, the next computed on the side
     assert cache.get("poll")["b"].estimated_completion_at == 1.0
     assert cache.get("poll")["b"].estimated_completion_at == 1.0  # one refresh, not two
@@ -126,4 +156,5 @@ def test_a_poll_gets_the_old_etas_while_one_thread_computes_the_next(monkeypatch
         threading.Event().wait(0.01)
     assert computed == ["poll", "refresh"]
     now[0] = 20.0  # older than max_stale (a quiet spell): the poll computes it itself
+    assert cache.get_nowait() is None
     assert cache.get("poll")["b"].estimated_completion_at == 3.0
