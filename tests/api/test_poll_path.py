@@ -158,3 +158,25 @@ def test_a_poll_gets_the_old_etas_while_one_thread_computes_the_next(monkeypatch
     now[0] = 20.0  # older than max_stale (a quiet spell): the poll computes it itself
     assert cache.get_nowait() is None
     assert cache.get("poll")["b"].estimated_completion_at == 3.0
+
+
+def test_boxcar_status_counts_unfinished_lines_from_their_counters(client, ctx):
+    from cli.status import collect
+
+    batch = make_batch(client, [chat_line(f"l{i}", "x") for i in range(4)]).json()
+    with ctx.db.session() as session:
+        session.execute(update(Batch).where(Batch.id == batch["id"])
+                        .values(status=IN_PROGRESS, num_total=4))
+        add(session, {batch["id"]: CounterDelta(num_open=4)}, slot=0)
+        add(session, {batch["id"]: CounterDelta.closed("completed")}, slot=3)
+    statements: list[str] = []
+
+    @event.listens_for(ctx.db.read_engine, "before_cursor_execute")
+    def _seen(conn, cursor, statement, parameters, context, executemany) -> None:
+        statements.append(statement)
+
+    report = collect(ctx.db, interval=2.0)
+    event.remove(ctx.db.read_engine, "before_cursor_execute", _seen)
+    assert report["lines"] == {"open": 3, "completed": 1, "failed": 0}
+    assert any("FROM batch_counters" in s for s in statements)
+    assert not [s for s in statements if "FROM request_lines" in s]  # no line is read
