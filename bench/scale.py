@@ -257,7 +257,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
             if drained is None and (batch["status"] in ("finalizing", *TERMINAL) or (
                     counts["total"] and counts["completed"] + counts["failed"] >= counts["total"])):
                 drained = seen
-            if poller is not None and drained is not None and not fresh:
+            if poller is not None and drained is not None:
                 fresh = poller.stop()  # the workers' part is over: one worker finalizes
             if batch["status"] in TERMINAL:
                 break
@@ -273,7 +273,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         elapsed = end - start
     finally:
         activity = sampler.stop()
-        if poller is not None and not fresh:
+        if poller is not None:
             fresh = poller.stop()
     cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
     service_cpu = service_cpu_s(stack) - service_before

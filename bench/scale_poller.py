@@ -75,16 +75,24 @@ class PollerProcess:
             [sys.executable, "-m", "bench.scale_poller", "--url", base_url, "--key", api_key,
              "--batch", batch_id, "--interval", str(interval)],
             cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._polls: list[TimedPoll] | None = None
 
     def stop(self, timeout: float = 60.0) -> list[TimedPoll]:
-        """Its polls of the live batch (it stops by itself once the batch is not live)."""
+        """Its polls of the live batch (it stops by itself once the batch is not live); again
+        the same polls when called again."""
+        if self._polls is None:
+            self._polls = self._stop(timeout)
+        return self._polls
+
+    def _stop(self, timeout: float) -> list[TimedPoll]:
         if self._proc.poll() is None:
             self._proc.send_signal(signal.SIGTERM)
         out, err = self._proc.communicate(timeout=timeout)
         if self._proc.returncode == -signal.SIGTERM and not out:
             return []  # stopped before main() took the signal: it had polled nothing
         if self._proc.returncode != 0:
-            raise RuntimeError(f"the poller exited with {self._proc.returncode}: {err[-2000:]}")
+            raise RuntimeError(f"the poller exited with {self._proc.returncode} (stdout "
+                               f"{out[:200]!r}): {err[-2000:]}")
         return [TimedPoll(**p) for p in json.loads(out)["polls"]]
 
 
