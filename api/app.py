@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 from prometheus_client import make_asgi_app
@@ -42,10 +45,18 @@ def create_app(
     settings: Settings | None = None, *, context: AppContext | None = None
 ) -> FastAPI:
     context = context or build_context(settings or get_settings())
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if context.poll_reader is not None:  # its connections live on this loop
+            await context.poll_reader.close()
+
     app = FastAPI(
         title="boxcar",
         version="0.1.0",
         description="Self-hosted batch inference with an OpenAI-compatible Files and Batches API.",
+        lifespan=lifespan,
     )
     app.state.context = context
     install_error_handlers(app)

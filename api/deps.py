@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 
 from api.errors import ApiError
 from api.eta import EtaCache
+from api.poll_reads import POLL_STATEMENT, AsyncReader
 from service.db import Database
 from service.keys import authenticate, hash_key
 from service.migrate import SchemaGate
@@ -72,11 +73,16 @@ class AppContext:
     schema: SchemaGate = field(init=False)
     etas: EtaCache = field(init=False)
     keys: KeyCache = field(init=False)
+    # A live batch's status poll on the event loop (PostgreSQL; None: on a thread).
+    poll_reader: AsyncReader | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.schema = SchemaGate(self.db)
-        self.etas = EtaCache(self.settings.worker_metrics_interval)
+        self.etas = EtaCache(self.settings.worker_metrics_interval,
+                             refresh_session=self.db.read_session)
         self.keys = KeyCache(self.settings.api_key_cache_seconds)
+        self.poll_reader = None if self.db.is_sqlite else AsyncReader(self.db.url,
+                                                                      POLL_STATEMENT)
 
 
 async def get_context(request: Request) -> AppContext:

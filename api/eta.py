@@ -31,9 +31,11 @@ seconds per process and serves every poll: the cost does not grow with the numbe
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,9 +49,12 @@ from service.liveness import live_workers
 from service.models import FINALIZING, IN_PROGRESS, Batch
 from service.queue_order import bulk_rank
 
+log = logging.getLogger(__name__)
+
 MIN_LEARNED_LINES = 3
 RATE_WINDOW_S = 30.0
 CACHE_S = 2.0
+MAX_STALE_S = 10.0  # older than this, a poll computes the estimate itself (EtaCache)
 
 
 @dataclass(frozen=True)
@@ -237,20 +242,68 @@ def estimate(session: Session, *, worker_metrics_interval: float,
 
 
 class EtaCache:
-    """``estimate`` at most once per ``CACHE_S`` seconds; every poll in between reads it."""
+    """``estimate`` at most once per ``ttl`` seconds; every poll in between reads it.
+
+    With ``refresh_session`` (a factory of read sessions: the API's), a poll that finds the
+    value older than ``ttl`` is answered with it at once and one thread of the cache's own
+    computes the next: a poll never waits for ``estimate`` (tens of milliseconds of reads and
+    worker snapshots on a busy machine, every ``ttl``, on whichever poll came then) unless
+    the value is older than ``max_stale`` (the first poll, or the first after a quiet spell).
+    Without it the poll that finds the value old computes the next one itself."""
 
     def __init__(self, worker_metrics_interval: float, ttl: float = CACHE_S, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 refresh_session: Callable[[], AbstractContextManager[Session]] | None = None,
+                 max_stale: float = MAX_STALE_S) -> None:
         self._interval = worker_metrics_interval
         self._ttl = ttl
         self._clock = clock
+        self._refresh_session = refresh_session
+        self._max_stale = max(max_stale, ttl)
         self._lock = threading.Lock()
         self._at = -1e18
         self._value: dict[str, BatchEta] = {}
+        self._refreshing = False
+
+    def get_nowait(self) -> dict[str, BatchEta] | None:
+        """The value when ``get`` would not compute it on the caller's thread (it may start
+        the refresh thread); None when it would: the caller then calls ``get`` on a thread
+        of its own (an event loop must not wait on ``estimate``)."""
+        with self._lock:
+            return self._current()
 
     def get(self, session: Session) -> dict[str, BatchEta]:
         with self._lock:
-            if self._clock() - self._at >= self._ttl:
-                self._value = estimate(session, worker_metrics_interval=self._interval)
-                self._at = self._clock()
+            found = self._current()
+            if found is None:
+                self._store(estimate(session, worker_metrics_interval=self._interval))
+                found = self._value
+            return found
+
+    def _current(self) -> dict[str, BatchEta] | None:
+        """Under the lock: the value if it will do (starting a refresh when it is old)."""
+        age = self._clock() - self._at
+        if age < self._ttl:
             return self._value
+        if self._refresh_session is None or age >= self._max_stale:
+            return None
+        if not self._refreshing:
+            self._refreshing = True
+            threading.Thread(target=self._refresh, name="eta-refresh", daemon=True).start()
+        return self._value
+
+    def _store(self, value: dict[str, BatchEta]) -> None:
+        self._value, self._at = value, self._clock()
+
+    def _refresh(self) -> None:
+        assert self._refresh_session is not None
+        try:
+            with self._refresh_session() as session:
+                value = estimate(session, worker_metrics_interval=self._interval)
+            with self._lock:
+                self._store(value)
+        except Exception:  # the old value stays; a poll past max_stale computes it itself
+            log.exception("refreshing the ETAs failed")
+        finally:
+            with self._lock:
+                self._refreshing = False

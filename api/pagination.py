@@ -13,12 +13,17 @@ from service.objects import page
 
 
 def paginate(session: Session, query: Select, *, cursor: Any | None, limit: int,
-             render: Callable[[Any], dict[str, Any]], descending: bool = True) -> dict[str, Any]:
+             render: Callable[[Any], dict[str, Any]], descending: bool = True,
+             before_render: Callable[[list[Any]], None] | None = None) -> dict[str, Any]:
     """The rows of ``query`` past ``cursor`` (a row of the same table, or None), in ``pk``
-    order, rendered with ``render``. The table is the query's first entity."""
+    order, rendered with ``render``. The table is the query's first entity.
+    ``before_render`` sees the page's rows first (to read what they need in one statement)."""
     model = query.column_descriptions[0]["entity"]
     if cursor is not None:
         query = query.where(model.pk < cursor.pk if descending else model.pk > cursor.pk)
     query = query.order_by(model.pk.desc() if descending else model.pk.asc())
     rows = session.scalars(query.limit(limit + 1)).all()
-    return page([render(row) for row in rows[:limit]], has_more=len(rows) > limit)
+    shown = list(rows[:limit])
+    if before_render is not None:
+        before_render(shown)
+    return page([render(row) for row in shown], has_more=len(rows) > limit)

@@ -50,6 +50,15 @@ def time_statements(engine: Engine) -> None:
             timing.num_statements += 1
 
 
+def add_statement_time(seconds: float) -> None:
+    """Count a statement run outside SQLAlchemy (``api.poll_reads``) into the current
+    request's timing, if any."""
+    timing = _current.get()
+    if timing is not None:
+        timing.db_s += seconds
+        timing.num_statements += 1
+
+
 class ServerTiming:
     """ASGI middleware that adds the ``Server-Timing`` header (see the module docstring)."""
 

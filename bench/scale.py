@@ -2,19 +2,24 @@
 Celery/Redis, PostgreSQL, leases, result writer, finalize, output files) with the engine replaced
 by a fake one (``engine.fake_engine``), for N workers at a time.
 
-    python -m bench.scale --workers 8,16,32 --lines 20000 --engine paced --lines-per-s 100
+    python -m bench.scale --workers 8,16,32 --lines 40000 --engine paced --lines-per-s 100 \
+        --repeat 3
 
-Each worker count is one run on a fresh database (created on the server of ``--database-url``,
-dropped after) with its own API, workers, Redis queue namespace and storage folder. A run
-measures, in order: PostgreSQL commits/s per worker while every worker is idle (``--idle-s``,
-after ``--idle-settle-s``);
-then one batch of ``--lines`` lines from ``POST /v1/batches`` to ``completed``: lines/s, the
-share of PostgreSQL backend active time spent waiting on locks (pg_stat_activity every 50 ms),
-the database's backend CPU per line (/proc), the machine's CPU busy share, the latency of the
-status polls made while it ran, shard claim attempts per successful claim (the workers' counters
-summed on the API's /metrics), and that every custom_id is in the output file exactly once.
-Then one ``--big-lines`` batch with the instant engine (the status-poll and throughput targets).
-``bench/scale_report.py`` prints the figures and checks them against issue 17's targets.
+Each worker count is run ``--repeat`` times, each run on a fresh database (created on the server
+of ``--database-url``, dropped after) with its own API, workers, Redis queue namespace and storage
+folder. A run measures, in order: PostgreSQL commits/s per worker while every worker is idle
+(``--idle-s``, after ``--idle-settle-s``); then one batch of ``--lines`` lines from ``POST
+/v1/batches`` to ``completed``: lines/s; pg_stat_activity every 50 ms (lock-wait samples over
+every backend sample and over the non-idle ones, with the counts); the database's backend CPU
+per line (/proc); the machine's CPU busy share; the status poll as a user sees it, from a
+separate client process opening a new connection for every poll while the workers run
+(``bench.scale_poller``: median and p95); claim contention (the workers' counters summed on the
+API's /metrics: claim statements that lost a wanted shard to another worker, and the shards
+lost, beside attempts per claim); and that every custom_id is in the output file exactly once.
+Then one more run at ``--kill-at`` workers that SIGKILLs a worker a third of the way in (its
+shards come back when their leases run out) and checks the output the same way; then
+``--repeat`` ``--big-lines`` batches with the instant engine. ``bench/scale_report.py`` prints
+every run, the medians and spreads, and the targets, a missed one as missed.
 
 ``BOXCAR_BENCH_CPU_PROFILE=<folder>`` in the environment profiles every worker's threads on their
 CPU clocks (``bench/cpu_profile.py``; read with ``python -m bench.cpu_profile <folder>``).
@@ -37,8 +42,10 @@ import httpx
 
 from api.timing import server_timing_ms
 from bench import scale_report
+from bench.scale_poller import PollerProcess, TimedPoll, quantile
 from bench.scale_probes import (
     PgSampler,
+    claim_contention,
     claim_counters,
     commits,
     cpu_busy_share,
@@ -47,7 +54,7 @@ from bench.scale_probes import (
     machine_cpu_ticks,
     table_stats,
 )
-from bench.scale_stack import ScaleStack
+from bench.scale_stack import REPO, ScaleStack
 
 LIVE = ("validating", "in_progress", "finalizing")
 TERMINAL = ("completed", "failed", "expired", "cancelled")
@@ -67,9 +74,11 @@ class RunConfig:
     database_url: str
     broker_url: str
     idle_settle_s: float = 0.0
-    # Status polls made with every worker stopped (SIGSTOP) once a fifth of the batch is done:
-    # the poll of a live batch on a machine that is not saturated (0: none).
-    quiet_polls: int = 0
+    repeat: int = 1  # which of the --repeat runs of this configuration (1-based)
+    # Seconds between the separate poller's polls (new connection each) while the batch is in
+    # progress (0: no poller).
+    fresh_poll_interval: float = 0.1
+    kill_one: bool = False  # SIGKILL one worker a third of the way through the batch
 
 
 @dataclass
@@ -84,7 +93,7 @@ class RunResult:
     claim_attempts: float | None
     claims: float | None
     attempts_per_claim: float | None
-    lock_wait_share: float | None
+    lock_wait_share: float | None  # lock samples over active ones (before issue 31)
     active_backend_samples: int
     idle_commits_per_s_per_worker: float
     pg_cpu_ms_per_line: float
@@ -107,14 +116,32 @@ class RunResult:
     line_index_bytes_per_line: float = 0.0
     line_row_bytes: float = 0.0
     # The same polls as the API timed them itself (its Server-Timing header: from the request's
-    # first byte in to the response's headers out), and the quiet polls: client and server
-    # medians with every worker stopped, and the machine's CPU busy share meanwhile.
+    # first byte in to the response's headers out).
     status_poll_server_ms_median: float | None = None
     status_poll_db_ms_median: float | None = None
-    quiet_poll_ms_median: float | None = None
-    quiet_poll_server_ms_median: float | None = None
-    num_quiet_polls: int = 0
-    quiet_machine_cpu_busy: float | None = None
+    # The polls of the separate client process (new connection each) while the batch was in
+    # progress: what a user's client sees; the API's own time for them beside.
+    fresh_poll_ms_p50: float | None = None
+    fresh_poll_ms_p95: float | None = None
+    fresh_poll_server_ms_p50: float | None = None
+    fresh_poll_server_ms_p95: float | None = None
+    num_fresh_polls: int = 0
+    # pg_stat_activity's samples: every backend's, the non-idle ones', the active ones waiting
+    # on their own client (ClientRead), those waiting on a lock, and the lock share of the
+    # first two (lock_wait_share above is over the active ones).
+    backend_samples: int = 0
+    non_idle_samples: int = 0
+    client_wait_samples: int = 0
+    lock_samples: int = 0
+    lock_share_of_backends: float | None = None
+    lock_share_of_non_idle: float | None = None
+    # Contention: claim statements, those that lost a wanted shard to another worker (SKIP
+    # LOCKED passed over it, or it was taken since read) and the shards so lost.
+    claim_statements: float | None = None
+    contended_statements: float | None = None
+    claims_lost: float | None = None
+    repeat: int = 1
+    killed_workers: int = 0  # SIGKILLed during the batch (the kill run)
     num_cpus: int = 0  # the machine's: what the CPU figures are shares of
     # The batch's phases as the polls saw them (to a poll interval): prepare (created to
     # in_progress, one worker), the run (to every line closed: all workers) and finalize (to
@@ -201,9 +228,8 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     cpu_before = machine_cpu_ticks()
     service_before = service_cpu_s(stack)
     polls: list[Poll] = []
-    quiet: list[Poll] = []
-    quiet_cpu: float | None = None
-    paused_s = 0.0
+    poller: PollerProcess | None = None
+    fresh: list[TimedPoll] = []
     started_run: float | None = None  # when a poll first saw the batch in_progress
     drained: float | None = None  # when a poll first saw every line closed
     start = time.perf_counter()
@@ -216,33 +242,39 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         deadline = time.monotonic() + config.timeout_s
         while True:
             poll, batch = poll_batch(client, batch["id"])
-            seen = time.perf_counter() - paused_s
+            seen = time.perf_counter()
             if batch["status"] in LIVE:
                 polls.append(poll)
             if started_run is None and batch["status"] != "validating":
                 started_run = seen
+            if (poller is None and batch["status"] == "in_progress"
+                    and config.fresh_poll_interval > 0):
+                poller = PollerProcess(base_url=stack.base_url, api_key=stack.api_key,
+                                       batch_id=batch["id"],
+                                       interval=config.fresh_poll_interval, cwd=REPO,
+                                       env=stack.env)
             counts = batch["request_counts"]
             if drained is None and (batch["status"] in ("finalizing", *TERMINAL) or (
                     counts["total"] and counts["completed"] + counts["failed"] >= counts["total"])):
                 drained = seen
+            if poller is not None and drained is not None:
+                fresh = poller.stop()  # the workers' part is over: one worker finalizes
             if batch["status"] in TERMINAL:
                 break
-            if (config.quiet_polls and not quiet and batch["status"] == "in_progress"
-                    and batch["request_counts"]["completed"] >= config.num_lines / 5):
-                paused = time.perf_counter()
-                with sampler.paused():
-                    quiet, quiet_cpu = quiet_polls(stack, client, batch["id"],
-                                                   config.quiet_polls)
-                paused_s = time.perf_counter() - paused
+            if (config.kill_one and not stack.killed and batch["status"] == "in_progress"
+                    and counts["completed"] >= config.num_lines / 3):
+                stack.kill_worker(0)
             stack.check_workers()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the batch is still {batch['status']} after "
                                    f"{config.timeout_s:.0f} s: {batch['request_counts']}")
             time.sleep(POLL_INTERVAL_S)
-        end = time.perf_counter() - paused_s
-        elapsed = end - start  # lines/s without the pause
+        end = time.perf_counter()
+        elapsed = end - start
     finally:
         activity = sampler.stop()
+        if poller is not None:
+            fresh = poller.stop()
     cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
     service_cpu = service_cpu_s(stack) - service_before
     if batch["status"] != "completed":
@@ -252,11 +284,15 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     response = client.get("/metrics", follow_redirects=True)  # a mounted app: /metrics/
     ok(response)
     counters = claim_counters(response.text)
+    contention = claim_contention(response.text)
     lines_table = table_stats(stack.database_url, "request_lines")
     attempts, claims = counters if counters is not None else (None, None)
     lines_per_s = config.num_lines / elapsed
     ideal = (config.num_workers * config.lines_per_s
              if config.engine == "paced" and config.lines_per_s else None)
+    running = [p for p in fresh if p.status == "in_progress"]  # while the workers ran
+    client_ms = [p.client_ms for p in running]
+    server_ms = [p.server_ms for p in running if p.server_ms is not None]
     return RunResult(
         num_workers=config.num_workers, num_lines=config.num_lines, engine=config.engine,
         lines_per_s_per_worker=config.lines_per_s if config.engine == "paced" else None,
@@ -279,9 +315,17 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         line_row_bytes=lines_table.mean_row_bytes,
         status_poll_server_ms_median=_median(p.server_ms for p in polls),
         status_poll_db_ms_median=_median(p.db_ms for p in polls),
-        quiet_poll_ms_median=_median(p.client_ms for p in quiet),
-        quiet_poll_server_ms_median=_median(p.server_ms for p in quiet),
-        num_quiet_polls=len(quiet), quiet_machine_cpu_busy=quiet_cpu,
+        fresh_poll_ms_p50=quantile(client_ms, 0.5), fresh_poll_ms_p95=quantile(client_ms, 0.95),
+        fresh_poll_server_ms_p50=quantile(server_ms, 0.5),
+        fresh_poll_server_ms_p95=quantile(server_ms, 0.95), num_fresh_polls=len(running),
+        backend_samples=activity.backends, non_idle_samples=activity.non_idle,
+        client_wait_samples=activity.client_waits, lock_samples=activity.lock_waits,
+        lock_share_of_backends=activity.lock_share_of_backends,
+        lock_share_of_non_idle=activity.lock_share_of_non_idle,
+        claim_statements=contention.statements if contention else None,
+        contended_statements=contention.contended if contention else None,
+        claims_lost=contention.lost if contention else None,
+        repeat=config.repeat, killed_workers=len(stack.killed),
         num_cpus=os.cpu_count() or 1,
         **phases(start, started_run, drained, end, config.num_lines, ideal),
     )
@@ -320,33 +364,6 @@ def poll_batch(client: httpx.Client, batch_id: str) -> tuple[Poll, dict[str, Any
     header = response.headers.get("server-timing")
     return Poll(1000 * took, server_timing_ms(header), server_timing_ms(header, "db")), \
         response.json()
-
-
-# The quiet polls: a pause after stopping the workers (their last writes land, the CPU they
-# were using goes idle) and between polls (each poll alone, not queued behind the previous).
-QUIET_SETTLE_S = 0.5
-QUIET_INTERVAL_S = 0.05
-
-
-def quiet_polls(stack: ScaleStack, client: httpx.Client, batch_id: str,
-                num_polls: int) -> tuple[list[Poll], float]:
-    """``num_polls`` status polls of the live batch with every worker stopped (SIGSTOP, then
-    SIGCONT: a pause of a few seconds, well inside their leases), and the machine's CPU busy
-    share meanwhile."""
-    stack.pause_workers()
-    try:
-        time.sleep(QUIET_SETTLE_S)
-        cpu_before = machine_cpu_ticks()
-        polls = []
-        for _ in range(num_polls):
-            poll, batch = poll_batch(client, batch_id)
-            if batch["status"] != "in_progress":
-                raise RuntimeError(f"the batch went {batch['status']} with its workers stopped")
-            polls.append(poll)
-            time.sleep(QUIET_INTERVAL_S)
-        return polls, cpu_busy_share(cpu_before, machine_cpu_ticks())
-    finally:
-        stack.resume_workers()
 
 
 # Waits below this share of active samples are left out of a run's breakdown.
@@ -390,7 +407,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=worker_counts, default=[8, 16, 32],
-                        help="worker counts, one run each (default 8,16,32)")
+                        help="worker counts, --repeat runs each (default 8,16,32)")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="runs of each worker count and of the big batch, interleaved "
+                             "(8,16,32,8,16,32,...); figures are their median and spread "
+                             "(default 3)")
+    parser.add_argument("--kill-at", type=int, default=None,
+                        help="workers of one more run that SIGKILLs a worker a third of the "
+                             "way in and checks the output exactly once (default: the largest "
+                             "--workers count; 0: no such run)")
+    parser.add_argument("--poll-interval", type=float, default=0.1,
+                        help="seconds between the separate poller's status polls, each on a "
+                             "new connection, while a batch is in progress (default 0.1; "
+                             "0: no poller)")
     parser.add_argument("--lines", type=int, default=20000,
                         help="lines in each run's batch (default 20000)")
     parser.add_argument("--engine", choices=("instant", "paced"), default="paced")
@@ -401,9 +430,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "status-poll and throughput targets (default 50000; 0: skip)")
     parser.add_argument("--big-workers", type=int, default=4,
                         help="workers for that batch (default 4)")
-    parser.add_argument("--quiet-polls", type=int, default=40,
-                        help="status polls of the --big-lines batch made with every worker "
-                             "stopped for a moment (default 40; 0: none)")
     parser.add_argument("--idle-s", type=float, default=20.0,
                         help="seconds of idle workers to count commits over (default 20: one "
                              "period of the idle polls at their cap)")
@@ -431,8 +457,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"{args.big_lines} and {args.big_workers}")
     if args.idle_s <= 0 or args.timeout <= 0:
         parser.error(f"--idle-s and --timeout must be > 0, got {args.idle_s} and {args.timeout}")
-    if args.quiet_polls < 0:
-        parser.error(f"--quiet-polls must be >= 0, got {args.quiet_polls}")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
+    if args.kill_at is None:
+        args.kill_at = max(args.workers)
+    if args.kill_at < 0 or args.kill_at == 1:
+        parser.error(f"--kill-at needs >= 2 workers (one to kill, one to take over) or 0, "
+                     f"got {args.kill_at}")
+    if args.poll_interval < 0:
+        parser.error(f"--poll-interval must be >= 0, got {args.poll_interval}")
     if args.idle_settle_s < 0:
         parser.error(f"--idle-settle-s must be >= 0, got {args.idle_settle_s}")
     return args
@@ -441,26 +474,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common = dict(idle_s=args.idle_s, timeout_s=args.timeout, database_url=args.database_url,
-                  broker_url=args.broker_url, idle_settle_s=args.idle_settle_s)
-    configs = [RunConfig(n, args.lines, args.engine, args.lines_per_s, **common)
-               for n in args.workers]
-    if args.big_lines:
-        configs.append(RunConfig(args.big_workers, args.big_lines, "instant", None, **common,
-                                 quiet_polls=args.quiet_polls))
-    results = []
-    for config in configs:
-        if not args.json:
-            print(f"running {config.num_workers} workers, {config.engine} engine, "
-                  f"{config.num_lines:,} lines ...", file=sys.stderr, flush=True)
-        results.append(run_once(config))
-    sweep = results[:len(args.workers)]
-    big = results[len(args.workers)] if args.big_lines else None
-    targets = scale_report.targets(sweep, big)
+                  broker_url=args.broker_url, idle_settle_s=args.idle_settle_s,
+                  fresh_poll_interval=args.poll_interval)
+    # Interleaved, so a spell of load from elsewhere on the machine falls on every count.
+    sweep = [RunConfig(n, args.lines, args.engine, args.lines_per_s, repeat=r, **common)
+             for r in range(1, args.repeat + 1) for n in args.workers]
+    kill = [RunConfig(args.kill_at, args.lines, args.engine, args.lines_per_s, kill_one=True,
+                      **common)] if args.kill_at else []
+    big = [RunConfig(args.big_workers, args.big_lines, "instant", None, repeat=r, **common)
+           for r in range(1, args.repeat + 1)] if args.big_lines else []
+    results: dict[str, list[RunResult]] = {"sweep": [], "kill": [], "big": []}
+    for part, configs in (("sweep", sweep), ("kill", kill), ("big", big)):
+        for config in configs:
+            if not args.json:
+                print(f"{time.strftime('%H:%M:%S')} running {config.num_workers} workers, "
+                      f"{config.engine} engine, {config.num_lines:,} lines"
+                      f"{', one SIGKILLed' if config.kill_one else ''} (load average "
+                      f"{os.getloadavg()[0]:.2f}) ...", file=sys.stderr, flush=True)
+            results[part].append(run_once(config))
+    targets = scale_report.targets(results["sweep"], results["big"], results["kill"])
     if args.json:
-        print(json.dumps({"runs": [asdict(r) for r in results],
-                          "targets": [asdict(t) for t in targets]}, indent=2))
+        print(json.dumps({part: [asdict(r) for r in runs] for part, runs in results.items()}
+                         | {"targets": [asdict(t) for t in targets]}, indent=2))
     else:
-        print(scale_report.format_report(sweep, big, targets))
+        print(scale_report.format_report(results["sweep"], results["big"], results["kill"],
+                                         targets))
     return 0
 
 

@@ -10,8 +10,6 @@ import os
 import re
 import threading
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import psycopg
@@ -19,6 +17,10 @@ from sqlalchemy.engine import make_url
 
 CLAIM_ATTEMPTS = "boxcar_shard_claim_attempts_total"
 CLAIMS = "boxcar_shard_claims_total"
+# Contention (worker.claims.num_lost): absent from workers older than these counters.
+CLAIM_STATEMENTS = "boxcar_shard_claim_statements_total"
+CLAIMS_LOST = "boxcar_shard_claims_lost_total"
+CLAIM_STATEMENTS_CONTENDED = "boxcar_shard_claim_statements_contended_total"
 
 
 def libpq_url(sqlalchemy_url: str) -> str:
@@ -90,16 +92,41 @@ def free_connections(server_url: str) -> int:
 def claim_counters(metrics_text: str) -> tuple[float, float] | None:
     """(attempts, claims) summed over workers from a /metrics page; None when the page has no
     such counters (code from before they existed)."""
+    sums = summed_counters(metrics_text, (CLAIM_ATTEMPTS, CLAIMS))
+    if CLAIM_ATTEMPTS not in sums or CLAIMS not in sums:
+        return None
+    return sums[CLAIM_ATTEMPTS], sums[CLAIMS]
+
+
+@dataclass(frozen=True)
+class Contention:
+    """Claim statements that ran, those that lost a wanted shard to another worker, and the
+    shards lost, summed over workers."""
+
+    statements: float
+    contended: float
+    lost: float
+
+
+def claim_contention(metrics_text: str) -> Contention | None:
+    """From a /metrics page; None when its workers export no such counters."""
+    names = (CLAIM_STATEMENTS, CLAIM_STATEMENTS_CONTENDED, CLAIMS_LOST)
+    sums = summed_counters(metrics_text, names)
+    if any(name not in sums for name in names):
+        return None
+    return Contention(*(sums[name] for name in names))
+
+
+def summed_counters(metrics_text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The samples named ``names`` on a /metrics page, each summed over its labels."""
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(metrics_text):
         for sample in family.samples:
-            if sample.name in (CLAIM_ATTEMPTS, CLAIMS):
+            if sample.name in names:
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
-    if CLAIM_ATTEMPTS not in sums or CLAIMS not in sums:
-        return None
-    return sums[CLAIM_ATTEMPTS], sums[CLAIMS]
+    return sums
 
 
 _SPACES = re.compile(r"\s+")
@@ -132,9 +159,14 @@ def statement_label(query: str | None) -> str:
 
 @dataclass
 class PgActivity:
-    num_samples: int = 0
+    num_samples: int = 0  # looks at pg_stat_activity
+    backends: int = 0  # backend samples: one per backend of the database per look
+    non_idle: int = 0  # of those, not 'idle' (active, or idle in a transaction)
     active: int = 0  # backend samples in state 'active'
-    lock_waits: int = 0  # of those, waiting on a lock (a row or a relation)
+    # Active samples waiting on their own client (ClientRead during pipelined writes): busy
+    # in name only, they inflate a share taken over active samples.
+    client_waits: int = 0
+    lock_waits: int = 0  # active samples waiting on a lock (a row or a relation)
     peak_connections: int = 0
     backend_cpu_s: float = 0.0
     # Active samples that were waiting, by (wait_event_type, wait_event, statement_label): what
@@ -143,7 +175,18 @@ class PgActivity:
 
     @property
     def lock_wait_share(self) -> float | None:
+        """Lock samples over active ones (the figure before issue 31; see the two below)."""
         return self.lock_waits / self.active if self.active else None
+
+    @property
+    def lock_share_of_backends(self) -> float | None:
+        """Lock samples over every backend sample."""
+        return self.lock_waits / self.backends if self.backends else None
+
+    @property
+    def lock_share_of_non_idle(self) -> float | None:
+        """Lock samples over the samples of backends that were not idle."""
+        return self.lock_waits / self.non_idle if self.non_idle else None
 
 
 class PgSampler:
@@ -162,20 +205,9 @@ class PgSampler:
         self._baseline: dict[int, float] = {}
         self._last_cpu: dict[int, float] = {}
         self._stop = threading.Event()
-        self._paused = threading.Event()
         self._thread: threading.Thread | None = None
         self._conn: psycopg.Connection | None = None
         self.error: BaseException | None = None
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """No samples meanwhile: the quiet status polls share this process's interpreter, and
-        a sample every 50 ms (a query, its rows, /proc reads) delayed the client's own polls."""
-        self._paused.set()
-        try:
-            yield
-        finally:
-            self._paused.clear()
 
     def start(self) -> PgSampler:
         self._conn = psycopg.connect(self.url, autocommit=True)
@@ -206,8 +238,6 @@ class PgSampler:
         try:
             n = 0
             while not self._stop.wait(self.interval):
-                if self._paused.is_set():
-                    continue
                 pids = self._sample()
                 n += 1
                 if n % self.cpu_every == 0:
@@ -223,10 +253,13 @@ class PgSampler:
         act = self.activity
         act.num_samples += 1
         act.peak_connections = max(act.peak_connections, len(rows))
+        act.backends += len(rows)
         for _, state, wait_type, wait_event, query in rows:
+            act.non_idle += state is not None and state != "idle"
             if state == "active":
                 act.active += 1
                 act.lock_waits += wait_type == "Lock"
+                act.client_waits += wait_type == "Client"
                 if wait_type is not None:
                     act.waits[(wait_type, wait_event or "", statement_label(query))] += 1
         pids = [int(r[0]) for r in rows]

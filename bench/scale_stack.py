@@ -75,6 +75,7 @@ class ScaleStack:
         self.api_port = 0
         self.api_key = ""
         self.workers: list[subprocess.Popen] = []
+        self.killed: set[int] = set()  # indexes of workers killed on purpose
         self._created = False
 
     # -- start ---------------------------------------------------------------------------------
@@ -130,23 +131,19 @@ class ScaleStack:
             log.close()
 
     def check_workers(self) -> None:
-        """Raise, with its log, if a worker exited: a run must not go on short of workers."""
+        """Raise, with its log, if a worker exited: a run must not go on short of workers
+        (but for those ``kill_worker`` killed on purpose)."""
         for i, proc in enumerate(self.workers):
-            if proc.poll() is not None:
+            if i not in self.killed and proc.poll() is not None:
                 raise RuntimeError(f"worker w{i} exited with status {proc.returncode}:\n"
                                    f"{self.log_tail(f'w{i}')}")
 
-    def pause_workers(self) -> None:
-        """Stop every worker process (SIGSTOP to its group); ``resume_workers`` undoes it."""
-        for proc in self.workers:
-            os.killpg(proc.pid, signal.SIGSTOP)
-
-    def resume_workers(self) -> None:
-        for proc in self.workers:
-            try:
-                os.killpg(proc.pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+    def kill_worker(self, index: int) -> None:
+        """SIGKILL worker ``index`` and its children: no warm shutdown, its shards stay leased
+        to a dead worker until the lease runs out and another takes them over."""
+        os.killpg(self.workers[index].pid, signal.SIGKILL)
+        self.workers[index].wait(10)
+        self.killed.add(index)
 
     def wait_workers(self) -> None:
         def all_ready() -> bool:
@@ -179,7 +176,6 @@ class ScaleStack:
                 print(f"bench.scale: cleaning up failed: {exc}", file=sys.stderr)
 
     def _stop_processes(self) -> None:
-        self.resume_workers()  # a stopped process would not see its SIGTERM
         for proc in self.workers:  # all signalled first: they shut down in parallel
             if proc.poll() is None:
                 try:

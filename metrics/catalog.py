@@ -87,6 +87,14 @@ ENGINE_METRICS: tuple[MetricSpec, ...] = (
     _c("shard_claim_attempts", "boxcar_shard_claim_attempts",
        "Shards a worker asked for in its claim statements"),
     _c("shard_claims", "boxcar_shard_claims", "Shards a worker's claim statements won"),
+    # Contention, which the two above hide (a claim makes up for a lost shard with another):
+    # the wanted shards another worker's claim held (SKIP LOCKED passed over) or had taken.
+    _c("shard_claim_statements", "boxcar_shard_claim_statements",
+       "Claim statements a worker ran"),
+    _c("shard_claims_lost", "boxcar_shard_claims_lost",
+       "Shards a worker's claim statements wanted and another worker had"),
+    _c("shard_claim_statements_contended", "boxcar_shard_claim_statements_contended",
+       "Claim statements that lost at least one wanted shard to another worker"),
     _g("running", "boxcar_requests_running", "Requests running in the engine"),
     _g("waiting", "boxcar_requests_waiting", "Requests waiting in the engine"),
     _g("kv_usage", "boxcar_kv_cache_usage_ratio", "Fraction of KV cache blocks in use",

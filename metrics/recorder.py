@@ -162,12 +162,16 @@ class EngineRecorder:
         with self._lock:
             self._snap["counters"]["requests_rejected"] += 1
 
-    def observe_claims(self, attempts: int, won: int) -> None:
-        """A claim statement (the lease thread): shards asked for, shards won."""
+    def observe_claims(self, attempts: int, won: int, lost: int = 0) -> None:
+        """A claim statement (the lease thread): shards asked for, shards won, and the wanted
+        shards another worker had (``worker.claims.num_lost``)."""
         with self._lock:
             counters = self._snap["counters"]
             counters["shard_claim_attempts"] += attempts
             counters["shard_claims"] += won
+            counters["shard_claim_statements"] += 1
+            counters["shard_claims_lost"] += lost
+            counters["shard_claim_statements_contended"] += lost > 0
 
     def _repeated(self, token_ids: list[int]) -> int:
         """Tokens in full blocks whose whole prefix an earlier prompt had (the part a prefix

@@ -114,13 +114,35 @@ def _sums_statement() -> Any:
             .group_by(BatchCounter.batch_id))
 
 
+def sums_of_one(batch_id: Any) -> Any:
+    """The summed counters of the one batch ``batch_id`` (a bound parameter) as a subquery with
+    a ``batch_id`` column and one per ``CounterDelta`` field, to join to its ``Batch`` row: a
+    status poll reads the batch and its counters in one statement. The filter is inside the
+    subquery, so it reads that batch's slots only (no dialect pushes a join's key into a
+    grouped subquery)."""
+    return (select(BatchCounter.batch_id,
+                   *(func.sum(getattr(BatchCounter, n)).label(n) for n in _COLUMNS))
+            .where(BatchCounter.batch_id == batch_id)
+            .group_by(BatchCounter.batch_id).subquery("counter_sums"))
+
+
+def sums_columns(subquery: Any) -> list[Any]:
+    """The summed columns of a ``sums_of_one`` subquery, in ``CounterDelta``'s field order."""
+    return [subquery.c[name] for name in _COLUMNS]
+
+
+def delta_of(values: Iterable[Any]) -> CounterDelta:
+    """A ``CounterDelta`` from the summed columns in field order (None: no rows, zero)."""
+    return CounterDelta(*(int(v or 0) for v in values))
+
+
 def sums(session: Session, batch_ids: Iterable[str]) -> dict[str, CounterDelta]:
     """The summed counters of ``batch_ids`` (a batch without rows is absent)."""
     ids = list(batch_ids)
     if not ids:
         return {}
     rows = session.execute(_sums_statement(), {"batch_ids": ids}).all()
-    return {row[0]: CounterDelta(*(int(v or 0) for v in row[1:])) for row in rows}
+    return {row[0]: delta_of(row[1:]) for row in rows}
 
 
 def num_open(session: Session, batch_id: str) -> int:
@@ -131,12 +153,14 @@ def totals(session: Session, batches: Iterable[tuple[str, int]]) -> dict[str, Li
     """Live totals of ``(batch id, num_total)`` pairs: counts and usage from the counters."""
     pairs = list(batches)
     found = sums(session, (batch_id for batch_id, _ in pairs))
-    result = {}
-    for batch_id, total in pairs:
-        c = found.get(batch_id, CounterDelta())
-        result[batch_id] = LineTotals(total, c.num_completed, c.num_failed, c.input_tokens,
-                                      c.output_tokens, c.cached_tokens)
-    return result
+    return {batch_id: as_totals(total, found.get(batch_id, CounterDelta()))
+            for batch_id, total in pairs}
+
+
+def as_totals(total: int, c: CounterDelta) -> LineTotals:
+    """A batch's live totals from its summed counters and its ``num_total``."""
+    return LineTotals(total, c.num_completed, c.num_failed, c.input_tokens, c.output_tokens,
+                      c.cached_tokens)
 
 
 def from_lines(session: Session, batch_id: str) -> CounterDelta:

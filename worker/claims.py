@@ -212,6 +212,19 @@ def claim_shards(
     return picked
 
 
+def num_lost(shard_ids: list[str], claimed: list[ClaimedShard], *, max_bulk: int,
+             max_jobs: int) -> int:
+    """Shards a ``claim_shards`` statement wanted and did not get: of the first ``max_jobs``
+    job and ``max_bulk`` bulk shards of ``shard_ids`` (those it locks first), the ones it did
+    not win. Another worker's claim held their row locks (``SKIP LOCKED`` passed over them) or
+    had taken them since they were read. ``fill`` makes up for them with other shards, so the
+    shards won hide this contention; this counts it."""
+    won = {c.id for c in claimed}
+    jobs = [sid for sid in shard_ids if ids.is_job_shard(sid)][:max(max_jobs, 0)]
+    bulk = [sid for sid in shard_ids if not ids.is_job_shard(sid)][:max(max_bulk, 0)]
+    return sum(1 for sid in (*jobs, *bulk) if sid not in won)
+
+
 def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
     """The open lines of claimed shards, in run order, as work for the drain loop."""
     if not claimed:

@@ -53,7 +53,7 @@ class LeaseKeeper(RoundLoop):
         kind: str | None = None,
         engine_alive: Callable[[], bool] = lambda: True,
         on_engine_dead: Callable[[], None] = lambda: None,
-        on_claims: Callable[[int, int], None] = lambda attempts, won: None,
+        on_claims: Callable[[int, int, int], None] = lambda attempts, won, lost: None,
     ) -> None:
         super().__init__(min(settings.poll_interval, settings.lease_seconds / 3),
                          # Idle means nothing held: no lease to renew, only the reaper's turn.
@@ -76,7 +76,8 @@ class LeaseKeeper(RoundLoop):
         # must not keep its shards alive (nobody else could take them).
         self._engine_alive = engine_alive
         self._on_engine_dead = on_engine_dead
-        self._on_claims = on_claims  # (shards asked for, shards won): the worker's metrics
+        # (shards asked for, shards won, wanted ones lost to others): the worker's metrics
+        self._on_claims = on_claims
         self._found_work = False
         # Until then a hungry engine does not wake the claim loop: its last claim found the
         # queue dry (see ``wake_hungry``).
@@ -132,8 +133,9 @@ class LeaseKeeper(RoundLoop):
     def _claim_in(self, session: Session, shard_ids: list[str], *, max_bulk: int,
                   max_jobs: int, fill: bool) -> list[claims.ClaimedShard]:
         """The claim statement, counted (``on_claims``) only when it runs: the shards it asked
-        for and those it won. Nothing to ask for (no candidate: the queue is dry) runs no
-        statement and counts nothing."""
+        for, those it won and the wanted ones another worker had (``claims.num_lost``).
+        Nothing to ask for (no candidate: the queue is dry) runs no statement and counts
+        nothing."""
         num_jobs = sum(1 for sid in shard_ids if ids.is_job_shard(sid))
         attempts = min(num_jobs, max_jobs) + min(len(shard_ids) - num_jobs, max_bulk)
         if attempts <= 0:
@@ -142,7 +144,8 @@ class LeaseKeeper(RoundLoop):
             session, shard_ids, worker_id=self.worker_id,
             lease_seconds=self.settings.lease_seconds, max_bulk=max_bulk, max_jobs=max_jobs,
             model=self.model, fill=fill)
-        self._on_claims(attempts, len(claimed))
+        self._on_claims(attempts, len(claimed), claims.num_lost(
+            shard_ids, claimed, max_bulk=max_bulk, max_jobs=max_jobs))
         return claimed
 
     def _load(self, claimed: list[claims.ClaimedShard]) -> int:

@@ -94,11 +94,16 @@ def test_claim_attempts_and_wins_reach_the_api_metrics(make_stack, sqlite_url):
     counters = worker.recorder.snapshot()["counters"]
     assert counters["shard_claims"] == len(shard_ids) == 3  # 10 lines in shards of 4
     attempts = counters["shard_claim_attempts"]
-    assert attempts >= 3
-    # A shard already claimed (done) is an attempt lost, not a claim.
+    statements = counters["shard_claim_statements"]
+    assert attempts >= 3 and statements >= 1
+    assert counters["shard_claims_lost"] == counters["shard_claim_statements_contended"] == 0
+    # A shard already claimed (done) is an attempt lost, not a claim: a statement that lost a
+    # wanted shard.
     assert worker.leases.claim([shard_ids[0]], max_bulk=1, max_jobs=1) == 0
     counters = worker.recorder.snapshot()["counters"]
     assert (counters["shard_claim_attempts"], counters["shard_claims"]) == (attempts + 1, 3)
+    assert (counters["shard_claim_statements"], counters["shard_claims_lost"],
+            counters["shard_claim_statements_contended"]) == (statements + 1, 1, 1)
 
     label = f'{{worker="{worker.worker_id}"}}'
 
@@ -109,3 +114,18 @@ def test_claim_attempts_and_wins_reach_the_api_metrics(make_stack, sqlite_url):
 
     text = wait_for(exposed, 10, 0.05, "the worker's snapshot with the lost attempt")
     assert f"boxcar_shard_claims_total{label} 3.0" in text
+    assert f"boxcar_shard_claims_lost_total{label} 1.0" in text
+
+
+def test_a_claim_counts_the_wanted_shards_it_lost_not_those_it_never_wanted():
+    from worker.claims import ClaimedShard, num_lost
+
+    def won(*shard_ids: str) -> list[ClaimedShard]:
+        return [ClaimedShard(sid, "t", "b", None, 0, 1) for sid in shard_ids]
+
+    wanted = ["shard_a", "shard_b", "shard_c"]
+    # Two wanted (max_bulk 2): a and b. b went to another worker; the fill gave c instead.
+    assert num_lost(wanted, won("shard_a", "shard_c"), max_bulk=2, max_jobs=0) == 1
+    assert num_lost(wanted, won("shard_a", "shard_b"), max_bulk=2, max_jobs=0) == 0
+    assert num_lost(wanted, won(), max_bulk=2, max_jobs=0) == 2
+    assert num_lost(wanted, won(), max_bulk=0, max_jobs=0) == 0

@@ -1,0 +1,182 @@
+"""A live batch's status poll on PostgreSQL: one statement (the batch with its counters' sums)
+outside a transaction, no ping of a connection used a moment ago, and an ETA it never waits
+for once there is one; the pool still pings, and replaces, a connection that sat idle."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from contextlib import contextmanager
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, event, text, update
+
+import api.eta
+from api.app import build_context, create_app
+from api.eta import BatchEta, EtaCache
+from api.poll_reads import POLL_STATEMENT, AsyncReader
+from service.counters import CounterDelta, add
+from service.db import ping_when_idle
+from service.models import IN_PROGRESS, Batch
+from service.settings import Settings
+from tests.api.conftest import RecordingQueue
+from tests.api.test_batches import chat_line, make_batch
+from tests.conftest_services import make_key, migrated
+
+
+@pytest.fixture
+def pg_client(pg_url, tmp_path):
+    settings = Settings(database_url=pg_url, storage_url=str(tmp_path / "storage"),
+                        shard_size=4, completion_windows=["24h"])
+    ctx = build_context(settings, db=migrated(pg_url), queue=RecordingQueue())
+    key = make_key(ctx.db, "acme")
+    with TestClient(create_app(context=ctx), headers={"Authorization": f"Bearer {key}"}) as c:
+        yield c, ctx
+    ctx.db.dispose()
+
+
+@pytest.mark.parametrize("path", ["event loop", "thread"])
+def test_a_live_batch_poll_is_one_statement_outside_a_transaction(pg_client, path):
+    client, ctx = pg_client
+    if path == "thread":  # as on SQLite
+        ctx.poll_reader = None
+    batch = make_batch(client, [chat_line(f"l{i}", "x") for i in range(6)]).json()
+    with ctx.db.session() as session:
+        session.execute(update(Batch).where(Batch.id == batch["id"])
+                        .values(status=IN_PROGRESS, num_total=6))
+        add(session, {batch["id"]: CounterDelta(num_open=6)}, slot=0)
+    with ctx.db.session() as session:  # two workers' slots
+        add(session, {batch["id"]: CounterDelta.closed("completed", prompt_tokens=5)}, slot=7)
+        add(session, {batch["id"]: CounterDelta.closed("failed")}, slot=9)
+    client.get(f"/v1/batches/{batch['id']}")  # the key checked and the ETA computed once
+    in_transaction: list[bool] = []
+
+    @event.listens_for(ctx.db.engine, "before_cursor_execute")
+    def _seen(conn, cursor, statement, parameters, context, executemany) -> None:
+        in_transaction.append(not conn.connection.dbapi_connection.autocommit)
+
+    response = client.get(f"/v1/batches/{batch['id']}")
+    event.remove(ctx.db.engine, "before_cursor_execute", _seen)
+    body = response.json()
+    assert body["status"] == "in_progress"
+    assert body["request_counts"] == {"total": 6, "completed": 1, "failed": 1}
+    assert body["usage"]["input_tokens"] == 5
+    assert 'desc="1 statements"' in response.headers["server-timing"]
+    # On the loop the statement is psycopg's own (autocommit): none of SQLAlchemy's.
+    assert in_transaction == ([] if path == "event loop" else [False])
+    assert client.get("/v1/batches/batch_nope").status_code == 404
+    listed = client.get("/v1/batches").json()["data"]
+    assert listed[0]["request_counts"] == body["request_counts"]
+    with ctx.db.session() as session:  # a finished batch: its stored totals
+        session.execute(update(Batch).where(Batch.id == batch["id"])
+                        .values(status="completed", num_completed=5, num_failed=1))
+    done = client.get(f"/v1/batches/{batch['id']}").json()
+    assert done["request_counts"] == {"total": 6, "completed": 5, "failed": 1}
+
+
+def test_the_loop_reader_replaces_a_connection_the_server_dropped(pg_client):
+    client, ctx = pg_client
+    now = [0.0]
+    name = f"boxcar-test-{uuid.uuid4().hex[:8]}"
+    ctx.poll_reader = AsyncReader(ctx.db.url, POLL_STATEMENT, clock=lambda: now[0],
+                                  application_name=name)
+    batch = make_batch(client).json()
+    assert client.get(f"/v1/batches/{batch['id']}").status_code == 200
+    with create_engine(ctx.db.url).connect() as other:  # the server drops the reader's
+        dropped = other.execute(text("SELECT count(pg_terminate_backend(pid)) FROM "
+                                     "pg_stat_activity WHERE application_name = :name"),
+                                {"name": name}).scalar()
+    assert dropped == 1
+    now[0] = 5.0  # idle past the ping's threshold: pinged, found dead, replaced
+    assert client.get(f"/v1/batches/{batch['id']}").status_code == 200
+
+
+def test_the_pool_pings_only_connections_that_sat_idle(pg_url):
+    now = [0.0]
+    engine = create_engine(pg_url, pool_size=1, max_overflow=0)
+    ping_when_idle(engine, 1.0, clock=lambda: now[0])
+    pings: list[float] = []
+    real_ping = engine.dialect.do_ping
+
+    def counted(dbapi_conn) -> bool:
+        pings.append(now[0])
+        return real_ping(dbapi_conn)
+
+    engine.dialect.do_ping = counted  # type: ignore[method-assign]
+    try:
+        with engine.connect() as conn:  # fresh: no ping
+            pid = conn.execute(text("SELECT pg_backend_pid()")).scalar()
+        now[0] = 0.5
+        with engine.connect() as conn:  # used half a second ago: no ping
+            conn.execute(text("SELECT 1"))
+        assert pings == []
+        now[0] = 2.0
+        with engine.connect() as conn:  # idle past a second: pinged, and alive
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar() == pid
+        assert pings == [2.0]
+        with create_engine(pg_url).connect() as other:  # the server drops it meanwhile
+            other.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": pid})
+        now[0] = 4.0
+        with engine.connect() as conn:  # the ping finds it gone: a new one, no error
+            assert conn.execute(text("SELECT pg_backend_pid()")).scalar() != pid
+        assert pings == [2.0, 4.0]
+    finally:
+        engine.dispose()
+
+
+def test_a_poll_gets_the_old_etas_while_one_thread_computes_the_next(monkeypatch):
+    now = [0.0]
+    computed: list[str] = []
+    gate = threading.Event()
+
+    def fake_estimate(session, *, worker_metrics_interval, now=None):
+        if session == "refresh":
+            gate.wait(10)
+        computed.append(session)
+        return {"b": BatchEta(float(len(computed)), None, 0.0)}
+
+    @contextmanager
+    def refresh_session():
+        yield "refresh"
+
+    monkeypatch.setattr(api.eta, "estimate", fake_estimate)
+    cache = EtaCache(2.0, ttl=2.0, clock=lambda: now[0], refresh_session=refresh_session,
+                     max_stale=10.0)
+    assert cache.get_nowait() is None  # none yet: the event loop must go to a thread
+    assert cache.get("poll")["b"].estimated_completion_at == 1.0  # ... which computes it
+    assert cache.get_nowait() is cache.get("poll")
+    now[0] = 3.0  # past the TTL: the old value at once, the next computed on the side
+    assert cache.get("poll")["b"].estimated_completion_at == 1.0
+    assert cache.get("poll")["b"].estimated_completion_at == 1.0  # one refresh, not two
+    gate.set()
+    for _ in range(200):
+        if cache.get("poll")["b"].estimated_completion_at == 2.0:
+            break
+        threading.Event().wait(0.01)
+    assert computed == ["poll", "refresh"]
+    now[0] = 20.0  # older than max_stale (a quiet spell): the poll computes it itself
+    assert cache.get_nowait() is None
+    assert cache.get("poll")["b"].estimated_completion_at == 3.0
+
+
+def test_boxcar_status_counts_unfinished_lines_from_their_counters(client, ctx):
+    from cli.status import collect
+
+    batch = make_batch(client, [chat_line(f"l{i}", "x") for i in range(4)]).json()
+    with ctx.db.session() as session:
+        session.execute(update(Batch).where(Batch.id == batch["id"])
+                        .values(status=IN_PROGRESS, num_total=4))
+        add(session, {batch["id"]: CounterDelta(num_open=4)}, slot=0)
+        add(session, {batch["id"]: CounterDelta.closed("completed")}, slot=3)
+    statements: list[str] = []
+
+    @event.listens_for(ctx.db.read_engine, "before_cursor_execute")
+    def _seen(conn, cursor, statement, parameters, context, executemany) -> None:
+        statements.append(statement)
+
+    report = collect(ctx.db, interval=2.0)
+    event.remove(ctx.db.read_engine, "before_cursor_execute", _seen)
+    assert report["lines"] == {"open": 3, "completed": 1, "failed": 0}
+    assert any("FROM batch_counters" in s for s in statements)
+    assert not [s for s in statements if "FROM request_lines" in s]  # no line is read
