@@ -20,12 +20,12 @@ bucket (``row_bucket``: exact up to 16, then multiples of 16 to 256, of 64 beyon
 the primitives to ~60 a weight; the padded rows cost little next to streaming the weight.
 
 fp32 goes to MKL on Intel CPUs and to oneDNN elsewhere (``fp32_gemm``): MKL takes its AVX-512
-kernels only on Intel. On an AMD EPYC with AVX-512 (1 thread, ``python /tmp`` script over the
-default model's and MiniLM's shapes) MKL's packed sgemm ran 78 GFLOP/s at 2,048 x 384 x 1,536
-against oneDNN's 189, and oneDNN led at every row count from 4 to 2,048 (1.4-3.7x, one shape
-at 16 rows even). oneDNN's fp32 rows are bucketed as bf16's are. Its results differ from
-sgemm's in the last bits (another summation order), so the exact mode stays token for token
-transformers' on the tested configs, not bit for bit.
+kernels only on Intel. On an AMD EPYC with AVX-512 (1 thread, quiet, ``python -m
+bench.cpu_gemm`` over the default model's and MiniLM's shapes) MKL's packed sgemm ran 90-93
+GFLOP/s at 2,048 rows against oneDNN's 208-217, and oneDNN led at every shape and row count from
+4 to 2,048 (1.8-2.7x). oneDNN's fp32 rows are bucketed as bf16's are. Its
+results differ from sgemm's in the last bits (another summation order), so the exact mode stays
+token for token transformers' on the tested configs, not bit for bit.
 """
 
 from __future__ import annotations
