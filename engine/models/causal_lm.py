@@ -110,17 +110,21 @@ class CausalLM(nn.Module):
         def destination(name: str, shape: tuple[int, ...],
                         dtype: torch.dtype) -> torch.Tensor | None:
             try:
-                place = self._place(name, params)
+                rows = self._destination_rows(name, params)
             except ValueError:
                 return None  # load_weights reports it
-            if place is None:
-                return None
-            rows = place[2].detach()
-            fits = (tuple(rows.shape) == shape and rows.dtype == dtype
+            fits = (rows is not None and tuple(rows.shape) == shape and rows.dtype == dtype
                     and rows.device.type == "cpu" and rows.is_contiguous())
             return rows if fits else None
 
         return destination
+
+    def _destination_rows(self, name: str,
+                          params: dict[str, nn.Parameter]) -> torch.Tensor | None:
+        """The memory checkpoint tensor ``name`` is copied into unchanged, or None (skipped,
+        or converted on the way); ``ValueError`` for a name with no place."""
+        place = self._place(name, params)
+        return None if place is None else place[2].detach()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -191,26 +191,14 @@ class MoeForCausalLM(CausalLM):
             return [int(module.q_size), int(module.kv_size), int(module.kv_size)]
         return [int(module.intermediate_size)] * 2
 
-    def weight_destination(self) -> Callable[[str, tuple[int, ...], torch.dtype],
-                                             torch.Tensor | None]:
-        """For ``Checkpoint.iter_weights(destination=...)``: the memory a stored tensor can be
-        read straight into (contiguous, same shape and dtype, no conversion), else None."""
-        params = dict(self.named_parameters())
-
-        def destination(name: str, shape: tuple[int, ...],
-                        dtype: torch.dtype) -> torch.Tensor | None:
-            try:
-                slot = self._slot(self.checkpoint_name(name), params)
-            except ValueError:
-                return None  # load_weights reports it
-            if slot is None or slot.convert is not None:
-                return None
-            rows = slot.part(params[slot.target].detach())
-            fits = (tuple(rows.shape) == shape and rows.dtype == dtype
-                    and rows.device.type == "cpu" and rows.is_contiguous())
-            return rows if fits else None
-
-        return destination
+    def _destination_rows(self, name: str,
+                          params: dict[str, nn.Parameter]) -> torch.Tensor | None:
+        """As ``CausalLM``'s, through the family's checkpoint names; a tensor converted at
+        load (MXFP4 experts, a transposed layout) has no memory to be read into."""
+        slot = self._slot(self.checkpoint_name(name), params)
+        if slot is None or slot.convert is not None:
+            return None
+        return slot.part(params[slot.target].detach())
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
