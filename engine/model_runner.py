@@ -20,8 +20,8 @@ from engine.layers.attention_metadata import AttentionBackend
 from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
 from engine.layers.linear import (
     bf16_packing_available,
-    fp32_gemm,
     pack_linear_weights,
+    packing_gemm,
 )
 from engine.layers.lora import lora_batch, wrap_lora_linears
 from engine.layers.moe import pack_experts
@@ -159,8 +159,8 @@ class ModelRunner:
         fp32 = self.dtype == torch.float32
         if not fp32 or bf16_is_native():
             self.greedy_screen = GreedyScreen(head.detach()[: self.vocab_size])
-        gemm = fp32_gemm(self.config.cpu_gemm) if fp32 else "onednn"
-        if gemm is None or (not fp32 and not bf16_packing_available()):
+        gemm = packing_gemm(self.dtype, self.config.cpu_gemm)
+        if gemm is None:
             return
         keep = self.model.tie_word_embeddings or self.greedy_screen is not None
         pack_linear_weights(self.model, shared={id(head)} if keep else set(), gemm=gemm)

@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from engine.config import EngineConfig
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.linear import (
-    bf16_packing_available,
-    fp32_gemm,
     pack_linear_weights,
+    packing_gemm,
 )
 from engine.layers.packed_attention import PackedAttentionBackend
 from engine.layers.pooling import PoolerConfig, PoolingType, pool, read_pooler_config
@@ -71,10 +70,8 @@ class PoolingModelRunner:
                                            use_cpu_kernel=native_cpu)
         self.packed_weights = False
         if native_cpu:
-            fp32 = self.dtype == torch.float32
-            gemm = fp32_gemm(config.cpu_gemm) if fp32 else "onednn"
-            if gemm is not None and (fp32 or (
-                    self.dtype == torch.bfloat16 and bf16_packing_available())):
+            gemm = packing_gemm(self.dtype, config.cpu_gemm)
+            if gemm is not None:
                 pack_linear_weights(model, gemm=gemm)
                 self.packed_weights = True
 

@@ -38,9 +38,8 @@ from engine.distributed.step_message import (
 from engine.distributed.weights import iter_shard_weights
 from engine.input_batch import InputBatch, build_input_batch
 from engine.layers.linear import (
-    bf16_packing_available,
-    fp32_gemm,
     pack_linear_weights,
+    packing_gemm,
 )
 from engine.model_runner import ModelRunner, resolve_device
 from engine.models.causal_lm import CausalLM
@@ -121,9 +120,8 @@ class TPModelRunner(ModelRunner):
     def _pack_weights(self) -> None:
         """Pack the shares' linear weights; no greedy screen (it wants the whole output
         layer: the gathered logits give the argmax instead)."""
-        fp32 = self.dtype == torch.float32
-        gemm = fp32_gemm(self.config.cpu_gemm) if fp32 else "onednn"
-        if gemm is None or (not fp32 and not bf16_packing_available()):
+        gemm = packing_gemm(self.dtype, self.config.cpu_gemm)
+        if gemm is None:
             return
         head = self.model.lm_head.weight
         pack_linear_weights(self.model,

@@ -80,6 +80,17 @@ def fp32_gemm(choice: str | None = None) -> str | None:
     return next((name for name in preferred if available[name]), None)
 
 
+def packing_gemm(dtype: torch.dtype, cpu_gemm: str | None = None) -> str | None:
+    """The library a CPU model's ``dtype`` weights are packed for (``pack_linear_weights``'s
+    ``gemm``): fp32 by ``fp32_gemm(cpu_gemm)``, bf16 oneDNN where it packs bf16; None where
+    nothing packs them (the linears stay plain)."""
+    if dtype == torch.float32:
+        return fp32_gemm(cpu_gemm)
+    if dtype == torch.bfloat16 and bf16_packing_available():
+        return "onednn"
+    return None
+
+
 def bf16_packing_available() -> bool:
     """oneDNN packs bf16 weights only where the CPU multiplies bf16 natively; ask it."""
     return onednn_packing_available(torch.bfloat16)

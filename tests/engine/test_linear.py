@@ -126,3 +126,16 @@ def test_engine_config_names_cpu_gemm_choices():
 
     with pytest.raises(ValueError, match="cpu_gemm must be 'mkl' or 'onednn'"):
         EngineConfig(model="m", cpu_gemm="openblas")
+
+
+def test_packing_gemm_by_dtype(monkeypatch):
+    import engine.layers.linear as linear
+
+    monkeypatch.setattr(linear, "fp32_gemm", lambda choice=None: choice or "mkl")
+    monkeypatch.setattr(linear, "bf16_packing_available", lambda: True)
+    assert linear.packing_gemm(torch.float32) == "mkl"
+    assert linear.packing_gemm(torch.float32, "onednn") == "onednn"
+    assert linear.packing_gemm(torch.bfloat16, "mkl") == "onednn"  # bf16: oneDNN only
+    assert linear.packing_gemm(torch.float16) is None
+    monkeypatch.setattr(linear, "bf16_packing_available", lambda: False)
+    assert linear.packing_gemm(torch.bfloat16) is None
