@@ -6,7 +6,10 @@ adapter at a time with merged weights.
 
 Random-weight PEFT adapters (ranks spread over 8..64, every one on all seven projections) are
 written next to the default model's converted folder, once per run. Three variants, greedy, EOS
-ignored, every line added before the first step:
+ignored, every line added before the first step. Each round is new lines (its own random
+prompts, the same for every variant), so no round finds an earlier one's prompts in the prefix
+cache: every round prefills and decodes, as a batch of new lines does; a few warm-up lines run
+first on each engine, not timed.
 
 - ``(a) base``: the lines on the base model alone;
 - ``(b) mixed``: the same lines spread round-robin over ``--adapters`` adapters, one engine,
@@ -117,16 +120,26 @@ class LoRATimer:
             setattr(LoRALinear, name, original)
 
 
-def generate(llm: Any, prompts: list[list[int]], max_tokens: int,
-             loras: list[str | None] | None = None, rounds: int = 1
-             ) -> tuple[float, float, int, list[list[int]]]:
-    """(median seconds, total seconds, tokens of one round, the tokens) over ``rounds`` runs of
-    the same lines: the median, so that a round slowed by another process does not count."""
+def warm(llm: Any, prompts: list[list[int]], loras: list[str | None] | None = None) -> None:
+    """Lines run before the timed rounds, on prompts of their own: an engine's first step pays
+    one-off costs."""
+    from engine import SamplingParams
+
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                 lora_name=loras)
+
+
+def generate(llm: Any, rounds: list[list[list[int]]], max_tokens: int,
+             loras: list[str | None] | None = None) -> tuple[float, float, int, list[list[int]]]:
+    """(median seconds, total seconds, tokens of one round, the last round's tokens) over the
+    rounds, each its own prompts: no round finds another's in the prefix cache, so every round
+    prefills and decodes as a batch of new lines does. The median, so that a round slowed by
+    another process does not count."""
     from engine import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     times = []
-    for _ in range(rounds):
+    for prompts in rounds:
         start = time.perf_counter()
         outs = llm.generate(prompts, params, lora_name=loras)
         times.append(time.perf_counter() - start)
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1,
-                        help="runs of each variant's lines; the median counts")
+                        help="rounds of new lines for each variant; the median counts")
     args = parser.parse_args(argv)
 
     import torch
@@ -164,8 +177,10 @@ def main(argv: list[str] | None = None) -> None:
     ranks = [round(args.min_rank + (args.max_rank - args.min_rank) * i / max(n - 1, 1))
              for i in range(n)]
     g = torch.Generator().manual_seed(args.seed)
-    prompts = [torch.randint(100, config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
-               for _ in range(args.lines)]
+    # one set of lines a round, the same sets for every variant, and a warm-up set apart
+    sets = [[torch.randint(100, config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
+             for _ in range(args.lines)] for _ in range(args.rounds + 1)]
+    warmup, rounds = sets[0][:n], sets[1:]
     engine_args = dict(dtype=args.dtype, device="cpu", num_threads=args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         root = Path(tmp)
@@ -181,15 +196,16 @@ def main(argv: list[str] | None = None) -> None:
               "round(s)")
 
         base = LLM(model, **engine_args)
-        a_s, _, a_tok, _ = generate(base, prompts, args.max_tokens, rounds=args.rounds)
+        warm(base, warmup)
+        a_s, _, a_tok, _ = generate(base, rounds, args.max_tokens)
         del base
 
         mixed = LLM(model, lora_modules=[f"{k}={v}" for k, v in folders.items()], max_loras=n,
                     max_lora_rank=args.max_rank, **engine_args)
+        warm(mixed, warmup, names)
         timer = LoRATimer()
         try:
-            b_s, b_total, b_tok, b_tokens = generate(mixed, prompts, args.max_tokens, spread,
-                                                     rounds=args.rounds)
+            b_s, b_total, b_tok, b_tokens = generate(mixed, rounds, args.max_tokens, spread)
         finally:
             timer.close()
         lora_share = timer.seconds / b_total
@@ -204,8 +220,9 @@ def main(argv: list[str] | None = None) -> None:
             write_merged(merged, checkpoint.path, folder, config)
             llm = LLM(str(merged), **engine_args)
             c_start += time.perf_counter() - start
-            seconds, _, tokens, outs = generate(llm, [prompts[i] for i in rows], args.max_tokens,
-                                                rounds=args.rounds)
+            warm(llm, warmup)
+            seconds, _, tokens, outs = generate(llm, [[p[i] for i in rows] for p in rounds],
+                                                args.max_tokens)
             c_s += seconds
             c_tok += tokens
             # merged fp32 weights round differently from base + delta: count agreeing lines

@@ -15,6 +15,7 @@ from engine.config import EngineConfig
 from engine.cuda_graphs import CUDAGraphRunner
 from engine.greedy_dispatch import sample_tokens
 from engine.input_batch import InputBatch, StepRow, build_input_batch
+from engine.kernels import cpu_decode_attention
 from engine.kv_cache import KVCache, plan_kv_cache, zeroed_kv_cache
 from engine.layers.attention_metadata import AttentionBackend
 from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
@@ -106,9 +107,13 @@ class ModelRunner:
         linears inside) and read every registered adapter, so a bad one fails the start."""
         linears, targets = wrap_lora_linears(self.model)
         stacked = self.device.type == "cuda" or self.config.attention_backend == "triton"
+        # The CPU path's short segments loop in C++ (``csrc/lora_segments.cpp``) where the
+        # native kernels run; elsewhere (or where they could not be built) in Python.
+        kernel = cpu_decode_attention.load() if self._native_cpu_path() and not stacked else None
         self.lora = LoRAManager(self.config, linears, targets, dtype=self.dtype,
                                 device=self.device, base_names=base_model_names(
-                                    self.config.model, checkpoint), stacked=stacked)
+                                    self.config.model, checkpoint), stacked=stacked,
+                                kernel=kernel)
 
     def _build_model(self, checkpoint, max_position: int) -> CausalLM:
         """The family's model with the checkpoint's weights (``engine.distributed.runner``

@@ -11,9 +11,12 @@ A step's rows are ordered by adapter within its decodes and within its prefills
 expand ``out[rows, slice] += scaling * y[:, slice ranks] @ B.T`` per slice. Rows of the base
 model are in no segment and pay nothing; a step without adapter rows runs no LoRA code at all.
 
-Two paths, chosen by the manager: on the CPU each segment is one ``matmul`` + ``addmm_`` per
-slice on the adapter's own (unpadded) tensors (a long segment's on oneDNN's packed copies where
-oneDNN multiplies the base weights, ``ONEDNN_MIN_ROWS``); on the GPU the adapters resident in
+Two paths, chosen by the manager: on the CPU a short segment (a decode's rows, under
+``KERNEL_MAX_ROWS``) runs in the C++ kernel ``csrc/lora_segments.cpp``, which streams each
+adapter's weights once from its own blocked copy, for all of a linear's short segments in one
+call; a long one is one ``matmul`` + ``addmm_`` per slice on the adapter's own (unpadded)
+tensors (on oneDNN's packed copies where oneDNN multiplies the base weights,
+``ONEDNN_MIN_ROWS``); on the GPU the adapters resident in
 the step sit in per-layer slot stacks padded to ``max_lora_rank`` and two Triton kernels
 (``kernels/lora_shrink.py``, ``kernels/lora_expand.py``) cover every segment in one launch each.
 
@@ -27,6 +30,7 @@ import contextlib
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -59,6 +63,22 @@ class ModuleLoRA:
     pieces: list[LoRAPiece]
     # A, and each piece's B with its scaling folded in, packed for oneDNN (``onednn_weights``)
     _onednn: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+    # A and the pieces' B in the C++ kernel's blocked layouts (``kernel_args``)
+    _kernel: tuple[torch.Tensor, list[torch.Tensor], list[int], list[float]] | None = None
+
+    def kernel_args(self) -> tuple[torch.Tensor, list[torch.Tensor], list[int], list[float]]:
+        """(At, the pieces' Bt, [col_offset, col_size, rank_offset, rank] a piece, scalings):
+        what ``csrc/lora_segments.cpp`` takes for a segment under this adapter, laid out on
+        first use so that its loops read each weight once, in order: At [R/16, in, 16] is A.T
+        in blocks of 16 ranks, each piece's Bt [cols/16, rank, 16] B.T in blocks of 16 columns
+        (both zero-padded to 16)."""
+        if self._kernel is None:
+            meta = [v for p in self.pieces
+                    for v in (p.col_offset, p.col_size, p.rank_offset, p.rank)]
+            self._kernel = (_lane_blocks(self.lora_a),
+                            [_lane_blocks(p.lora_b) for p in self.pieces], meta,
+                            [p.scaling for p in self.pieces])
+        return self._kernel
 
     def onednn_weights(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A and the pieces' scaled B, packed for oneDNN on first use (the CPU path's long
@@ -68,6 +88,15 @@ class ModuleLoRA:
             self._onednn = (reorder(self.lora_a),
                             [reorder((p.lora_b * p.scaling).contiguous()) for p in self.pieces])
         return self._onednn
+
+
+def _lane_blocks(w: torch.Tensor) -> torch.Tensor:
+    """[n, depth] -> [ceil(n / 16), depth, 16]: w.T cut into blocks of 16 of its n rows, rows
+    past n zero."""
+    n, depth = w.shape
+    padded = torch.zeros(-(-n // KERNEL_LANES) * KERNEL_LANES, depth, dtype=w.dtype)
+    padded[:n] = w
+    return padded.view(-1, KERNEL_LANES, depth).transpose(1, 2).contiguous()
 
 
 @dataclass
@@ -94,7 +123,16 @@ class LoRABatch:
     seg_slot: torch.Tensor | None = None
     max_seg_len: int = 0
     num_rows: int = 0  # rows under an adapter
+    # The CPU kernels' module when its segment loop runs the short segments (CPU path; None:
+    # the torch ops in Python, as where no compiler built the kernels)
+    kernel: ModuleType | None = None
 
+
+# The C++ kernel's (``csrc/lora_segments.cpp``) block width, and the longest segment it takes:
+# past that the weights are read from cache by more rows than a register block holds, and the
+# BLAS libraries' cache-blocked GEMMs win (their packing is paid once over many rows).
+KERNEL_LANES = 16
+KERNEL_MAX_ROWS = 32
 
 # A segment of at least this many rows runs its LoRA GEMMs on oneDNN's packed A and B where
 # oneDNN multiplies the base weights: on an AMD EPYC (1 thread, 576 -> 108 ranks -> 960) the two
@@ -174,12 +212,18 @@ class LoRALinear(nn.Module):
     def _segmented_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         index = self.index
         onednn = self.base.packed_by == "onednn"  # oneDNN multiplies the base weight
+        kernel = batch.kernel if x.stride(1) == 1 and out.stride(1) == 1 else None
+        short = []  # the kernel's segments
         for segment in batch.segments:
             module = segment.modules[index]
             if module is None:
                 continue
             rows = slice(segment.start, segment.end)
-            if onednn and segment.end - segment.start >= ONEDNN_MIN_ROWS:
+            num_rows = segment.end - segment.start
+            if kernel is not None and num_rows < KERNEL_MAX_ROWS:
+                short.append((segment.start, segment.end, *module.kernel_args()))
+                continue
+            if onednn and num_rows >= ONEDNN_MIN_ROWS:
                 packed_a, packed_b = module.onednn_weights()
                 shrunk = onednn_linear(x[rows], packed_a, None)  # [segment rows, ranks]
                 for piece, b in zip(module.pieces, packed_b, strict=True):
@@ -192,6 +236,9 @@ class LoRALinear(nn.Module):
                 cols = out[rows, piece.col_offset: piece.col_offset + piece.col_size]
                 cols.addmm_(shrunk[:, piece.rank_offset: piece.rank_offset + piece.rank],
                             piece.lora_b.T, alpha=piece.scaling)
+        if short:
+            assert kernel is not None
+            kernel.lora_segments(x, out, short)
 
     def _stacked_delta(self, x: torch.Tensor, out: torch.Tensor, batch: LoRABatch) -> None:
         from engine.kernels.lora_expand import lora_expand

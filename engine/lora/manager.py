@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from types import ModuleType
 
 import torch
 
@@ -27,7 +28,7 @@ from engine.lora.errors import LoRAError
 class LoRAManager:
     def __init__(self, config: EngineConfig, linears: list[LoRALinear],
                  targets: dict[str, LoRATarget], *, dtype: torch.dtype, device: torch.device,
-                 base_names: set[str], stacked: bool) -> None:
+                 base_names: set[str], stacked: bool, kernel: ModuleType | None = None) -> None:
         self.linears = linears
         self.targets = targets
         self.dtype = dtype
@@ -37,6 +38,7 @@ class LoRAManager:
         self.max_rank = config.max_lora_rank
         self.max_cpu_loras = config.max_cpu_loras or config.max_loras
         self.stacked = stacked
+        self.kernel = kernel  # the CPU kernels' module: short segments loop in C++
         self.paths: dict[str, str] = {}
         self.loaded: OrderedDict[str, LoRAAdapter] = OrderedDict()
         self.slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU first
@@ -113,7 +115,8 @@ class LoRAManager:
         if len(adapters) > self.max_loras:
             raise RuntimeError(f"a step has {len(adapters)} adapters, above max_loras="
                                f"{self.max_loras} (the scheduler must keep it there)")
-        batch = LoRABatch(segments, num_rows=sum(s.end - s.start for s in segments))
+        batch = LoRABatch(segments, num_rows=sum(s.end - s.start for s in segments),
+                          kernel=self.kernel)
         if self.stacked:
             slot_of = self._activate(adapters)
             for segment in segments:

@@ -1,0 +1,274 @@
+// The CPU path's LoRA delta over a step's short adapter segments, one call a linear.
+//
+// At decode a step's rows under one adapter are a handful (8 lines of each of 8 adapters: 8 rows a
+// segment) and the arithmetic is small: what a step pays is reading every resident adapter's A
+// and B once (8 adapters of ranks 8-64 on the default model's seven projections: 351 MB in fp32,
+// 65% of the base model's bytes). Issued from Python (a matmul, then an addmm_ a piece, each with
+// its views) or even through BLAS, these tiny GEMMs read their weights at half the machine's
+// bandwidth: BLAS packs each small operand before multiplying it. Here each weight is streamed
+// once, in the order it is stored, straight into registers:
+//
+//   shrink  y[rows, R] = x[rows] @ A.T         A stored as At [R/16, in, 16] (R padded to 16)
+//   expand  out[rows, cols] += s * y[:, ranks] @ B.T, per piece
+//                                              B stored as Bt [cols/16, rank, 16] (cols padded)
+//
+// Both are "broadcast one input value, FMA it with 16 weights" loops over up to 8 rows at a time:
+// no horizontal sums, one sequential pass over the weights. x, out and the weights are fp32 or
+// bf16 (bf16 is widened in registers; y and the sums are fp32; out is rounded once, to nearest
+// even). The layouts are made once per adapter by engine/layers/lora.py (ModuleLoRA.kernel_args).
+//
+// With more than one thread the work is split over (segment, 16-column block) items, for the
+// shrink and then for the expand: the ranks differ by adapter, so splitting by segment alone would
+// leave a thread waiting on the rank-64 adapter.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kRowBlock = 8;
+
+// One segment: (start, end, At, the pieces' Bt, [col_offset, col_size, rank_offset, rank] a piece,
+// the pieces' scalings).
+using Segment = std::tuple<int64_t, int64_t, at::Tensor, std::vector<at::Tensor>,
+                           std::vector<int64_t>, std::vector<double>>;
+
+inline float bf16_to_float(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even (no NaN inputs here)
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const uint16_t* p, __mmask16 m) {
+  const __m256i h = _mm256_maskz_loadu_epi16(m, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+}
+#endif
+
+// A tensor's elements as T: float for fp32, the raw bits (uint16_t) for bf16.
+template <typename T>
+T* elements(const at::Tensor& t) {
+  return reinterpret_cast<T*>(t.data_ptr());
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
+inline void from_float(float* p, float v) { *p = v; }
+inline void from_float(uint16_t* p, float v) { *p = float_to_bf16(v); }
+
+// acc[i][0..lanes) += sum_k v[i * ldv + k] * scale * w[k * 16 + 0..16) for i < ROWS, k < depth;
+// acc starts from init (or zero) and is written to dst rows (ld_dst apart), lanes masked.
+template <int ROWS, typename W, typename D>
+void block(const float* v, int64_t ldv, float scale, const W* w, int64_t depth, D* dst,
+           int64_t ld_dst, int lanes, bool accumulate) {
+#if defined(__AVX512F__)
+  const __mmask16 mask = lanes >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1);
+  __m512 acc[ROWS];
+  for (int i = 0; i < ROWS; ++i)
+    acc[i] = accumulate ? load16(dst + i * ld_dst, mask) : _mm512_setzero_ps();
+  for (int64_t k = 0; k < depth; ++k) {
+    const __m512 wk = load16(w + k * kLanes);
+    for (int i = 0; i < ROWS; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(v[i * ldv + k] * scale), wk, acc[i]);
+  }
+  for (int i = 0; i < ROWS; ++i) store16(dst + i * ld_dst, acc[i], mask);
+#else
+  float acc[ROWS][kLanes];
+  for (int i = 0; i < ROWS; ++i)
+    for (int l = 0; l < kLanes; ++l)
+      acc[i][l] = accumulate && l < lanes ? to_float(dst[i * ld_dst + l]) : 0.0f;
+  for (int64_t k = 0; k < depth; ++k) {
+    float wk[kLanes];
+    for (int l = 0; l < kLanes; ++l) wk[l] = to_float(w[k * kLanes + l]);
+    for (int i = 0; i < ROWS; ++i) {
+      const float s = v[i * ldv + k] * scale;
+      for (int l = 0; l < kLanes; ++l) acc[i][l] += s * wk[l];
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int l = 0; l < lanes; ++l) from_float(dst + i * ld_dst + l, acc[i][l]);
+#endif
+}
+
+// block() over any number of rows, kRowBlock at a time.
+template <typename W, typename D>
+void rows_block(int64_t rows, const float* v, int64_t ldv, float scale, const W* w, int64_t depth,
+                D* dst, int64_t ld_dst, int lanes, bool accumulate) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const float* vr = v + r0 * ldv;
+    D* dr = dst + r0 * ld_dst;
+    switch (std::min<int64_t>(kRowBlock, rows - r0)) {
+#define BOXCAR_ROWS(n) \
+  case n: block<n>(vr, ldv, scale, w, depth, dr, ld_dst, lanes, accumulate); break;
+      BOXCAR_ROWS(1) BOXCAR_ROWS(2) BOXCAR_ROWS(3) BOXCAR_ROWS(4)
+      BOXCAR_ROWS(5) BOXCAR_ROWS(6) BOXCAR_ROWS(7) BOXCAR_ROWS(8)
+#undef BOXCAR_ROWS
+    }
+  }
+}
+
+struct Work {
+  int64_t segment;
+  int64_t piece;  // -1: a shrink block
+  int64_t block;  // 16-column block of y (shrink) or of the piece's columns (expand)
+};
+
+template <typename T>
+void run(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segments) {
+  const int64_t in = x.size(1), ldx = x.stride(0), ldo = out.stride(0);
+  const auto count = static_cast<int64_t>(segments.size());
+  // fp32 copies of the segments' x rows (bf16 x), and their y: one buffer each, per segment
+  std::vector<int64_t> x_at(count + 1, 0), y_at(count + 1, 0);
+  std::vector<Work> shrink, expand;
+  for (int64_t s = 0; s < count; ++s) {
+    const auto& [start, end, at_, bts, meta, scalings] = segments[s];
+    const int64_t rows = end - start, padded = at_.size(0) * kLanes;
+    x_at[s + 1] = x_at[s] + (std::is_same_v<T, float> ? 0 : rows * in);
+    y_at[s + 1] = y_at[s] + rows * padded;
+    for (int64_t b = 0; b < at_.size(0); ++b) shrink.push_back({s, -1, b});
+    for (size_t p = 0; p < bts.size(); ++p)
+      for (int64_t b = 0; b < bts[p].size(0); ++b)
+        expand.push_back({s, static_cast<int64_t>(p), b});
+  }
+  std::vector<float> xf(x_at[count]), y(y_at[count]);
+  const T* xp = elements<T>(x);
+  T* op = elements<T>(out);
+  auto x_rows = [&](int64_t s, int64_t* ld) -> const float* {
+    if constexpr (std::is_same_v<T, float>) {
+      *ld = ldx;
+      return xp + std::get<0>(segments[s]) * ldx;
+    } else {
+      *ld = in;
+      return xf.data() + x_at[s];
+    }
+  };
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t start = std::get<0>(segments[s]), end = std::get<1>(segments[s]);
+      float* dst = xf.data() + x_at[s];
+      for (int64_t r = start; r < end; ++r)
+        for (int64_t k = 0; k < in; ++k) dst[(r - start) * in + k] = to_float(xp[r * ldx + k]);
+    }
+  }
+  auto do_shrink = [&](const Work& w) {
+    const auto& [start, end, at_, bts, meta, scalings] = segments[w.segment];
+    const int64_t padded = at_.size(0) * kLanes;
+    int64_t ld;
+    const float* xs = x_rows(w.segment, &ld);
+    const T* a = elements<T>(at_) + w.block * in * kLanes;
+    rows_block(end - start, xs, ld, 1.0f, a, in, y.data() + y_at[w.segment] + w.block * kLanes,
+               padded, kLanes, false);
+  };
+  auto do_expand = [&](const Work& w) {
+    const auto& [start, end, at_, bts, meta, scalings] = segments[w.segment];
+    const int64_t padded = at_.size(0) * kLanes;
+    const int64_t col_offset = meta[4 * w.piece], col_size = meta[4 * w.piece + 1];
+    const int64_t rank_offset = meta[4 * w.piece + 2], rank = meta[4 * w.piece + 3];
+    const int lanes = static_cast<int>(std::min<int64_t>(kLanes, col_size - w.block * kLanes));
+    const T* b = elements<T>(bts[w.piece]) + w.block * rank * kLanes;
+    rows_block(end - start, y.data() + y_at[w.segment] + rank_offset, padded,
+               static_cast<float>(scalings[w.piece]), b, rank,
+               op + start * ldo + col_offset + w.block * kLanes, ldo, lanes, true);
+  };
+  auto each = [](const std::vector<Work>& items, auto&& fn) {
+    const auto n = static_cast<int64_t>(items.size());
+    if (at::get_num_threads() > 1 && n > 1) {
+      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t finish) {
+        for (int64_t i = begin; i < finish; ++i) fn(items[i]);
+      });
+    } else {
+      for (const auto& item : items) fn(item);
+    }
+  };
+  each(shrink, do_shrink);
+  each(expand, do_expand);
+}
+
+void check_rows(const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
+              " must be a 2-D CPU tensor with a contiguous last dim, got ", t.sizes(),
+              " strides ", t.strides());
+}
+
+void check_blocked(const char* name, const at::Tensor& t, int64_t depth, at::ScalarType dtype) {
+  TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.size(1) == depth && t.size(2) == kLanes &&
+                  t.scalar_type() == dtype,
+              name, " must be contiguous [blocks, ", depth, ", 16] ", dtype, ", got ", t.sizes(),
+              " ", t.scalar_type());
+}
+
+void lora_segments(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segments) {
+  check_rows("x", x);
+  check_rows("out", out);
+  TORCH_CHECK(x.size(0) == out.size(0) && x.scalar_type() == out.scalar_type(),
+              "x and out must have the same rows and dtype, got ", x.sizes(), " ",
+              x.scalar_type(), " and ", out.sizes(), " ", out.scalar_type());
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16, got ", dtype);
+  for (const auto& segment : segments) {
+    const auto& [start, end, at_, bts, meta, scalings] = segment;
+    TORCH_CHECK(0 <= start && start <= end && end <= x.size(0), "segment rows ", start, "..",
+                end, " outside the batch's ", x.size(0));
+    check_blocked("At", at_, x.size(1), dtype);
+    TORCH_CHECK(meta.size() == 4 * bts.size() && scalings.size() == bts.size(),
+                "each piece needs 4 meta values and a scaling");
+    for (size_t p = 0; p < bts.size(); ++p) {
+      const int64_t col_offset = meta[4 * p], col_size = meta[4 * p + 1];
+      const int64_t rank_offset = meta[4 * p + 2], rank = meta[4 * p + 3];
+      TORCH_CHECK(0 <= col_offset && col_offset + col_size <= out.size(1) && 0 <= rank_offset &&
+                      rank_offset + rank <= at_.size(0) * kLanes,
+                  "piece ", p, " (columns ", col_offset, "+", col_size, ", ranks ", rank_offset,
+                  "+", rank, ") outside out ", out.sizes(), " or At ", at_.sizes());
+      check_blocked("Bt", bts[p], rank, dtype);
+      TORCH_CHECK(bts[p].size(0) == (col_size + kLanes - 1) / kLanes, "Bt of piece ", p,
+                  " needs ", (col_size + kLanes - 1) / kLanes, " blocks, got ", bts[p].size(0));
+    }
+  }
+  if (dtype == at::kFloat) {
+    run<float>(x, out, segments);
+  } else {
+    run<uint16_t>(x, out, segments);
+  }
+}
+
+}  // namespace
+
+// Called from the extension's one PYBIND11_MODULE (paged_decode_attention.cpp).
+void register_lora_segments(pybind11::module& m) {
+  m.def("lora_segments", &lora_segments,
+        "out[rows, cols] += scaling * (x[rows] @ A.T)[:, ranks] @ B.T over a step's short "
+        "segments (A, B in the kernel's blocked layouts)",
+        py::call_guard<py::gil_scoped_release>());
+}
