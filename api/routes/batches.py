@@ -127,8 +127,8 @@ def render(session: Session, row: Batch, ctx: AppContext,
 
 
 def estimated(row: Batch) -> str | None:
-    """The batch's id when the ETAs hold a value for it (``api.eta.EtaCache``): one they
-    lack was made before it went in progress."""
+    """The id a poll names to ``ctx.etas`` (``api.eta.EtaCache``): a batch in progress or
+    finalizing, which every estimate covers, so a value without it predates its start."""
     return row.id if row.status in (IN_PROGRESS, FINALIZING) else None
 
 
