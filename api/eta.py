@@ -27,6 +27,11 @@ A batch's open lines, finished lines and usage come from its counter rows (``ser
 (while its prepare still commits chunks, the open lines are the file's lines not finished),
 so a read costs a few rows per live batch whatever the batches' sizes; it is cached ``CACHE_S``
 seconds per process and serves every poll: the cost does not grow with the number of pollers.
+Two kinds of value are known to be about to change, and a poll of that batch gets a new one
+after ``SOON_S`` instead: none for a batch that went in progress after the value was made, and
+a provisional one (no worker held any of its lines while a worker of its model had free seats:
+that worker claims them within moments and publishes its forecast of them). On a batch of
+seconds, the first value served for ``CACHE_S`` was most of its life.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ log = logging.getLogger(__name__)
 MIN_LEARNED_LINES = 3
 RATE_WINDOW_S = 30.0
 CACHE_S = 2.0
+SOON_S = 0.25  # the age at which a missing or provisional value is made again (EtaCache)
 MAX_STALE_S = 10.0  # older than this, a poll computes the estimate itself (EtaCache)
 
 
@@ -62,6 +68,9 @@ class BatchEta:
     estimated_completion_at: float | None
     deadline: float | None
     work_left: float  # tokens
+    # Made while no worker held any of its lines and a worker of its model had free seats: a
+    # forecast of them is moments away (EtaCache makes the next value sooner).
+    provisional: bool = False
 
     @property
     def late(self) -> bool:
@@ -145,6 +154,11 @@ class WorkerForecast:
         except (KeyError, TypeError, ValueError, AttributeError):
             return None
 
+    @property
+    def has_room(self) -> bool:
+        """It holds fewer batch lines than its engine has seats: it claims more at once."""
+        return sum(lines for lines, _ in self.batches.values()) < self.seats
+
     def line_seconds(self, prompt: float, output: float) -> float:
         """A line's share of a full engine's time: its prompt and decodes, and its seat's
         share of each step's fixed cost."""
@@ -221,12 +235,15 @@ def estimate(session: Session, *, worker_metrics_interval: float,
         if b.status == FINALIZING:
             result[b.id] = BatchEta(now, b.deadline, 0.0)
             continue
-        serving = [w.metrics or {} for w in workers if w.model == b.model] or [
-            w.metrics or {} for w in workers]
+        own_model = [w.metrics or {} for w in workers if w.model == b.model]
+        serving = own_model or [w.metrics or {} for w in workers]
         forecasts = [f for snap in serving if (f := WorkerForecast.parse(snap)) is not None]
         if forecasts:
+            provisional = (bool(own_model) and b.remaining > 0
+                           and not any(b.id in f.batches for f in forecasts)
+                           and any(f.has_room for f in forecasts))
             result[b.id] = BatchEta(_from_forecasts(b, live, forecasts, now), b.deadline,
-                                    b.work_left)
+                                    b.work_left, provisional)
             continue
         rate = throughput(serving, now=now)
         if rate is None:
@@ -242,7 +259,9 @@ def estimate(session: Session, *, worker_metrics_interval: float,
 
 
 class EtaCache:
-    """``estimate`` at most once per ``ttl`` seconds; every poll in between reads it.
+    """``estimate`` at most once per ``ttl`` seconds; every poll in between reads it. A poll
+    that names its batch (``batch_id``, a batch in progress or finalizing) and finds its value
+    missing or provisional takes it as old once it is ``soon`` seconds old (module docstring).
 
     With ``refresh_session`` (a factory of read sessions: the API's), a poll that finds the
     value older than ``ttl`` is answered with it at once and one thread of the cache's own
@@ -254,9 +273,10 @@ class EtaCache:
     def __init__(self, worker_metrics_interval: float, ttl: float = CACHE_S, *,
                  clock: Callable[[], float] = time.monotonic,
                  refresh_session: Callable[[], AbstractContextManager[Session]] | None = None,
-                 max_stale: float = MAX_STALE_S) -> None:
+                 max_stale: float = MAX_STALE_S, soon: float = SOON_S) -> None:
         self._interval = worker_metrics_interval
         self._ttl = ttl
+        self._soon = min(soon, ttl)
         self._clock = clock
         self._refresh_session = refresh_session
         self._max_stale = max(max_stale, ttl)
@@ -265,25 +285,30 @@ class EtaCache:
         self._value: dict[str, BatchEta] = {}
         self._refreshing = False
 
-    def get_nowait(self) -> dict[str, BatchEta] | None:
+    def get_nowait(self, batch_id: str | None = None) -> dict[str, BatchEta] | None:
         """The value when ``get`` would not compute it on the caller's thread (it may start
         the refresh thread); None when it would: the caller then calls ``get`` on a thread
         of its own (an event loop must not wait on ``estimate``)."""
         with self._lock:
-            return self._current()
+            return self._current(batch_id)
 
-    def get(self, session: Session) -> dict[str, BatchEta]:
+    def get(self, session: Session, batch_id: str | None = None) -> dict[str, BatchEta]:
         with self._lock:
-            found = self._current()
+            found = self._current(batch_id)
             if found is None:
                 self._store(estimate(session, worker_metrics_interval=self._interval))
                 found = self._value
             return found
 
-    def _current(self) -> dict[str, BatchEta] | None:
+    def _current(self, batch_id: str | None) -> dict[str, BatchEta] | None:
         """Under the lock: the value if it will do (starting a refresh when it is old)."""
         age = self._clock() - self._at
-        if age < self._ttl:
+        ttl = self._ttl
+        if batch_id is not None:
+            eta = self._value.get(batch_id)
+            if eta is None or eta.provisional:
+                ttl = self._soon
+        if age < ttl:
             return self._value
         if self._refresh_session is None or age >= self._max_stale:
             return None

@@ -112,10 +112,12 @@ def batch_object(row: Batch, totals: LineTotals | None = None, *,
         # boxcar's addition: the share of prompt tokens served from the prefix cache.
         "prefix_cache_hit_rate": round(cached / input_tokens, 4) if input_tokens else 0.0,
         # boxcar's additions: when a live batch should be done (null while unknown) and whether
-        # that passes its deadline, the end of its completion window.
+        # that passes its deadline, the end of its completion window. To the millisecond, not
+        # the whole seconds of OpenAI's timestamps: a short batch has a second or two left when
+        # a quarter of it is done, and rounding alone would move that by up to half a second.
         "estimated_completion_at": (
             None if estimated_completion_at is None or row.status not in LIVE_ETA
-            else int(round(estimated_completion_at))),
+            else round(estimated_completion_at, 3)),
         "deadline_at_risk": deadline_at_risk and row.status in LIVE_ETA,
     }
 

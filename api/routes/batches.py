@@ -120,9 +120,16 @@ def render(session: Session, row: Batch, ctx: AppContext,
     it holds a value (``api.eta.EtaCache``)."""
     if row.status not in LIVE:
         return batch_object(row)
+    etas = ctx.etas.get(session, estimated(row))
     if sums is None:
-        return live_object(row, live_totals(session, [row])[row.id], ctx.etas.get(session))
-    return live_object(row, counters.as_totals(row.num_total, sums), ctx.etas.get(session))
+        return live_object(row, live_totals(session, [row])[row.id], etas)
+    return live_object(row, counters.as_totals(row.num_total, sums), etas)
+
+
+def estimated(row: Batch) -> str | None:
+    """The id a poll names to ``ctx.etas`` (``api.eta.EtaCache``): a batch in progress or
+    finalizing, which every estimate covers, so a value without it predates its start."""
+    return row.id if row.status in (IN_PROGRESS, FINALIZING) else None
 
 
 def live_object(row: Batch, totals: LineTotals, etas: dict[str, BatchEta]) -> dict:
@@ -282,9 +289,9 @@ async def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> J
     batch, sums = batch_and_sums(row)
     if batch.status not in LIVE:
         return JSONResponse(batch_object(batch))
-    etas = ctx.etas.get_nowait()
+    etas = ctx.etas.get_nowait(estimated(batch))
     if etas is None:  # none yet, or old: estimate on a thread, never on the loop
-        etas = await run_in_threadpool(_etas_on_thread, ctx)
+        etas = await run_in_threadpool(_etas_on_thread, ctx, estimated(batch))
     return JSONResponse(live_object(batch, counters.as_totals(batch.num_total, sums), etas))
 
 
@@ -297,9 +304,9 @@ def _retrieve_on_thread(ctx: AppContext, params: dict[str, str]) -> dict:
         return render(session, batch, ctx, sums)
 
 
-def _etas_on_thread(ctx: AppContext) -> dict[str, BatchEta]:
+def _etas_on_thread(ctx: AppContext, batch_id: str | None) -> dict[str, BatchEta]:
     with ctx.db.read_session() as session:
-        return ctx.etas.get(session)
+        return ctx.etas.get(session, batch_id)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")

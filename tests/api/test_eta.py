@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import generate_latest
 from sqlalchemy import event, select, update
 
-from api.eta import MIN_LEARNED_LINES, EtaCache, estimate, throughput, work_left
+from api.eta import MIN_LEARNED_LINES, SOON_S, EtaCache, estimate, throughput, work_left
 from api.metrics import metrics_registry
 from cli.status import collect, format_status
 from service import counters
@@ -185,6 +185,73 @@ def test_a_forecast_whose_end_has_passed_is_late_not_done(client, ctx):
     with ctx.db.read_session() as session:
         etas = estimate(session, worker_metrics_interval=2.0, now=now)
     assert etas[a].estimated_completion_at == pytest.approx(now)
+
+
+def test_a_batch_seconds_from_done_is_estimated_to_the_millisecond(client, ctx):
+    """A short batch has a second or two left when a quarter of it is done: the estimate a
+    poll reads keeps the forecast's fraction of a second (rounded to whole seconds it was off
+    by up to half a second, a third of that time left)."""
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    _start(ctx, a, open_lines=10)
+    at = int(time.time()) - 1 + 0.25  # the forecast's end falls a quarter past a second
+    _worker(ctx, model, rate=100.0, forecast=_forecast(at, 3.0, {a: (10, 3.0)}))
+    shown = client.get(f"/v1/batches/{a}").json()["estimated_completion_at"]
+    assert isinstance(shown, float) and shown == pytest.approx(at + 3.0, abs=1e-3)
+
+
+def test_a_forecast_of_none_of_a_batch_s_lines_from_a_worker_with_room_is_provisional(
+        client, ctx):
+    """No worker holds any of the batch's lines and one of its model has free seats: it is
+    about to claim them, so the estimate (the lines' guess after the held work) is
+    provisional. Not once a worker holds some of them, nor while every worker is full."""
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    other = make_batch(client).json()["id"]
+    _start(ctx, a, open_lines=10)
+    now = time.time()
+
+    def provisional(batches: dict[str, tuple[int, float]]) -> bool:
+        _worker(ctx, model, rate=100.0, forecast=_forecast(now, 1.0, batches))
+        with ctx.db.read_session() as session:
+            return estimate(session, worker_metrics_interval=2.0, now=now)[a].provisional
+
+    assert provisional({})  # an idle worker
+    assert provisional({other: (3, 1.0)})  # one seat of four free
+    assert not provisional({a: (2, 1.0)})  # it holds some: its forecast is the estimate
+    assert not provisional({other: (4, 1.0)})  # full: a's lines wait, the guess stands
+
+
+def test_a_poll_gets_a_new_estimate_soon_when_its_batch_s_is_missing_or_provisional(
+        client, ctx):
+    """The cache's value was made while the batch validated (none for it), then while no worker
+    held its lines (provisional): each is made again after SOON_S, not after the whole TTL;
+    a held batch's estimate keeps the TTL."""
+    clock = [0.0]
+    ctx.etas = EtaCache(2.0, ttl=2.0, clock=lambda: clock[0])  # the poll computes it itself
+    created = make_batch(client).json()
+    a, model = created["id"], created["model"]
+    now = time.time()
+    _worker(ctx, model, rate=100.0, forecast=_forecast(now, 0.0, {}))
+    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] is None
+    _start(ctx, a, open_lines=10)  # in progress now: none for it in the cached value
+    clock[0] = SOON_S / 2
+    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] is None
+    clock[0] = SOON_S + 0.01
+    guess = client.get(f"/v1/batches/{a}").json()["estimated_completion_at"]
+    assert guess is not None  # made again: the worker's lines-to-come guess, provisional
+    # The worker claims the lines and forecasts them: the next value has its forecast.
+    _worker(ctx, model, rate=100.0, forecast=_forecast(now, 30.0, {a: (10, 30.0)}))
+    clock[0] = 2 * SOON_S + 0.02
+    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] == pytest.approx(
+        now + 30.0, abs=1e-3)
+    _worker(ctx, model, rate=100.0, forecast=_forecast(now, 20.0, {a: (10, 20.0)}))
+    clock[0] = 2.0  # a held batch's value is kept for the TTL ...
+    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] == pytest.approx(
+        now + 30.0, abs=1e-3)
+    clock[0] = 2 * SOON_S + 0.02 + 2.0  # ... and made again after it
+    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] == pytest.approx(
+        now + 20.0, abs=1e-3)
 
 
 def test_lines_no_worker_holds_run_after_the_held_work_in_queue_order(client, ctx):

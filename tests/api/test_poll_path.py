@@ -180,3 +180,34 @@ def test_boxcar_status_counts_unfinished_lines_from_their_counters(client, ctx):
     assert report["lines"] == {"open": 3, "completed": 1, "failed": 0}
     assert any("FROM batch_counters" in s for s in statements)
     assert not [s for s in statements if "FROM request_lines" in s]  # no line is read
+
+
+def test_a_poll_of_a_batch_the_value_lacks_starts_the_refresh_after_soon(monkeypatch):
+    """On the event loop's path too: a value without the polled batch (made before it went in
+    progress) is served until it is ``soon`` seconds old, then refreshed on the side; polls
+    that name no batch, or one it holds, keep it for the TTL."""
+    now = [0.0]
+    computed: list[str] = []
+
+    def fake_estimate(session, *, worker_metrics_interval, now=None):
+        computed.append(session)
+        return {"held": BatchEta(1.0, None, 0.0)} if len(computed) == 1 else {
+            "held": BatchEta(1.0, None, 0.0), "new": BatchEta(2.0, None, 0.0)}
+
+    @contextmanager
+    def refresh_session():
+        yield "refresh"
+
+    monkeypatch.setattr(api.eta, "estimate", fake_estimate)
+    cache = EtaCache(2.0, ttl=2.0, clock=lambda: now[0], refresh_session=refresh_session,
+                     soon=0.25)
+    assert "new" not in cache.get("poll")
+    now[0] = 0.5
+    assert cache.get_nowait() is not None and cache.get_nowait("held") is not None
+    assert computed == ["poll"]  # held for the TTL
+    assert "new" not in cache.get_nowait("new")  # the old value at once, the next on the side
+    for _ in range(200):
+        if "new" in cache.get_nowait("new"):
+            break
+        threading.Event().wait(0.01)
+    assert computed == ["poll", "refresh"]

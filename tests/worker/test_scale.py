@@ -217,7 +217,7 @@ def test_status_reads_no_lines(make_stack, any_db_url, monkeypatch):
     stack = make_stack(any_db_url)
     batch_ids = [prepared(stack, [chat_line(f"s{i}", f"line {i}") for i in range(40)])
                  for _ in range(3)]
-    monkeypatch.setattr(stack.ctx.etas, "get", lambda session: {})
+    monkeypatch.setattr(stack.ctx.etas, "get", lambda session, batch_id=None: {})
     with statements(stack.ctx.db.read_engine) as seen:
         one = stack.batch(batch_ids[0])
         listed = stack.client.get("/v1/batches").json()
