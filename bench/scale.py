@@ -125,6 +125,8 @@ class RunResult:
     fresh_poll_ms_p95: float | None = None
     fresh_poll_server_ms_p50: float | None = None
     fresh_poll_server_ms_p95: float | None = None
+    fresh_poll_connect_ms_p50: float | None = None  # of the client's: the TCP handshake
+    fresh_poll_connect_ms_p95: float | None = None
     num_fresh_polls: int = 0
     # pg_stat_activity's samples: every backend's, the non-idle ones', the active ones waiting
     # on their own client (ClientRead), those waiting on a lock, and the lock share of the
@@ -293,6 +295,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     running = [p for p in fresh if p.status == "in_progress"]  # while the workers ran
     client_ms = [p.client_ms for p in running]
     server_ms = [p.server_ms for p in running if p.server_ms is not None]
+    connect_ms = [p.connect_ms for p in running]
     return RunResult(
         num_workers=config.num_workers, num_lines=config.num_lines, engine=config.engine,
         lines_per_s_per_worker=config.lines_per_s if config.engine == "paced" else None,
@@ -318,6 +321,8 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         fresh_poll_ms_p50=quantile(client_ms, 0.5), fresh_poll_ms_p95=quantile(client_ms, 0.95),
         fresh_poll_server_ms_p50=quantile(server_ms, 0.5),
         fresh_poll_server_ms_p95=quantile(server_ms, 0.95), num_fresh_polls=len(running),
+        fresh_poll_connect_ms_p50=quantile(connect_ms, 0.5),
+        fresh_poll_connect_ms_p95=quantile(connect_ms, 0.95),
         backend_samples=activity.backends, non_idle_samples=activity.non_idle,
         client_wait_samples=activity.client_waits, lock_samples=activity.lock_waits,
         lock_share_of_backends=activity.lock_share_of_backends,

@@ -33,6 +33,7 @@ LIVE = ("validating", "in_progress", "finalizing")
 class TimedPoll:
     client_ms: float
     server_ms: float | None
+    connect_ms: float  # of client_ms: the new connection's TCP handshake
     db_ms: float | None
     status: str
 
@@ -43,6 +44,8 @@ def poll_once(host: str, port: int, path: str, key: str, timeout: float) -> Time
     start = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
+        conn.connect()
+        connected = time.perf_counter()
         conn.request("GET", path, headers={"Authorization": f"Bearer {key}",
                                            "Connection": "close"})
         response = conn.getresponse()
@@ -53,8 +56,8 @@ def poll_once(host: str, port: int, path: str, key: str, timeout: float) -> Time
             raise RuntimeError(f"GET {path} answered {response.status}: {body[:300]!r}")
     finally:
         conn.close()
-    return TimedPoll(1000 * took, server_timing_ms(header), server_timing_ms(header, "db"),
-                     json.loads(body)["status"])
+    return TimedPoll(1000 * took, server_timing_ms(header), 1000 * (connected - start),
+                     server_timing_ms(header, "db"), json.loads(body)["status"])
 
 
 def quantile(values: Sequence[float], q: float) -> float | None:

@@ -159,7 +159,10 @@ def poll_target(big: Sequence[Any]) -> Target:
     runs = "; ".join(
         f"p50 {r.fresh_poll_ms_p50:.1f} p95 {r.fresh_poll_ms_p95:.1f} ms of {r.num_fresh_polls} "
         f"(server {_num(r.fresh_poll_server_ms_p50, '.1f')}/"
-        f"{_num(r.fresh_poll_server_ms_p95, '.1f')}), {_cpu(r.machine_cpu_busy)}"
+        f"{_num(r.fresh_poll_server_ms_p95, '.1f')}, connect "
+        f"{_num(getattr(r, 'fresh_poll_connect_ms_p50', None), '.1f')}/"
+        f"{_num(getattr(r, 'fresh_poll_connect_ms_p95', None), '.1f')}), "
+        f"{_cpu(r.machine_cpu_busy)}"
         for r in measured)
     return Target(name, p50, _check(p50 <= MAX_POLL_P50_MS and p95 <= MAX_POLL_P95_MS),
                   f"worst p95 {p95:.1f} ms; {runs}")

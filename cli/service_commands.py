@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 
@@ -154,6 +155,7 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         return 2
     open_database(settings.database_url).dispose()  # the schema, before loading a model
     _logging(args.verbose)
+    lower_priority(settings.worker_nice)  # before any thread starts: they inherit it
     from worker.celery_app import build_app
 
     app = build_app(settings)
@@ -165,6 +167,13 @@ def _cmd_worker(args: argparse.Namespace) -> int:
         argv.append(f"--hostname={args.hostname}")
     app.worker_main(argv)
     return 0
+
+
+def lower_priority(nice: int) -> int:
+    """Raise this process's niceness to at least ``nice`` (``BOXCAR_WORKER_NICE``); the
+    niceness it has after."""
+    current = os.nice(0)
+    return os.nice(nice - current) if nice > current else current
 
 
 def _worker_healthcheck(settings, *, host: str | None) -> int:

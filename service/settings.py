@@ -102,6 +102,10 @@ class Settings(BaseSettings):
     finalize_scan_interval: float = 5.0
     worker_metrics_port: int | None = None  # Prometheus /metrics of a production worker
     worker_metrics_interval: float = 2.0  # seconds between a worker's metrics snapshots in the db
+    # The niceness a `boxcar worker` process takes at start, at least (0: as started): on a
+    # machine it shares with the API and the database, their answers (status polls) wait less
+    # for a CPU; alone on its machine it changes nothing.
+    worker_nice: int = 10
 
     # Webhooks.
     webhook_allow_private: bool = False
@@ -140,6 +144,13 @@ class Settings(BaseSettings):
     def _limit(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError(f"must be >= 1 token, or null for no limit, got {value}")
+        return value
+
+    @field_validator("worker_nice")
+    @classmethod
+    def _nice(cls, value: int) -> int:
+        if not 0 <= value <= 19:
+            raise ValueError(f"must be within 0-19 (os.nice; 0: none), got {value}")
         return value
 
     @field_validator("api_key_cache_seconds")
