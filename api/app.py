@@ -49,6 +49,8 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         yield
+        if context.polls is not None:
+            await context.polls.close()
         if context.poll_reader is not None:  # its connections live on this loop
             await context.poll_reader.close()
 

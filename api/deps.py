@@ -14,6 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from api.errors import ApiError
 from api.eta import EtaCache
 from api.poll_reads import POLL_STATEMENT, AsyncReader
+from api.poll_snapshots import PollSnapshots
 from service.db import Database
 from service.keys import authenticate, hash_key
 from service.migrate import SchemaGate
@@ -75,6 +76,8 @@ class AppContext:
     keys: KeyCache = field(init=False)
     # A live batch's status poll on the event loop (PostgreSQL; None: on a thread).
     poll_reader: AsyncReader | None = field(init=False)
+    # Its recent rows of the batches being polled (api.poll_snapshots; with poll_reader).
+    polls: PollSnapshots | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.schema = SchemaGate(self.db)
@@ -83,6 +86,8 @@ class AppContext:
         self.keys = KeyCache(self.settings.api_key_cache_seconds)
         self.poll_reader = None if self.db.is_sqlite else AsyncReader(self.db.url,
                                                                       POLL_STATEMENT)
+        self.polls = None if self.poll_reader is None else PollSnapshots(
+            self.poll_reader, max_age=self.settings.api_poll_snapshot_seconds)
 
 
 async def get_context(request: Request) -> AppContext:

@@ -16,7 +16,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
-from sqlalchemy import Select, bindparam, exc, select
+from sqlalchemy import ColumnElement, Select, String, and_, any_, bindparam, exc, select
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import make_url
 
@@ -24,17 +25,36 @@ from api.timing import add_statement_time
 from service import counters
 from service.counters import CounterDelta
 from service.db import PING_AFTER_IDLE_S
-from service.models import Batch
+from service.models import Batch, BatchCounter
 
-# The batch's columns and its counters' sums: a few rows, one per worker that wrote to it,
-# whatever the batch's size.
-_SUMS = counters.sums_of_one(bindparam("batch_id"))
 _BATCH_COLUMNS = list(Batch.__table__.columns)
 _BATCH_ATTRS = [Batch.__mapper__.get_property_by_column(c).key for c in _BATCH_COLUMNS]
-POLL_STATEMENT = (
-    select(*_BATCH_COLUMNS, *counters.sums_columns(_SUMS))
-    .select_from(Batch.__table__.outerjoin(_SUMS, _SUMS.c.batch_id == Batch.id))
-    .where(Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")))
+
+
+def _with_sums(batches: ColumnElement[bool], counter_rows: ColumnElement[bool]) -> Select:
+    """The columns of the ``batches`` rows and their counters' sums: a few counter rows a
+    batch (one per worker that wrote to it), whatever the batch's size."""
+    sums = counters.sums_where(counter_rows)
+    return (select(*_BATCH_COLUMNS, *counters.sums_columns(sums))
+            .select_from(Batch.__table__.outerjoin(sums, sums.c.batch_id == Batch.id))
+            .where(batches))
+
+
+POLL_STATEMENT = _with_sums(
+    and_(Batch.id == bindparam("batch_id"), Batch.tenant_id == bindparam("tenant_id")),
+    BatchCounter.batch_id == bindparam("batch_id"))
+# Every batch of ``batch_ids`` (a list) in one statement, whatever its tenant
+# (``api.poll_snapshots``, PostgreSQL only: the ids travel as one array).
+_IDS = bindparam("batch_ids", type_=ARRAY(String))
+SNAPSHOT_STATEMENT = _with_sums(Batch.id == any_(_IDS), BatchCounter.batch_id == any_(_IDS))
+
+
+_ID_AT = _BATCH_COLUMNS.index(Batch.__table__.c.id)
+
+
+def batch_id_of(row: Sequence[Any]) -> str:
+    """The batch id of a ``POLL_STATEMENT`` or ``SNAPSHOT_STATEMENT`` row."""
+    return row[_ID_AT]
 
 
 def batch_and_sums(row: Sequence[Any]) -> tuple[Batch, CounterDelta]:
@@ -46,6 +66,20 @@ def batch_and_sums(row: Sequence[Any]) -> tuple[Batch, CounterDelta]:
 
 APPLICATION_NAME = "boxcar-api-polls"  # how pg_stat_activity names these connections
 MAX_CONNECTIONS = 4  # polls waiting for the database beyond these wait for a connection
+
+
+class Compiled:
+    """A statement compiled for psycopg once, with its columns' result processing."""
+
+    def __init__(self, statement: Select) -> None:
+        dialect = psycopg_dialect()
+        self.sql = str(statement.compile(dialect=dialect))
+        self._processors = [column.type.result_processor(dialect, None)
+                            for column in statement.selected_columns]
+
+    def process(self, row: Sequence[Any]) -> list[Any]:
+        return [value if process is None else process(value)
+                for value, process in zip(row, self._processors, strict=True)]
 
 
 class AsyncReader:
@@ -60,11 +94,7 @@ class AsyncReader:
                  application_name: str = APPLICATION_NAME) -> None:
         self._conninfo = make_url(url).set(drivername="postgresql").render_as_string(
             hide_password=False)
-        dialect = psycopg_dialect()
-        compiled = statement.compile(dialect=dialect)
-        self._sql = str(compiled)
-        self._processors = [column.type.result_processor(dialect, None)
-                            for column in statement.selected_columns]
+        self._statement = Compiled(statement)
         self._application_name = application_name
         self._max = max_connections
         self._ping_after_s = ping_after_s
@@ -73,28 +103,34 @@ class AsyncReader:
         self._slots: asyncio.Semaphore | None = None
         self._idle: list[tuple[psycopg.AsyncConnection, float]] = []
 
-    async def fetch_one(self, params: dict[str, Any]) -> list[Any] | None:
-        """The statement's first row, its values processed; None for no row."""
+    async def fetch_one(self, params: dict[str, Any],
+                        statement: Compiled | None = None) -> list[Any] | None:
+        """The statement's first row (the reader's own, or ``statement``), its values
+        processed; None for no row."""
+        rows = await self.fetch_all(params, statement, first_only=True)
+        return rows[0] if rows else None
+
+    async def fetch_all(self, params: dict[str, Any], statement: Compiled | None = None, *,
+                        first_only: bool = False) -> list[list[Any]]:
+        """The statement's rows, their values processed."""
+        compiled = statement or self._statement
         slots = self._bind_loop()
         async with slots:
             conn = await self._checkout()
             start = time.perf_counter()
             try:
-                cursor = await conn.execute(self._sql, params)
-                row = await cursor.fetchone()
+                cursor = await conn.execute(compiled.sql, params)
+                found = [await cursor.fetchone()] if first_only else await cursor.fetchall()
             except psycopg.OperationalError as err:
                 await conn.close()
-                raise exc.OperationalError(self._sql, params, err) from err
+                raise exc.OperationalError(compiled.sql, params, err) from err
             except BaseException:
                 await conn.close()
                 raise
             finally:
                 add_statement_time(time.perf_counter() - start)
             self._idle.append((conn, self._clock()))
-        if row is None:
-            return None
-        return [value if process is None else process(value)
-                for value, process in zip(row, self._processors, strict=True)]
+        return [compiled.process(row) for row in found if row is not None]
 
     def _bind_loop(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()

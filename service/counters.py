@@ -120,9 +120,15 @@ def sums_of_one(batch_id: Any) -> Any:
     status poll reads the batch and its counters in one statement. The filter is inside the
     subquery, so it reads that batch's slots only (no dialect pushes a join's key into a
     grouped subquery)."""
+    return sums_where(BatchCounter.batch_id == batch_id)
+
+
+def sums_where(condition: Any) -> Any:
+    """``sums_of_one``'s subquery over the counter rows ``condition`` selects (a condition on
+    ``BatchCounter.batch_id``: one batch, or ``any_`` of an array of them)."""
     return (select(BatchCounter.batch_id,
                    *(func.sum(getattr(BatchCounter, n)).label(n) for n in _COLUMNS))
-            .where(BatchCounter.batch_id == batch_id)
+            .where(condition)
             .group_by(BatchCounter.batch_id).subquery("counter_sums"))
 
 

@@ -86,6 +86,11 @@ class Settings(BaseSettings):
     # status poll then makes no auth query): a revoked key works at most this long in an API
     # process that saw it just before. 0: every request checks its key in the database.
     api_key_cache_seconds: float = 5.0
+    # The oldest view of a batch a status poll is answered with: an API process reads the
+    # batches polled in the last few seconds, together, a few times in this span, and their
+    # polls answer from memory (api.poll_snapshots; PostgreSQL). 0: every poll reads the
+    # database.
+    api_poll_snapshot_seconds: float = 0.5
 
     # Work distribution.
     shard_size: int = 256
@@ -153,7 +158,7 @@ class Settings(BaseSettings):
             raise ValueError(f"must be within 0-19 (os.nice; 0: none), got {value}")
         return value
 
-    @field_validator("api_key_cache_seconds")
+    @field_validator("api_key_cache_seconds", "api_poll_snapshot_seconds")
     @classmethod
     def _seconds_or_zero(cls, value: float) -> float:
         if value < 0:

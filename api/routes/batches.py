@@ -280,10 +280,12 @@ async def retrieve_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> J
     # (``api.poll_reads``): on a busy machine every round trip and every hop between threads is
     # a wait for a CPU. The body is encoded here: FastAPI's encoding of a returned dict would
     # walk it once more.
-    params = {"batch_id": batch_id, "tenant_id": tenant.id}
-    if ctx.poll_reader is None:
+    # A batch polled in the last seconds is answered from this process's recent read of it
+    # (``api.poll_snapshots``).
+    if ctx.polls is None:
+        params = {"batch_id": batch_id, "tenant_id": tenant.id}
         return JSONResponse(await run_in_threadpool(_retrieve_on_thread, ctx, params))
-    row = await ctx.poll_reader.fetch_one(params)
+    row = await ctx.polls.row(batch_id=batch_id, tenant_id=tenant.id)
     if row is None:
         raise not_found("batch", batch_id)
     batch, sums = batch_and_sums(row)
@@ -324,5 +326,7 @@ def cancel_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
         )
         session.refresh(row)
         body = render(session, row, ctx)
+    if ctx.polls is not None:
+        ctx.polls.forget(batch_id)
     ctx.queue.batch_changed(batch_id)  # wakes a worker to abort and finalize
     return body

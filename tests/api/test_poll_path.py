@@ -16,6 +16,7 @@ import api.eta
 from api.app import build_context, create_app
 from api.eta import BatchEta, EtaCache
 from api.poll_reads import POLL_STATEMENT, AsyncReader
+from api.poll_snapshots import PollSnapshots
 from service.counters import CounterDelta, add
 from service.db import ping_when_idle
 from service.models import IN_PROGRESS, Batch
@@ -27,8 +28,9 @@ from tests.conftest_services import make_key, migrated
 
 @pytest.fixture
 def pg_client(pg_url, tmp_path):
+    # Every poll reads the database here (no snapshots: tests/api/test_poll_snapshots.py).
     settings = Settings(database_url=pg_url, storage_url=str(tmp_path / "storage"),
-                        shard_size=4, completion_windows=["24h"])
+                        shard_size=4, completion_windows=["24h"], api_poll_snapshot_seconds=0)
     ctx = build_context(settings, db=migrated(pg_url), queue=RecordingQueue())
     key = make_key(ctx.db, "acme")
     with TestClient(create_app(context=ctx), headers={"Authorization": f"Bearer {key}"}) as c:
@@ -40,7 +42,7 @@ def pg_client(pg_url, tmp_path):
 def test_a_live_batch_poll_is_one_statement_outside_a_transaction(pg_client, path):
     client, ctx = pg_client
     if path == "thread":  # as on SQLite
-        ctx.poll_reader = None
+        ctx.poll_reader = ctx.polls = None
     batch = make_batch(client, [chat_line(f"l{i}", "x") for i in range(6)]).json()
     with ctx.db.session() as session:
         session.execute(update(Batch).where(Batch.id == batch["id"])
@@ -81,6 +83,7 @@ def test_the_loop_reader_replaces_a_connection_the_server_dropped(pg_client):
     name = f"boxcar-test-{uuid.uuid4().hex[:8]}"
     ctx.poll_reader = AsyncReader(ctx.db.url, POLL_STATEMENT, clock=lambda: now[0],
                                   application_name=name)
+    ctx.polls = PollSnapshots(ctx.poll_reader, max_age=0)
     batch = make_batch(client).json()
     assert client.get(f"/v1/batches/{batch['id']}").status_code == 200
     with create_engine(ctx.db.url).connect() as other:  # the server drops the reader's

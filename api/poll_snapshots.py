@@ -1,0 +1,148 @@
+"""Status polls of the batches an API process is being asked about, answered from memory.
+
+A client polling a live batch every fraction of a second asked PostgreSQL the same question each
+time, and on a machine whose CPUs the workers keep busy, the wait for the poll's backend to be
+scheduled was most of a loaded poll (docs/benchmarks.md, "Status polls under load"). Here one
+task on the event loop reads every batch polled in the last ``WATCH_S`` seconds, all in one
+statement (``SNAPSHOT_STATEMENT``: the poll's own columns and counter sums), every ``max_age /
+REFRESHES_PER_AGE`` seconds; a poll takes the newest row while it is younger than ``max_age``.
+The database's work for a batch no longer grows with its pollers or their rate, and such a poll
+makes no round trip.
+
+What a poll may see: its batch as it was at most ``max_age`` ago (the ETA beside it is already up
+to ``api.eta.CACHE_S`` old). A refresh that fails (the database is down) drops every row, so the
+polls after it go to the database and get its error (503); a refresh that hangs leaves the rows
+to age past ``max_age``, and polls read for themselves. A write this process makes to a batch
+(cancel) drops its row (``forget``): its own answers never predate its writes. A poll checks the
+row's tenant: a batch of another tenant is not found, as the database's answer would be.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from api.poll_reads import SNAPSHOT_STATEMENT, AsyncReader, Compiled, batch_id_of
+
+log = logging.getLogger(__name__)
+
+WATCH_S = 5.0  # a batch nobody polled for this long is no longer read
+REFRESHES_PER_AGE = 3  # reads a row's max age: a late refresh or two still leaves it servable
+MAX_WATCHED = 2_000  # beyond these, polls read for themselves (memory and the statement bounded)
+
+
+@dataclass
+class _Watched:
+    tenant_id: str
+    polled_at: float
+    row: list[Any]
+    read_at: float
+
+
+class PollSnapshots:
+    """The rows of the batches polled recently, kept fresh by one task on the event loop that
+    first polled (a new loop, as in tests, starts over). ``max_age`` 0 turns it off: every
+    poll reads the database."""
+
+    def __init__(self, reader: AsyncReader, *, max_age: float, watch_s: float = WATCH_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
+        self._reader = reader
+        self._max_age = max_age
+        self._interval = max_age / REFRESHES_PER_AGE
+        self._watch_s = max(watch_s, max_age)
+        self._clock = clock
+        self._sleep = sleep
+        self._statement = Compiled(SNAPSHOT_STATEMENT)
+        self._watched: dict[str, _Watched] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task[None] | None = None
+
+    async def row(self, *, batch_id: str, tenant_id: str) -> list[Any] | None:
+        """The batch's ``POLL_STATEMENT`` row, from memory when a fresh one is held; None when
+        the tenant has no such batch."""
+        self._bind_loop()
+        now = self._clock()
+        held = self._watched.get(batch_id)
+        if held is not None and held.tenant_id == tenant_id and now - held.read_at < self._max_age:
+            held.polled_at = now
+            return held.row
+        row = await self._reader.fetch_one({"batch_id": batch_id, "tenant_id": tenant_id})
+        if row is not None and self._max_age > 0 and (
+                batch_id in self._watched or len(self._watched) < MAX_WATCHED):
+            self._watched[batch_id] = _Watched(tenant_id, now, row, now)
+            self._start()
+        return row
+
+    def forget(self, batch_id: str) -> None:
+        """This process changed the batch: its next poll reads the database. Safe from a route's
+        worker thread: the row is dropped on the loop, before the route's answer is sent (the
+        loop runs callbacks in order, and the thread's result arrives after this one)."""
+        loop = self._loop
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop or loop is None or loop.is_closed():
+            self._watched.pop(batch_id, None)
+        else:
+            loop.call_soon_threadsafe(self._watched.pop, batch_id, None)
+
+    @property
+    def watched(self) -> int:
+        return len(self._watched)
+
+    async def refresh_once(self) -> None:
+        """One refresh: drop the batches nobody polled for ``watch_s``, read the others in one
+        statement. A failed read drops them all and raises."""
+        now = self._clock()
+        for batch_id in [b for b, w in self._watched.items() if now - w.polled_at > self._watch_s]:
+            del self._watched[batch_id]
+        if not self._watched:
+            return
+        # Only the entries held now are updated: one that a poll read again meanwhile (after
+        # ``forget``) is newer than this read.
+        targets = dict(self._watched)
+        started = self._clock()  # a row is as old as the read's start
+        try:
+            rows = await self._reader.fetch_all({"batch_ids": list(targets)}, self._statement)
+        except BaseException:
+            self._watched.clear()
+            raise
+        found = {batch_id_of(row): row for row in rows}
+        for batch_id, held in targets.items():
+            if self._watched.get(batch_id) is not held:
+                continue
+            row = found.get(batch_id)
+            if row is None:  # gone since: the next poll asks the database
+                del self._watched[batch_id]
+            else:
+                held.row, held.read_at = row, started
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+        self._watched.clear()
+
+    def _bind_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            self._loop, self._task, self._watched = loop, None, {}
+
+    def _start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="poll-snapshots")
+
+    async def _run(self) -> None:
+        while self._watched:
+            await self._sleep(self._interval)
+            try:
+                await self.refresh_once()
+            except Exception as exc:  # the polls now read the database and report its error
+                log.warning("refreshing the polled batches failed (%s: %s); polls read the "
+                            "database", type(exc).__name__, exc)
