@@ -169,11 +169,28 @@ def _cmd_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def lower_priority(nice: int) -> int:
+def lower_priority(nice: int, autogroup: str = "/proc/self/autogroup") -> int:
     """Raise this process's niceness to at least ``nice`` (``BOXCAR_WORKER_NICE``); the
-    niceness it has after."""
+    niceness it has after.
+
+    Linux with ``sched_autogroup`` (most desktop and many server kernels) schedules each session
+    as one group, and a niceness counts only inside its group: a worker started as a session
+    of its own (a daemon, a supervisor's child, ``setsid``) competes with the API at full weight
+    whatever its niceness. Such a worker lowers its group's weight too (its ``autogroup``
+    file), which only its own session shares; in the session of a shell, with the API beside
+    it, its niceness alone does it."""
     current = os.nice(0)
-    return os.nice(nice - current) if nice > current else current
+    after = os.nice(nice - current) if nice > current else current
+    if hasattr(os, "getsid") and os.getsid(0) == os.getpid() and os.path.exists(autogroup):
+        try:
+            with open(autogroup) as f:  # "/autogroup-85 nice 0"
+                group_nice = int(f.read().split()[-1])
+            if nice > group_nice:
+                with open(autogroup, "w") as f:
+                    f.write(f"{nice}\n")
+        except (OSError, ValueError, IndexError) as exc:  # no autogroup now, or refused
+            logging.getLogger("boxcar.worker").info("autogroup niceness not set: %s", exc)
+    return after
 
 
 def _worker_healthcheck(settings, *, host: str | None) -> int:
