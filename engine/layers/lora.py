@@ -64,20 +64,20 @@ class ModuleLoRA:
     # A, and each piece's B with its scaling folded in, packed for oneDNN (``onednn_weights``)
     _onednn: tuple[torch.Tensor, list[torch.Tensor]] | None = None
     # A and the pieces' B in the C++ kernel's blocked layouts (``kernel_args``)
-    _kernel: tuple[torch.Tensor, list[torch.Tensor], list[int], list[float]] | None = None
+    _kernel: tuple[torch.Tensor, list[torch.Tensor], list[int]] | None = None
 
-    def kernel_args(self) -> tuple[torch.Tensor, list[torch.Tensor], list[int], list[float]]:
-        """(At, the pieces' Bt, [col_offset, col_size, rank_offset, rank] a piece, scalings):
-        what ``csrc/lora_segments.cpp`` takes for a segment under this adapter, laid out on
-        first use so that its loops read each weight once, in order: At [R/16, in, 16] is A.T
-        in blocks of 16 ranks, each piece's Bt [cols/16, rank, 16] B.T in blocks of 16 columns
-        (both zero-padded to 16)."""
+    def kernel_args(self) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+        """(At, the pieces' scaled Bt, [col_offset, col_size, rank_offset, rank] a piece): what
+        ``csrc/lora_segments.cpp`` takes for a segment under this adapter, laid out on first
+        use so that its loops read each weight once, in order: At [R/16, in, 16] is A.T in
+        blocks of 16 ranks, each piece's Bt [cols/16, rank, 16] (scaling * B).T in blocks of
+        16 columns (both zero-padded to 16). The scaling is folded into B, as for oneDNN's
+        copies: the kernel's inner loop is then one broadcast and FMAs."""
         if self._kernel is None:
             meta = [v for p in self.pieces
                     for v in (p.col_offset, p.col_size, p.rank_offset, p.rank)]
             self._kernel = (_lane_blocks(self.lora_a),
-                            [_lane_blocks(p.lora_b) for p in self.pieces], meta,
-                            [p.scaling for p in self.pieces])
+                            [_lane_blocks(p.lora_b * p.scaling) for p in self.pieces], meta)
         return self._kernel
 
     def onednn_weights(self) -> tuple[torch.Tensor, list[torch.Tensor]]:

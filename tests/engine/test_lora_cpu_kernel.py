@@ -10,6 +10,9 @@ from engine.layers.lora import KERNEL_MAX_ROWS, LoRAPiece, ModuleLoRA
 
 kernel = cpu_decode_attention.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernels cannot be built here")
+# Each variant's register blocks: on an AVX-512 CPU native runs the zmm path and portable the
+# AVX2 one (two ymm a 16-lane row, 4 rows a block); on an AVX2 CPU both run the AVX2 path.
+VARIANTS = ["native", "portable"]
 
 
 def _module(in_features: int, sizes: list[tuple[int, int]], dtype: torch.dtype,
@@ -35,7 +38,10 @@ def _reference(x, out, segments):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 1e-2)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_segments_match_torch(dtype, tol, threads):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_segments_match_torch(dtype, tol, threads, variant):
+    module = cpu_decode_attention.load(variant)
+    assert module is not None
     g = torch.Generator().manual_seed(0)
     x = torch.randn(70, 40, generator=g).to(dtype)
     out = torch.randn(70, 120, generator=g).to(dtype)
@@ -46,7 +52,7 @@ def test_segments_match_torch(dtype, tol, threads):
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        kernel.lora_segments(x, out, [(s, e, *m.kernel_args()) for s, e, m in segments])
+        module.lora_segments(x, out, [(s, e, *m.kernel_args()) for s, e, m in segments])
     finally:
         torch.set_num_threads(before)
     scale = ref.abs().max().item()
@@ -62,8 +68,8 @@ def test_bad_layout_is_refused():
     g = torch.Generator().manual_seed(1)
     m = _module(40, [(16, 8)], torch.float32, g)
     x, out = torch.randn(4, 40), torch.zeros(4, 16)
-    at, bts, meta, scalings = m.kernel_args()
+    at, bts, meta = m.kernel_args()
     with pytest.raises(RuntimeError, match="At must be contiguous"):
-        kernel.lora_segments(x, out, [(0, 4, m.lora_a, bts, meta, scalings)])
+        kernel.lora_segments(x, out, [(0, 4, m.lora_a, bts, meta)])
     with pytest.raises(RuntimeError, match="outside the batch"):
-        kernel.lora_segments(x, out, [(0, 5, at, bts, meta, scalings)])
+        kernel.lora_segments(x, out, [(0, 5, at, bts, meta)])

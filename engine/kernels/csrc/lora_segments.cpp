@@ -9,10 +9,11 @@
 // once, in the order it is stored, straight into registers:
 //
 //   shrink  y[rows, R] = x[rows] @ A.T         A stored as At [R/16, in, 16] (R padded to 16)
-//   expand  out[rows, cols] += s * y[:, ranks] @ B.T, per piece
-//                                              B stored as Bt [cols/16, rank, 16] (cols padded)
+//   expand  out[rows, cols] += y[:, ranks] @ (s * B).T, per piece
+//                                              s * B stored as Bt [cols/16, rank, 16] (cols padded)
 //
-// Both are "broadcast one input value, FMA it with 16 weights" loops over up to 8 rows at a time:
+// Both are "broadcast one input value, FMA it with 16 weights" loops over up to 8 rows at a time
+// (4 with AVX2, whose 16 lanes take two registers):
 // no horizontal sums, one sequential pass over the weights. x, out and the weights are fp32 or
 // bf16 (bf16 is widened in registers; y and the sums are fp32; out is rounded once, to nearest
 // even). The layouts are made once per adapter by engine/layers/lora.py (ModuleLoRA.kernel_args).
@@ -23,7 +24,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -37,12 +38,19 @@
 namespace {
 
 constexpr int kLanes = 16;
+// Rows a register block holds: 8 x one zmm accumulator with AVX-512; with AVX2 a 16-lane row
+// is two ymm, and 4 rows (8 accumulators, 2 weight registers, broadcasts) fill the 16 ymm.
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+#define BOXCAR_LORA_AVX2 1
+constexpr int kRowBlock = 4;
+#else
 constexpr int kRowBlock = 8;
+#endif
 
-// One segment: (start, end, At, the pieces' Bt, [col_offset, col_size, rank_offset, rank] a piece,
-// the pieces' scalings).
+// One segment: (start, end, At, the pieces' Bt with their scalings folded in,
+// [col_offset, col_size, rank_offset, rank] a piece).
 using Segment = std::tuple<int64_t, int64_t, at::Tensor, std::vector<at::Tensor>,
-                           std::vector<int64_t>, std::vector<double>>;
+                           std::vector<int64_t>>;
 
 inline float bf16_to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -75,6 +83,48 @@ inline void store16(uint16_t* p, __m512 v, __mmask16 m) {
   const __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
+#elif defined(BOXCAR_LORA_AVX2)
+// 16 lanes as two ymm. A partial block (lanes < 16, only a piece's last columns) goes through a
+// zero-padded copy.
+struct V16 {
+  __m256 lo, hi;
+};
+inline __m256 widen8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline V16 load16(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline V16 load16(const uint16_t* p) { return {widen8(p), widen8(p + 8)}; }
+inline void narrow8(uint16_t* p, __m256 v) {  // round to nearest even, then pack to 16 bits
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+}
+inline void store16(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline void store16(uint16_t* p, V16 v) {
+  narrow8(p, v.lo);
+  narrow8(p + 8, v.hi);
+}
+template <typename D>
+inline V16 load16(const D* p, int lanes) {
+  if (lanes >= kLanes) return load16(p);
+  D tmp[kLanes] = {};
+  std::memcpy(tmp, p, lanes * sizeof(D));
+  return load16(tmp);
+}
+template <typename D>
+inline void store16(D* p, V16 v, int lanes) {
+  if (lanes >= kLanes) return store16(p, v);
+  D tmp[kLanes];
+  store16(tmp, v);
+  std::memcpy(p, tmp, lanes * sizeof(D));
+}
 #endif
 
 // A tensor's elements as T: float for fp32, the raw bits (uint16_t) for bf16.
@@ -88,10 +138,10 @@ inline float to_float(uint16_t v) { return bf16_to_float(v); }
 inline void from_float(float* p, float v) { *p = v; }
 inline void from_float(uint16_t* p, float v) { *p = float_to_bf16(v); }
 
-// acc[i][0..lanes) += sum_k v[i * ldv + k] * scale * w[k * 16 + 0..16) for i < ROWS, k < depth;
+// acc[i][0..lanes) += sum_k v[i * ldv + k] * w[k * 16 + 0..16) for i < ROWS, k < depth;
 // acc starts from init (or zero) and is written to dst rows (ld_dst apart), lanes masked.
 template <int ROWS, typename W, typename D>
-void block(const float* v, int64_t ldv, float scale, const W* w, int64_t depth, D* dst,
+void block(const float* v, int64_t ldv, const W* w, int64_t depth, D* dst,
            int64_t ld_dst, int lanes, bool accumulate) {
 #if defined(__AVX512F__)
   const __mmask16 mask = lanes >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1);
@@ -101,9 +151,23 @@ void block(const float* v, int64_t ldv, float scale, const W* w, int64_t depth, 
   for (int64_t k = 0; k < depth; ++k) {
     const __m512 wk = load16(w + k * kLanes);
     for (int i = 0; i < ROWS; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(v[i * ldv + k] * scale), wk, acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(v[i * ldv + k]), wk, acc[i]);
   }
   for (int i = 0; i < ROWS; ++i) store16(dst + i * ld_dst, acc[i], mask);
+#elif defined(BOXCAR_LORA_AVX2)
+  V16 acc[ROWS];
+  for (int i = 0; i < ROWS; ++i)
+    acc[i] = accumulate ? load16(dst + i * ld_dst, lanes)
+                        : V16{_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t k = 0; k < depth; ++k) {
+    const V16 wk = load16(w + k * kLanes);
+    for (int i = 0; i < ROWS; ++i) {
+      const __m256 vi = _mm256_set1_ps(v[i * ldv + k]);
+      acc[i].lo = _mm256_fmadd_ps(vi, wk.lo, acc[i].lo);
+      acc[i].hi = _mm256_fmadd_ps(vi, wk.hi, acc[i].hi);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i) store16(dst + i * ld_dst, acc[i], lanes);
 #else
   float acc[ROWS][kLanes];
   for (int i = 0; i < ROWS; ++i)
@@ -113,7 +177,7 @@ void block(const float* v, int64_t ldv, float scale, const W* w, int64_t depth, 
     float wk[kLanes];
     for (int l = 0; l < kLanes; ++l) wk[l] = to_float(w[k * kLanes + l]);
     for (int i = 0; i < ROWS; ++i) {
-      const float s = v[i * ldv + k] * scale;
+      const float s = v[i * ldv + k];
       for (int l = 0; l < kLanes; ++l) acc[i][l] += s * wk[l];
     }
   }
@@ -124,16 +188,18 @@ void block(const float* v, int64_t ldv, float scale, const W* w, int64_t depth, 
 
 // block() over any number of rows, kRowBlock at a time.
 template <typename W, typename D>
-void rows_block(int64_t rows, const float* v, int64_t ldv, float scale, const W* w, int64_t depth,
+void rows_block(int64_t rows, const float* v, int64_t ldv, const W* w, int64_t depth,
                 D* dst, int64_t ld_dst, int lanes, bool accumulate) {
   for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
     const float* vr = v + r0 * ldv;
     D* dr = dst + r0 * ld_dst;
     switch (std::min<int64_t>(kRowBlock, rows - r0)) {
 #define BOXCAR_ROWS(n) \
-  case n: block<n>(vr, ldv, scale, w, depth, dr, ld_dst, lanes, accumulate); break;
+  case n: block<n>(vr, ldv, w, depth, dr, ld_dst, lanes, accumulate); break;
       BOXCAR_ROWS(1) BOXCAR_ROWS(2) BOXCAR_ROWS(3) BOXCAR_ROWS(4)
+#if !defined(BOXCAR_LORA_AVX2)
       BOXCAR_ROWS(5) BOXCAR_ROWS(6) BOXCAR_ROWS(7) BOXCAR_ROWS(8)
+#endif
 #undef BOXCAR_ROWS
     }
   }
@@ -153,7 +219,7 @@ void run(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segme
   std::vector<int64_t> x_at(count + 1, 0), y_at(count + 1, 0);
   std::vector<Work> shrink, expand;
   for (int64_t s = 0; s < count; ++s) {
-    const auto& [start, end, at_, bts, meta, scalings] = segments[s];
+    const auto& [start, end, at_, bts, meta] = segments[s];
     const int64_t rows = end - start, padded = at_.size(0) * kLanes;
     x_at[s + 1] = x_at[s] + (std::is_same_v<T, float> ? 0 : rows * in);
     y_at[s + 1] = y_at[s] + rows * padded;
@@ -183,23 +249,23 @@ void run(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segme
     }
   }
   auto do_shrink = [&](const Work& w) {
-    const auto& [start, end, at_, bts, meta, scalings] = segments[w.segment];
+    const auto& [start, end, at_, bts, meta] = segments[w.segment];
     const int64_t padded = at_.size(0) * kLanes;
     int64_t ld;
     const float* xs = x_rows(w.segment, &ld);
     const T* a = elements<T>(at_) + w.block * in * kLanes;
-    rows_block(end - start, xs, ld, 1.0f, a, in, y.data() + y_at[w.segment] + w.block * kLanes,
+    rows_block(end - start, xs, ld, a, in, y.data() + y_at[w.segment] + w.block * kLanes,
                padded, kLanes, false);
   };
   auto do_expand = [&](const Work& w) {
-    const auto& [start, end, at_, bts, meta, scalings] = segments[w.segment];
+    const auto& [start, end, at_, bts, meta] = segments[w.segment];
     const int64_t padded = at_.size(0) * kLanes;
     const int64_t col_offset = meta[4 * w.piece], col_size = meta[4 * w.piece + 1];
     const int64_t rank_offset = meta[4 * w.piece + 2], rank = meta[4 * w.piece + 3];
     const int lanes = static_cast<int>(std::min<int64_t>(kLanes, col_size - w.block * kLanes));
     const T* b = elements<T>(bts[w.piece]) + w.block * rank * kLanes;
     rows_block(end - start, y.data() + y_at[w.segment] + rank_offset, padded,
-               static_cast<float>(scalings[w.piece]), b, rank,
+               b, rank,
                op + start * ldo + col_offset + w.block * kLanes, ldo, lanes, true);
   };
   auto each = [](const std::vector<Work>& items, auto&& fn) {
@@ -238,12 +304,11 @@ void lora_segments(const at::Tensor& x, at::Tensor& out, const std::vector<Segme
   const auto dtype = x.scalar_type();
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "float32 or bfloat16, got ", dtype);
   for (const auto& segment : segments) {
-    const auto& [start, end, at_, bts, meta, scalings] = segment;
+    const auto& [start, end, at_, bts, meta] = segment;
     TORCH_CHECK(0 <= start && start <= end && end <= x.size(0), "segment rows ", start, "..",
                 end, " outside the batch's ", x.size(0));
     check_blocked("At", at_, x.size(1), dtype);
-    TORCH_CHECK(meta.size() == 4 * bts.size() && scalings.size() == bts.size(),
-                "each piece needs 4 meta values and a scaling");
+    TORCH_CHECK(meta.size() == 4 * bts.size(), "each piece needs 4 meta values");
     for (size_t p = 0; p < bts.size(); ++p) {
       const int64_t col_offset = meta[4 * p], col_size = meta[4 * p + 1];
       const int64_t rank_offset = meta[4 * p + 2], rank = meta[4 * p + 3];
@@ -268,7 +333,7 @@ void lora_segments(const at::Tensor& x, at::Tensor& out, const std::vector<Segme
 // Called from the extension's one PYBIND11_MODULE (paged_decode_attention.cpp).
 void register_lora_segments(pybind11::module& m) {
   m.def("lora_segments", &lora_segments,
-        "out[rows, cols] += scaling * (x[rows] @ A.T)[:, ranks] @ B.T over a step's short "
-        "segments (A, B in the kernel's blocked layouts)",
+        "out[rows, cols] += (x[rows] @ A.T)[:, ranks] @ (scaling * B).T over a step's short "
+        "segments (A, scaled B in the kernel's blocked layouts)",
         py::call_guard<py::gil_scoped_release>());
 }
