@@ -49,6 +49,14 @@ _IDS = bindparam("batch_ids", type_=ARRAY(String))
 SNAPSHOT_STATEMENT = _with_sums(Batch.id == any_(_IDS), BatchCounter.batch_id == any_(_IDS))
 
 
+# A tenant's newest ``limit`` batches (``GET /v1/batches``' first page; ask one more than the
+# page to learn whether more follow), newest first, with their counters' sums.
+_NEWEST = (select(Batch.id).where(Batch.tenant_id == bindparam("tenant_id"))
+           .order_by(Batch.pk.desc()).limit(bindparam("limit")))
+FIRST_PAGE_STATEMENT = _with_sums(Batch.id.in_(_NEWEST), BatchCounter.batch_id.in_(_NEWEST)
+                                  ).order_by(Batch.pk.desc())
+
+
 _ID_AT = _BATCH_COLUMNS.index(Batch.__table__.c.id)
 
 

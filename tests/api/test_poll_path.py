@@ -214,3 +214,33 @@ def test_a_poll_of_a_batch_the_value_lacks_starts_the_refresh_after_soon(monkeyp
             break
         threading.Event().wait(0.01)
     assert computed == ["poll", "refresh"]
+
+
+def test_the_first_page_on_the_loop_equals_the_thread_path(pg_client):
+    client, ctx = pg_client
+    ids = [make_batch(client, [chat_line(f"l{i}", "x") for i in range(4)]).json()["id"]
+           for _ in range(3)]
+    with ctx.db.session() as session:  # one live with counts, one finished, one validating
+        session.execute(update(Batch).where(Batch.id == ids[0])
+                        .values(status=IN_PROGRESS, num_total=4))
+        add(session, {ids[0]: CounterDelta(num_open=4)}, slot=0)
+        add(session, {ids[0]: CounterDelta.closed("completed", prompt_tokens=2)}, slot=3)
+        session.execute(update(Batch).where(Batch.id == ids[1])
+                        .values(status="completed", num_total=4, num_completed=4))
+    other = make_key(ctx.db, f"other-{uuid.uuid4().hex[:6]}")  # another tenant's batch
+    own = client.headers["Authorization"]
+    client.headers["Authorization"] = f"Bearer {other}"
+    make_batch(client, [chat_line("o", "x")])
+    client.headers["Authorization"] = own
+    pages = {}
+    reader = ctx.poll_reader
+    for path in ("event loop", "thread"):
+        ctx.poll_reader = reader if path == "event loop" else None
+        pages[path] = [client.get("/v1/batches", params={"limit": n}).json() for n in (2, 3, 20)]
+    ctx.poll_reader = reader
+    assert pages["event loop"] == pages["thread"]
+    two, three, twenty = pages["event loop"]
+    assert [b["id"] for b in twenty["data"]] == ids[::-1]  # newest first, this tenant's only
+    assert (two["has_more"], three["has_more"], twenty["has_more"]) == (True, False, False)
+    live = next(b for b in twenty["data"] if b["id"] == ids[0])
+    assert live["request_counts"] == {"total": 4, "completed": 1, "failed": 0}
