@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
                 numel = a.numel() + sum(p.lora_b.numel() for p in pieces)
                 weight_bytes += numel * a.element_size()
                 start = i * ROWS_PER_ADAPTER
-                segments.append((start, start + ROWS_PER_ADAPTER, *module.kernel_args()))
+                segments.append((start, start + ROWS_PER_ADAPTER,
+                                 *module.kernel_args(kernel)))
             k = _timed(args.repeats, kernel.lora_segments, x, out, segments)
             b = _timed(args.repeats, F.linear, x, weight)
             lora_s, base_s = lora_s + k, base_s + b

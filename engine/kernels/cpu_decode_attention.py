@@ -52,7 +52,9 @@ _NAME = "boxcar_paged_decode_attention"
 # ops (``cpu_fused_ops.py``), one build, one cache entry, one import.
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
                  for name in ("paged_decode_attention.cpp", "cpu_fused_ops.cpp",
-                              "packed_attention.cpp", "lora_segments.cpp"))
+                              "packed_attention.cpp", "lora_segments.cpp",
+                              "lora_segments_amx.cpp"))
+_HEADERS = (Path(__file__).parent / "csrc" / "lora_segment.h",)  # in the build key too
 # -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension then binds to
 # torch's own libgomp (same soname, already loaded): one thread pool.
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")
@@ -96,7 +98,7 @@ def build_key(variant: str = "native") -> str:
     Python, CPU."""
     _check_variant(variant)
     digest = hashlib.sha256()
-    for source in _SOURCES:
+    for source in (*_SOURCES, *_HEADERS):
         digest.update(source.read_bytes())
     digest.update(repr((variant, _cflags(variant), _LDFLAGS, torch.__version__, sys.version,
                         platform.machine())).encode())

@@ -16,8 +16,10 @@ Two paths, chosen by the manager: on the CPU a short segment (a decode's rows, u
 adapter's weights once from its own blocked copy, for all of a linear's short segments in one
 call; a long one is one ``matmul`` + ``addmm_`` per slice on the adapter's own (unpadded)
 tensors (on oneDNN's packed copies where oneDNN multiplies the base weights,
-``ONEDNN_MIN_ROWS``); on the GPU the adapters resident in
-the step sit in per-layer slot stacks padded to ``max_lora_rank`` and two Triton kernels
+``ONEDNN_MIN_ROWS``). In bf16 on a CPU with AMX (``kernel.lora_amx``) every segment, a prompt
+chunk's too, runs in the kernel, on the tile units (``csrc/lora_segments_amx.cpp``); on the GPU
+the adapters resident in the step sit in per-layer slot stacks padded to ``max_lora_rank`` and
+two Triton kernels
 (``kernels/lora_shrink.py``, ``kernels/lora_expand.py``) cover every segment in one launch each.
 
 The step's ``LoRABatch`` travels in a scoped context (``lora_batch``), set around the forward
@@ -63,22 +65,28 @@ class ModuleLoRA:
     pieces: list[LoRAPiece]
     # A, and each piece's B with its scaling folded in, packed for oneDNN (``onednn_weights``)
     _onednn: tuple[torch.Tensor, list[torch.Tensor]] | None = None
-    # A and the pieces' B in the C++ kernel's blocked layouts (``kernel_args``)
-    _kernel: tuple[torch.Tensor, list[torch.Tensor], list[int]] | None = None
+    # A and the pieces' B in the C++ kernel's blocked layouts (``kernel_args``), and whether
+    # they are in bf16 pairs
+    _kernel: tuple[bool, tuple[torch.Tensor, list[torch.Tensor], list[int]]] | None = None
 
-    def kernel_args(self) -> tuple[torch.Tensor, list[torch.Tensor], list[int]]:
+    def kernel_args(self, kernel: ModuleType) -> tuple[torch.Tensor, list[torch.Tensor],
+                                                       list[int]]:
         """(At, the pieces' scaled Bt, [col_offset, col_size, rank_offset, rank] a piece): what
         ``csrc/lora_segments.cpp`` takes for a segment under this adapter, laid out on first
         use so that its loops read each weight once, in order: At [R/16, in, 16] is A.T in
         blocks of 16 ranks, each piece's Bt [cols/16, rank, 16] (scaling * B).T in blocks of
         16 columns (both zero-padded to 16). The scaling is folded into B, as for oneDNN's
-        copies: the kernel's inner loop is then one broadcast and FMAs."""
-        if self._kernel is None:
+        copies: the kernel's inner loop is then one broadcast and FMAs. bf16 weights for a
+        build with AVX512-BF16 (``kernel.lora_bf16_pairs``) come in pairs of depth,
+        [blocks, ceil(depth / 2), 16, 2], for its dot-product instruction."""
+        pairs = self.lora_a.dtype == torch.bfloat16 and bool(kernel.lora_bf16_pairs)
+        if self._kernel is None or self._kernel[0] != pairs:
             meta = [v for p in self.pieces
                     for v in (p.col_offset, p.col_size, p.rank_offset, p.rank)]
-            self._kernel = (_lane_blocks(self.lora_a),
-                            [_lane_blocks(p.lora_b * p.scaling) for p in self.pieces], meta)
-        return self._kernel
+            self._kernel = (pairs, (_lane_blocks(self.lora_a, pairs),
+                                    [_lane_blocks(p.lora_b * p.scaling, pairs)
+                                     for p in self.pieces], meta))
+        return self._kernel[1]
 
     def onednn_weights(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A and the pieces' scaled B, packed for oneDNN on first use (the CPU path's long
@@ -90,12 +98,16 @@ class ModuleLoRA:
         return self._onednn
 
 
-def _lane_blocks(w: torch.Tensor) -> torch.Tensor:
+def _lane_blocks(w: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     """[n, depth] -> [ceil(n / 16), depth, 16]: w.T cut into blocks of 16 of its n rows, rows
-    past n zero."""
+    past n zero; with ``pairs``, [ceil(n / 16), ceil(depth / 2), 16, 2]: each lane's depth in
+    pairs (an odd depth's last pair ends in a zero)."""
     n, depth = w.shape
-    padded = torch.zeros(-(-n // KERNEL_LANES) * KERNEL_LANES, depth, dtype=w.dtype)
-    padded[:n] = w
+    padded_depth = depth + depth % 2 if pairs else depth
+    padded = torch.zeros(-(-n // KERNEL_LANES) * KERNEL_LANES, padded_depth, dtype=w.dtype)
+    padded[:n, :depth] = w
+    if pairs:  # [blocks, 16, depth/2, 2] -> [blocks, depth/2, 16, 2]
+        return padded.view(-1, KERNEL_LANES, padded_depth // 2, 2).transpose(1, 2).contiguous()
     return padded.view(-1, KERNEL_LANES, depth).transpose(1, 2).contiguous()
 
 
@@ -130,7 +142,9 @@ class LoRABatch:
 
 # The C++ kernel's (``csrc/lora_segments.cpp``) block width, and the longest segment it takes:
 # past that the weights are read from cache by more rows than a register block holds, and the
-# BLAS libraries' cache-blocked GEMMs win (their packing is paid once over many rows).
+# BLAS libraries' cache-blocked GEMMs win (their packing is paid once over many rows). Not on
+# AMX tiles: there the kernel took a prompt's LoRA from 0.79 s to 0.35 s against oneDNN's
+# (``bench.lora``'s 64 x 64 prompt tokens over 8 adapters, bf16, 1 thread).
 KERNEL_LANES = 16
 KERNEL_MAX_ROWS = 32
 
@@ -213,6 +227,9 @@ class LoRALinear(nn.Module):
         index = self.index
         onednn = self.base.packed_by == "onednn"  # oneDNN multiplies the base weight
         kernel = batch.kernel if x.stride(1) == 1 and out.stride(1) == 1 else None
+        # on AMX tiles the kernel beats the libraries at a prompt chunk's length too
+        max_rows = (None if kernel is not None and x.dtype == torch.bfloat16 and kernel.lora_amx
+                    else KERNEL_MAX_ROWS)
         short = []  # the kernel's segments
         for segment in batch.segments:
             module = segment.modules[index]
@@ -220,8 +237,8 @@ class LoRALinear(nn.Module):
                 continue
             rows = slice(segment.start, segment.end)
             num_rows = segment.end - segment.start
-            if kernel is not None and num_rows < KERNEL_MAX_ROWS:
-                short.append((segment.start, segment.end, *module.kernel_args()))
+            if kernel is not None and (max_rows is None or num_rows < max_rows):
+                short.append((segment.start, segment.end, *module.kernel_args(kernel)))
                 continue
             if onednn and num_rows >= ONEDNN_MIN_ROWS:
                 packed_a, packed_b = module.onednn_weights()

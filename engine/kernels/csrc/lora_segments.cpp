@@ -18,11 +18,22 @@
 // bf16 (bf16 is widened in registers; y and the sums are fp32; out is rounded once, to nearest
 // even). The layouts are made once per adapter by engine/layers/lora.py (ModuleLoRA.kernel_args).
 //
+// With AVX512-BF16 (compiled for a CPU that has it) a bf16 linear takes another path: its weights
+// are stored as pairs of depth, [blocks, depth/2, 16, 2], and each `vdpbf16ps` multiplies a
+// broadcast pair of inputs (x[k], x[k+1]) with 16 lanes' pairs and adds both products: twice the
+// multiply-adds of an fp32 FMA an instruction, with no widening of the weights. x is read as it
+// is (bf16), the shrink's y is rounded to bf16 as torch's bf16 matmul rounds it, sums are fp32.
+// Such a path is also quick enough for a prompt chunk's long segments (KERNEL_MAX_ROWS_BF16 in
+// engine/layers/lora.py): the weights of one 16-column block stay in L1 while every row block
+// passes over them.
+//
 // With more than one thread the work is split over (segment, 16-column block) items, for the
 // shrink and then for the expand: the ranks differ by adapter, so splitting by segment alone would
 // leave a thread waiting on the rank-64 adapter.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "lora_segment.h"
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -40,6 +51,9 @@ namespace {
 constexpr int kLanes = 16;
 // Rows a register block holds: 8 x one zmm accumulator with AVX-512; with AVX2 a 16-lane row
 // is two ymm, and 4 rows (8 accumulators, 2 weight registers, broadcasts) fill the 16 ymm.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define BOXCAR_LORA_BF16_PAIRS 1
+#endif
 #if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define BOXCAR_LORA_AVX2 1
 constexpr int kRowBlock = 4;
@@ -47,10 +61,6 @@ constexpr int kRowBlock = 4;
 constexpr int kRowBlock = 8;
 #endif
 
-// One segment: (start, end, At, the pieces' Bt with their scalings folded in,
-// [col_offset, col_size, rank_offset, rank] a piece).
-using Segment = std::tuple<int64_t, int64_t, at::Tensor, std::vector<at::Tensor>,
-                           std::vector<int64_t>>;
 
 inline float bf16_to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -205,11 +215,90 @@ void rows_block(int64_t rows, const float* v, int64_t ldv, const W* w, int64_t d
   }
 }
 
+#if defined(BOXCAR_LORA_BF16_PAIRS)
+// acc[i][0..lanes) += sum_p v[i][2p] * w[p][.][0] + v[i][2p+1] * w[p][.][1] for i < ROWS,
+// p < pairs, for NB blocks of 16 columns side by side (block j's weights at w + j * pairs * 32,
+// its columns at dst + j * 16; ``lanes`` masks the last one): v and w bf16, w as [pairs, 16, 2];
+// written to dst (bf16) rows. Two blocks share each broadcast of v.
+template <int ROWS, int NB>
+void block_pairs(const uint16_t* v, int64_t ldv, const uint16_t* w, int64_t pairs,
+                 uint16_t* dst, int64_t ld_dst, int lanes, bool accumulate) {
+  __mmask16 mask[NB];
+  for (int j = 0; j < NB; ++j)
+    mask[j] = j < NB - 1 || lanes >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << lanes) - 1);
+  __m512 acc[ROWS][NB];
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < NB; ++j)
+      acc[i][j] = accumulate ? load16(dst + i * ld_dst + j * kLanes, mask[j])
+                             : _mm512_setzero_ps();
+  const int64_t w_step = pairs * 2 * kLanes;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wp[NB];
+    for (int j = 0; j < NB; ++j)
+      wp[j] = (__m512bh)_mm512_loadu_si512(w + j * w_step + p * 2 * kLanes);
+    for (int i = 0; i < ROWS; ++i) {
+      uint32_t pair;  // (v[2p], v[2p + 1]): one 32-bit broadcast
+      std::memcpy(&pair, v + i * ldv + 2 * p, sizeof pair);
+      const __m512bh vi = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair));
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], vi, wp[j]);
+    }
+  }
+  for (int i = 0; i < ROWS; ++i)
+    for (int j = 0; j < NB; ++j) store16(dst + i * ld_dst + j * kLanes, acc[i][j], mask[j]);
+}
+
+template <int NB>
+void rows_pairs(int64_t rows, const uint16_t* v, int64_t ldv, const uint16_t* w, int64_t pairs,
+                uint16_t* dst, int64_t ld_dst, int lanes, bool accumulate) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kRowBlock) {
+    const uint16_t* vr = v + r0 * ldv;
+    uint16_t* dr = dst + r0 * ld_dst;
+    switch (std::min<int64_t>(kRowBlock, rows - r0)) {
+#define BOXCAR_ROWS(n) \
+  case n: block_pairs<n, NB>(vr, ldv, w, pairs, dr, ld_dst, lanes, accumulate); break;
+      BOXCAR_ROWS(1) BOXCAR_ROWS(2) BOXCAR_ROWS(3) BOXCAR_ROWS(4)
+      BOXCAR_ROWS(5) BOXCAR_ROWS(6) BOXCAR_ROWS(7) BOXCAR_ROWS(8)
+#undef BOXCAR_ROWS
+    }
+  }
+}
+
+// rows_pairs over one or two blocks
+inline void rows_pairs(int nb, int64_t rows, const uint16_t* v, int64_t ldv, const uint16_t* w,
+                       int64_t pairs, uint16_t* dst, int64_t ld_dst, int lanes, bool accumulate) {
+  if (nb == 2) {
+    rows_pairs<2>(rows, v, ldv, w, pairs, dst, ld_dst, lanes, accumulate);
+  } else {
+    rows_pairs<1>(rows, v, ldv, w, pairs, dst, ld_dst, lanes, accumulate);
+  }
+}
+#endif
+
 struct Work {
   int64_t segment;
   int64_t piece;  // -1: a shrink block
   int64_t block;  // 16-column block of y (shrink) or of the piece's columns (expand)
+  int64_t blocks = 1;  // how many side by side, from block on (the bf16 pair path takes 2)
 };
+
+// Work items over blocks [0, n), `width` at a time (the last may hold fewer).
+void push_blocks(std::vector<Work>& items, int64_t segment, int64_t piece, int64_t n,
+                 int64_t width) {
+  for (int64_t b = 0; b < n; b += width) items.push_back({segment, piece, b, std::min(width, n - b)});
+}
+
+// fn over the work items, on torch's threads when there are more than one.
+template <typename Fn>
+void for_each(const std::vector<Work>& items, Fn&& fn) {
+  const auto n = static_cast<int64_t>(items.size());
+  if (at::get_num_threads() > 1 && n > 1) {
+    at::parallel_for(0, n, 1, [&](int64_t begin, int64_t finish) {
+      for (int64_t i = begin; i < finish; ++i) fn(items[i]);
+    });
+  } else {
+    for (const auto& item : items) fn(item);
+  }
+}
 
 template <typename T>
 void run(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segments) {
@@ -268,19 +357,65 @@ void run(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segme
                b, rank,
                op + start * ldo + col_offset + w.block * kLanes, ldo, lanes, true);
   };
-  auto each = [](const std::vector<Work>& items, auto&& fn) {
-    const auto n = static_cast<int64_t>(items.size());
-    if (at::get_num_threads() > 1 && n > 1) {
-      at::parallel_for(0, n, 1, [&](int64_t begin, int64_t finish) {
-        for (int64_t i = begin; i < finish; ++i) fn(items[i]);
-      });
-    } else {
-      for (const auto& item : items) fn(item);
-    }
-  };
-  each(shrink, do_shrink);
-  each(expand, do_expand);
+  for_each(shrink, do_shrink);
+  for_each(expand, do_expand);
 }
+
+#if defined(BOXCAR_LORA_BF16_PAIRS)
+// run() for bf16 weights in pairs of depth: y is bf16 (rounded once, as a bf16 matmul's output).
+void run_pairs(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segments) {
+  const int64_t in = x.size(1), ldo = out.stride(0), in_pairs = (in + 1) / 2;
+  const auto count = static_cast<int64_t>(segments.size());
+  const uint16_t* xp = elements<uint16_t>(x);
+  uint16_t* op = elements<uint16_t>(out);
+  // An odd width's rows get a zero-padded copy: a pair read must not run past the tensor.
+  const bool copy_x = in % 2 != 0;
+  std::vector<int64_t> x_at(count + 1, 0), y_at(count + 1, 0);
+  std::vector<Work> shrink, expand;
+  for (int64_t s = 0; s < count; ++s) {
+    const auto& [start, end, at_, bts, meta] = segments[s];
+    const int64_t rows = end - start, padded = at_.size(0) * kLanes;
+    x_at[s + 1] = x_at[s] + (copy_x ? rows * (in + 1) : 0);
+    y_at[s + 1] = y_at[s] + rows * padded;
+    push_blocks(shrink, s, -1, at_.size(0), 2);
+    for (size_t p = 0; p < bts.size(); ++p)
+      push_blocks(expand, s, static_cast<int64_t>(p), bts[p].size(0), 2);
+  }
+  // y has two spare elements: a piece of odd rank reads one past its ranks (its weight is zero)
+  std::vector<uint16_t> xb(x_at[count], 0), y(y_at[count] + 2, 0);
+  if (copy_x) {
+    for (int64_t s = 0; s < count; ++s) {
+      const int64_t start = std::get<0>(segments[s]), end = std::get<1>(segments[s]);
+      for (int64_t r = start; r < end; ++r)
+        std::memcpy(xb.data() + x_at[s] + (r - start) * (in + 1), xp + r * x.stride(0),
+                    in * sizeof(uint16_t));
+    }
+  }
+  auto do_shrink = [&](const Work& w) {
+    const auto& [start, end, at_, bts, meta] = segments[w.segment];
+    const int64_t padded = at_.size(0) * kLanes;
+    const uint16_t* v = copy_x ? xb.data() + x_at[w.segment] : xp + start * x.stride(0);
+    const int64_t ldv = copy_x ? in + 1 : x.stride(0);
+    rows_pairs(static_cast<int>(w.blocks), end - start, v, ldv,
+               elements<uint16_t>(at_) + w.block * in_pairs * 2 * kLanes, in_pairs,
+               y.data() + y_at[w.segment] + w.block * kLanes, padded, kLanes, false);
+  };
+  auto do_expand = [&](const Work& w) {
+    const auto& [start, end, at_, bts, meta] = segments[w.segment];
+    const int64_t padded = at_.size(0) * kLanes;
+    const int64_t col_offset = meta[4 * w.piece], col_size = meta[4 * w.piece + 1];
+    const int64_t rank_offset = meta[4 * w.piece + 2], rank_pairs = (meta[4 * w.piece + 3] + 1) / 2;
+    const int64_t last = w.block + w.blocks - 1;  // lanes: of the last block
+    const int lanes = static_cast<int>(std::min<int64_t>(kLanes, col_size - last * kLanes));
+    rows_pairs(static_cast<int>(w.blocks), end - start, y.data() + y_at[w.segment] + rank_offset,
+               padded,
+               elements<uint16_t>(bts[w.piece]) + w.block * rank_pairs * 2 * kLanes, rank_pairs,
+               op + start * ldo + col_offset + w.block * kLanes, ldo, lanes, true);
+  };
+  for_each(shrink, do_shrink);
+  for_each(expand, do_expand);
+}
+#endif
 
 void check_rows(const char* name, const at::Tensor& t) {
   TORCH_CHECK(t.device().is_cpu() && t.dim() == 2 && t.stride(1) == 1, name,
@@ -288,14 +423,30 @@ void check_rows(const char* name, const at::Tensor& t) {
               " strides ", t.strides());
 }
 
+// Whether bf16 weights come in pairs of depth ([blocks, ceil(depth / 2), 16, 2]) on this build.
+constexpr bool kBf16Pairs =
+#if defined(BOXCAR_LORA_BF16_PAIRS)
+    true;
+#else
+    false;
+#endif
+
 void check_blocked(const char* name, const at::Tensor& t, int64_t depth, at::ScalarType dtype) {
+  if (dtype == at::kBFloat16 && kBf16Pairs) {
+    TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.size(1) == (depth + 1) / 2 &&
+                    t.size(2) == kLanes && t.size(3) == 2 && t.scalar_type() == dtype,
+                name, " must be contiguous [blocks, ", (depth + 1) / 2, ", 16, 2] ", dtype,
+                ", got ", t.sizes(), " ", t.scalar_type());
+    return;
+  }
   TORCH_CHECK(t.dim() == 3 && t.is_contiguous() && t.size(1) == depth && t.size(2) == kLanes &&
                   t.scalar_type() == dtype,
               name, " must be contiguous [blocks, ", depth, ", 16] ", dtype, ", got ", t.sizes(),
               " ", t.scalar_type());
 }
 
-void lora_segments(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segments) {
+void lora_segments(const at::Tensor& x, at::Tensor& out, const std::vector<Segment>& segments,
+                   bool amx) {
   check_rows("x", x);
   check_rows("out", out);
   TORCH_CHECK(x.size(0) == out.size(0) && x.scalar_type() == out.scalar_type(),
@@ -324,7 +475,11 @@ void lora_segments(const at::Tensor& x, at::Tensor& out, const std::vector<Segme
   if (dtype == at::kFloat) {
     run<float>(x, out, segments);
   } else {
+#if defined(BOXCAR_LORA_BF16_PAIRS)
+    if (!amx || !lora_segments_amx(x, out, segments)) run_pairs(x, out, segments);
+#else
     run<uint16_t>(x, out, segments);
+#endif
   }
 }
 
@@ -333,7 +488,13 @@ void lora_segments(const at::Tensor& x, at::Tensor& out, const std::vector<Segme
 // Called from the extension's one PYBIND11_MODULE (paged_decode_attention.cpp).
 void register_lora_segments(pybind11::module& m) {
   m.def("lora_segments", &lora_segments,
-        "out[rows, cols] += (x[rows] @ A.T)[:, ranks] @ (scaling * B).T over a step's short "
-        "segments (A, scaled B in the kernel's blocked layouts)",
+        "out[rows, cols] += (x[rows] @ A.T)[:, ranks] @ (scaling * B).T over a step's "
+        "segments (A, scaled B in the kernel's blocked layouts); amx=False keeps bf16 off the "
+        "AMX tiles (the tests run both paths)",
+        py::arg("x"), py::arg("out"), py::arg("segments"), py::arg("amx") = true,
         py::call_guard<py::gil_scoped_release>());
+  // engine/layers/lora.py lays bf16 weights out for the path this build runs
+  m.attr("lora_bf16_pairs") = kBf16Pairs;
+  // bf16 segments run on AMX tiles (lora_segments_amx.cpp): fast at any length
+  m.attr("lora_amx") = kBf16Pairs && lora_amx_available();
 }
