@@ -157,7 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto",
+                        help="the engine's dtype (default: auto, what a user gets: bf16 on a "
+                        "CPU with bf16 units, else fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of new lines for each variant; the median counts")
@@ -181,7 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     sets = [[torch.randint(100, config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
              for _ in range(args.lines)] for _ in range(args.rounds + 1)]
     warmup, rounds = sets[0][:n], sets[1:]
-    engine_args = dict(dtype=args.dtype, device="cpu", num_threads=args.threads)
+    from engine.model_runner import resolve_dtype
+
+    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
+    engine_args = dict(dtype=dtype, device="cpu", num_threads=args.threads)
     with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
         root = Path(tmp)
         folders = {}
@@ -192,8 +197,8 @@ def main(argv: list[str] | None = None) -> None:
         spread = [names[i % n] for i in range(args.lines)]
         print(f"model {model}, {args.lines} lines of {args.prompt_tokens} prompt tokens, "
               f"{args.max_tokens} generated each; {n} adapters of ranks {ranks} on all seven "
-              f"projections; {args.dtype}, {args.threads} thread(s), median of {args.rounds} "
-              "round(s)")
+              f"projections; {dtype} ({args.dtype}), {args.threads} thread(s), median of "
+              f"{args.rounds} round(s)")
 
         base = LLM(model, **engine_args)
         warm(base, warmup)
