@@ -26,6 +26,7 @@ from service.counters import CounterDelta, LineTotals
 from service.db import utcnow
 from service.expiry import ExpiresAfterError, parse_expires_after
 from service.models import (
+    BATCH_UNFINISHED,
     CANCELLED,
     CANCELLING,
     FAILED,
@@ -110,7 +111,7 @@ def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
     return row
 
 
-LIVE = (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING)
+LIVE = BATCH_UNFINISHED
 
 
 def render(session: Session, row: Batch, ctx: AppContext,
