@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import String, func, literal, select, union_all
+from sqlalchemy import String, bindparam, func, literal, select, union_all
 from sqlalchemy.orm import Session
 
 from api.eta import estimate
@@ -75,45 +75,49 @@ def collect(db: Database, *, interval: float,
     return report
 
 
-def _tallies(session: Session, now: Any) -> dict[str, dict[str | None, int]]:
-    """Rows by status of batches, jobs, unfinished shards and webhook deliveries; the lines
-    of pending shards (``queue_depth_lines``); the workers holding a shard's lease
-    (``lease_holders``): one statement, by part, then key."""
-    def part(name: str, key: Any, value: Any) -> Any:
-        return select(literal(name, String).label("part"), key.label("key"),
-                      value.label("value"))
+def _part(name: str, key: Any, value: Any) -> Any:
+    return select(literal(name, String).label("part"), key.label("key"), value.label("value"))
 
-    unfinished_shard = Shard.status.in_((SHARD_PENDING, SHARD_RUNNING))
-    statement = union_all(
-        part("batches", Batch.status, func.count()).group_by(Batch.status),
-        part("jobs", Job.status, func.count()).group_by(Job.status),
-        part("shards", Shard.status, func.count()).where(unfinished_shard)
-        .group_by(Shard.status),
-        part("webhook_deliveries", WebhookDelivery.status, func.count())
-        .group_by(WebhookDelivery.status),
-        part("queue_depth_lines", literal(None, String), func.sum(Shard.num_lines))
-        .where(Shard.status == SHARD_PENDING),
-        # A lease is only held on a running shard (done and pending ones have none).
-        part("lease_holders", Shard.lease_owner, func.count())
-        .where(Shard.status == SHARD_RUNNING, Shard.lease_expires_at > now)
-        .group_by(Shard.lease_owner))
+
+# Rows by status of batches, jobs, unfinished shards and webhook deliveries; the lines of
+# pending shards (``queue_depth_lines``); the workers holding a shard's lease (``lease_holders``):
+# one statement, built once, rows of (part, key, value).
+_TALLIES = union_all(
+    _part("batches", Batch.status, func.count()).group_by(Batch.status),
+    _part("jobs", Job.status, func.count()).group_by(Job.status),
+    _part("shards", Shard.status, func.count())
+    .where(Shard.status.in_((SHARD_PENDING, SHARD_RUNNING))).group_by(Shard.status),
+    _part("webhook_deliveries", WebhookDelivery.status, func.count())
+    .group_by(WebhookDelivery.status),
+    _part("queue_depth_lines", literal(None, String), func.sum(Shard.num_lines))
+    .where(Shard.status == SHARD_PENDING),
+    # A lease is only held on a running shard (done and pending ones have none).
+    _part("lease_holders", Shard.lease_owner, func.count())
+    .where(Shard.status == SHARD_RUNNING, Shard.lease_expires_at > bindparam("now"))
+    .group_by(Shard.lease_owner))
+
+# Every unfinished batch (oldest first) with its counters' sums.
+_IS_UNFINISHED = Batch.status.in_(BATCH_UNFINISHED)
+_SUMS = counters.sums_where(BatchCounter.batch_id.in_(select(Batch.id).where(_IS_UNFINISHED)))
+_UNFINISHED = (select(Batch.id, Batch.status, Batch.num_total, Batch.expires_at,
+                      *counters.sums_columns(_SUMS))
+               .select_from(Batch.__table__.outerjoin(_SUMS, _SUMS.c.batch_id == Batch.id))
+               .where(_IS_UNFINISHED).order_by(Batch.pk))
+_NUM_BATCH_COLUMNS = 4
+
+
+def _tallies(session: Session, now: Any) -> dict[str, dict[str | None, int]]:
+    """``_TALLIES`` by part, then key."""
     found: dict[str, dict[str | None, int]] = {}
-    for name, key, value in session.execute(statement):
+    for name, key, value in session.execute(_TALLIES, {"now": now}):
         if value is not None:
             found.setdefault(name, {})[key] = int(value)
     return found
 
 
 def _unfinished(session: Session) -> list[tuple[Any, CounterDelta]]:
-    """Every unfinished batch (oldest first) with its counters' sums, in one statement."""
-    is_unfinished = Batch.status.in_(BATCH_UNFINISHED)
-    sums = counters.sums_where(BatchCounter.batch_id.in_(select(Batch.id).where(is_unfinished)))
-    rows = session.execute(
-        select(Batch.id, Batch.status, Batch.num_total, Batch.expires_at,
-               *counters.sums_columns(sums))
-        .select_from(Batch.__table__.outerjoin(sums, sums.c.batch_id == Batch.id))
-        .where(is_unfinished).order_by(Batch.pk)).all()
-    return [(row, counters.delta_of(row[4:])) for row in rows]
+    return [(row, counters.delta_of(row[_NUM_BATCH_COLUMNS:]))
+            for row in session.execute(_UNFINISHED)]
 
 
 def _worker(row: Any, now: Any) -> dict[str, Any]:
