@@ -16,7 +16,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import psycopg
-from sqlalchemy import ColumnElement, Select, String, and_, any_, bindparam, exc, select
+from sqlalchemy import (
+    ColumnElement,
+    Integer,
+    Select,
+    String,
+    and_,
+    any_,
+    bindparam,
+    exc,
+    func,
+    select,
+    true,
+)
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 from sqlalchemy.engine import make_url
@@ -55,14 +67,32 @@ _NEWEST = (select(Batch.id).where(Batch.tenant_id == bindparam("tenant_id"))
            .order_by(Batch.pk.desc()).limit(bindparam("limit")))
 FIRST_PAGE_STATEMENT = _with_sums(Batch.id.in_(_NEWEST), BatchCounter.batch_id.in_(_NEWEST)
                                   ).order_by(Batch.pk.desc())
+# The newest ``limits[i]`` batches of each tenant ``tenant_ids[i]`` (two arrays), with their
+# counters' sums, in one statement (``api.poll_snapshots``' first pages; PostgreSQL only): a
+# tenant's rows are ``FIRST_PAGE_STATEMENT``'s for its limit, in no particular order.
+_HEADS = func.unnest(bindparam("tenant_ids", type_=ARRAY(String)),
+                     bindparam("limits", type_=ARRAY(Integer))
+                     ).table_valued("tenant_id", "num").render_derived(name="heads")
+_NEWEST_OF_HEAD = (select(Batch.id).where(Batch.tenant_id == _HEADS.c.tenant_id)
+                   .order_by(Batch.pk.desc()).limit(_HEADS.c.num).lateral("newest"))
+_NEWEST_OF_HEADS = select(_NEWEST_OF_HEAD.c.id).select_from(_HEADS.join(_NEWEST_OF_HEAD, true()))
+FIRST_PAGES_STATEMENT = _with_sums(Batch.id.in_(_NEWEST_OF_HEADS),
+                                   BatchCounter.batch_id.in_(_NEWEST_OF_HEADS))
 
 
 _ID_AT = _BATCH_COLUMNS.index(Batch.__table__.c.id)
+_TENANT_AT = _BATCH_COLUMNS.index(Batch.__table__.c.tenant_id)
+_PK_AT = _BATCH_COLUMNS.index(Batch.__table__.c.pk)
 
 
 def batch_id_of(row: Sequence[Any]) -> str:
     """The batch id of a ``POLL_STATEMENT`` or ``SNAPSHOT_STATEMENT`` row."""
     return row[_ID_AT]
+
+
+def tenant_and_pk_of(row: Sequence[Any]) -> tuple[str, int]:
+    """The tenant and the list order (``pk``) of a ``FIRST_PAGES_STATEMENT`` row."""
+    return row[_TENANT_AT], row[_PK_AT]
 
 
 def batch_and_sums(row: Sequence[Any]) -> tuple[Batch, CounterDelta]:

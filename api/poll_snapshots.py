@@ -15,6 +15,14 @@ polls after it go to the database and get its error (503); a refresh that hangs 
 to age past ``max_age``, and polls read for themselves. A write this process makes to a batch
 (cancel) drops its row (``forget``): its own answers never predate its writes. A poll checks the
 row's tenant: a batch of another tenant is not found, as the database's answer would be.
+
+The first page of a tenant's batch list (``GET /v1/batches`` without a cursor: a client
+watching its batches) is held the same way, by (tenant, rows asked): the same refresh reads
+every held page in one more statement (``FIRST_PAGES_STATEMENT``: each tenant's newest batches
+for the most rows any of its pages asks), with the same age, the same failure rule and the same
+tenant check (the key). A batch this process creates or cancels drops its tenant's pages, so
+its own list shows it at once. A read that was in flight when this process wrote is answered
+but not kept: it may predate the write.
 """
 
 from __future__ import annotations
@@ -26,13 +34,22 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from api.poll_reads import SNAPSHOT_STATEMENT, AsyncReader, Compiled, batch_id_of
+from api.poll_reads import (
+    FIRST_PAGE_STATEMENT,
+    FIRST_PAGES_STATEMENT,
+    SNAPSHOT_STATEMENT,
+    AsyncReader,
+    Compiled,
+    batch_id_of,
+    tenant_and_pk_of,
+)
 
 log = logging.getLogger(__name__)
 
 WATCH_S = 5.0  # a batch nobody polled for this long is no longer read
 REFRESHES_PER_AGE = 3  # reads a row's max age: a late refresh or two still leaves it servable
 MAX_WATCHED = 2_000  # beyond these, polls read for themselves (memory and the statement bounded)
+MAX_PAGE_ROWS = 5_000  # rows of first pages held, all pages together (the same, for lists)
 
 
 @dataclass
@@ -40,6 +57,13 @@ class _Watched:
     tenant_id: str
     polled_at: float
     row: list[Any]
+    read_at: float
+
+
+@dataclass
+class _Page:
+    polled_at: float
+    rows: list[list[Any]]  # the tenant's newest batches, newest first
     read_at: float
 
 
@@ -58,7 +82,11 @@ class PollSnapshots:
         self._clock = clock
         self._sleep = sleep
         self._statement = Compiled(SNAPSHOT_STATEMENT)
+        self._page_statement = Compiled(FIRST_PAGE_STATEMENT)
+        self._pages_statement = Compiled(FIRST_PAGES_STATEMENT)
         self._watched: dict[str, _Watched] = {}
+        self._pages: dict[tuple[str, int], _Page] = {}  # by (tenant id, rows asked)
+        self._writes = 0  # this process's writes so far: a read that saw one land is not kept
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
 
@@ -71,48 +99,94 @@ class PollSnapshots:
         if held is not None and held.tenant_id == tenant_id and now - held.read_at < self._max_age:
             held.polled_at = now
             return held.row
+        writes = self._writes
         row = await self._reader.fetch_one({"batch_id": batch_id, "tenant_id": tenant_id})
-        if row is not None and self._max_age > 0 and (
+        if row is not None and self._max_age > 0 and writes == self._writes and (
                 batch_id in self._watched or len(self._watched) < MAX_WATCHED):
             self._watched[batch_id] = _Watched(tenant_id, now, row, now)
             self._start()
         return row
 
-    def forget(self, batch_id: str) -> None:
-        """This process changed the batch: its next poll reads the database. Safe from a route's
-        worker thread: the row is dropped on the loop, before the route's answer is sent (the
-        loop runs callbacks in order, and the thread's result arrives after this one)."""
+    async def first_page(self, *, tenant_id: str, num_rows: int) -> list[list[Any]]:
+        """The tenant's newest ``num_rows`` batches (``FIRST_PAGE_STATEMENT``'s rows, newest
+        first), from memory when a fresh copy is held."""
+        self._bind_loop()
+        now = self._clock()
+        key = (tenant_id, num_rows)
+        held = self._pages.get(key)
+        if held is not None and now - held.read_at < self._max_age:
+            held.polled_at = now
+            return held.rows
+        writes = self._writes
+        rows = await self._reader.fetch_all({"tenant_id": tenant_id, "limit": num_rows},
+                                            self._page_statement)
+        if self._max_age > 0 and writes == self._writes and (
+                key in self._pages or self.page_rows + num_rows <= MAX_PAGE_ROWS):
+            self._pages[key] = _Page(now, rows, now)
+            self._start()
+        return rows
+
+    def forget(self, *, tenant_id: str, batch_id: str | None = None) -> None:
+        """This process wrote the batch (``batch_id``), or created one for the tenant: the
+        batch's next poll and the tenant's next first page read the database. Safe from a
+        route's worker thread: the rows are dropped on the loop, before the route's answer is
+        sent (the loop runs callbacks in order, and the thread's result arrives after this
+        one)."""
         loop = self._loop
         try:
             on_loop = asyncio.get_running_loop() is loop
         except RuntimeError:
             on_loop = False
         if on_loop or loop is None or loop.is_closed():
-            self._watched.pop(batch_id, None)
+            self._drop(tenant_id, batch_id)
         else:
-            loop.call_soon_threadsafe(self._watched.pop, batch_id, None)
+            loop.call_soon_threadsafe(self._drop, tenant_id, batch_id)
+
+    def _drop(self, tenant_id: str, batch_id: str | None) -> None:
+        self._writes += 1
+        if batch_id is not None:
+            self._watched.pop(batch_id, None)
+        for key in [key for key in self._pages if key[0] == tenant_id]:
+            del self._pages[key]
 
     @property
     def watched(self) -> int:
         return len(self._watched)
 
+    @property
+    def pages(self) -> int:
+        return len(self._pages)
+
+    @property
+    def page_rows(self) -> int:
+        """Rows the held pages may grow to (their rows asked), all together."""
+        return sum(num_rows for _, num_rows in self._pages)
+
     async def refresh_once(self) -> None:
-        """One refresh: drop the batches nobody polled for ``watch_s``, read the others in one
-        statement. A failed read drops them all and raises."""
+        """One refresh: drop the batches and pages nobody polled for ``watch_s``, read the
+        others, the batches in one statement and the pages in one more. A failed read drops
+        them all and raises."""
         now = self._clock()
         for batch_id in [b for b, w in self._watched.items() if now - w.polled_at > self._watch_s]:
             del self._watched[batch_id]
-        if not self._watched:
-            return
+        for key in [k for k, p in self._pages.items() if now - p.polled_at > self._watch_s]:
+            del self._pages[key]
+        try:
+            if self._watched:
+                await self._refresh_batches()
+            if self._pages:
+                await self._refresh_pages()
+        except BaseException:
+            self._watched.clear()
+            self._pages.clear()
+            raise
+
+    async def _refresh_batches(self) -> None:
         # Only the entries held now are updated: one that a poll read again meanwhile (after
         # ``forget``) is newer than this read.
         targets = dict(self._watched)
         started = self._clock()  # a row is as old as the read's start
-        try:
-            rows = await self._reader.fetch_all({"batch_ids": list(targets)}, self._statement)
-        except BaseException:
-            self._watched.clear()
-            raise
+        rows = await self._reader.fetch_all({"batch_ids": list(targets)}, self._statement)
         found = {batch_id_of(row): row for row in rows}
         for batch_id, held in targets.items():
             if self._watched.get(batch_id) is not held:
@@ -123,26 +197,46 @@ class PollSnapshots:
             else:
                 held.row, held.read_at = row, started
 
+    async def _refresh_pages(self) -> None:
+        targets = dict(self._pages)
+        num_rows: dict[str, int] = {}  # a tenant's largest page serves its smaller ones
+        for tenant_id, rows_asked in targets:
+            num_rows[tenant_id] = max(num_rows.get(tenant_id, 0), rows_asked)
+        started = self._clock()
+        rows = await self._reader.fetch_all(
+            {"tenant_ids": list(num_rows), "limits": list(num_rows.values())},
+            self._pages_statement)
+        newest: dict[str, list[tuple[int, list[Any]]]] = {}
+        for row in rows:
+            tenant_id, pk = tenant_and_pk_of(row)
+            newest.setdefault(tenant_id, []).append((pk, row))
+        ordered = {tenant_id: [row for _, row in sorted(found, key=lambda f: -f[0])]
+                   for tenant_id, found in newest.items()}
+        for (tenant_id, rows_asked), held in targets.items():
+            if self._pages.get((tenant_id, rows_asked)) is held:
+                held.rows, held.read_at = ordered.get(tenant_id, [])[:rows_asked], started
+
     async def close(self) -> None:
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
         self._watched.clear()
+        self._pages.clear()
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
-            self._loop, self._task, self._watched = loop, None, {}
+            self._loop, self._task, self._watched, self._pages = loop, None, {}, {}
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="poll-snapshots")
 
     async def _run(self) -> None:
-        while self._watched:
+        while self._watched or self._pages:
             await self._sleep(self._interval)
             try:
                 await self.refresh_once()
             except Exception as exc:  # the polls now read the database and report its error
-                log.warning("refreshing the polled batches failed (%s: %s); polls read the "
-                            "database", type(exc).__name__, exc)
+                log.warning("refreshing the polled batches and pages failed (%s: %s); polls "
+                            "read the database", type(exc).__name__, exc)

@@ -35,7 +35,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
@@ -54,6 +54,7 @@ from bench.scale_probes import (
     machine_cpu_ticks,
     table_stats,
 )
+from bench.scale_runs import RunConfig, RunResult
 from bench.scale_stack import REPO, ScaleStack
 
 LIVE = ("validating", "in_progress", "finalizing")
@@ -61,98 +62,6 @@ TERMINAL = ("completed", "failed", "expired", "cancelled")
 POLL_INTERVAL_S = 0.25
 # A worker's metrics snapshot reaches the database every BOXCAR_WORKER_METRICS_INTERVAL (2 s).
 SNAPSHOT_WAIT_S = 3.0
-
-
-@dataclass
-class RunConfig:
-    num_workers: int
-    num_lines: int
-    engine: str  # instant | paced
-    lines_per_s: float | None  # per worker, paced only
-    idle_s: float
-    timeout_s: float
-    database_url: str
-    broker_url: str
-    idle_settle_s: float = 0.0
-    repeat: int = 1  # which of the --repeat runs of this configuration (1-based)
-    # Seconds between the separate poller's polls (new connection each) while the batch is in
-    # progress (0: no poller).
-    fresh_poll_interval: float = 0.1
-    kill_one: bool = False  # SIGKILL one worker a third of the way through the batch
-
-
-@dataclass
-class RunResult:
-    num_workers: int
-    num_lines: int
-    engine: str
-    lines_per_s_per_worker: float | None
-    lines_per_s: float
-    ideal_lines_per_s: float | None
-    efficiency: float | None
-    claim_attempts: float | None
-    claims: float | None
-    attempts_per_claim: float | None
-    lock_wait_share: float | None  # lock samples over active ones (before issue 31)
-    active_backend_samples: int
-    idle_commits_per_s_per_worker: float
-    pg_cpu_ms_per_line: float
-    service_cpu_ms_per_line: float  # the API and worker processes (the bench client excluded)
-    status_poll_ms_median: float | None  # as the client measured it
-    num_status_polls: int
-    machine_cpu_busy: float
-    peak_connections: int
-    exactly_once: bool
-    missing: int
-    duplicated: int
-    # What active backends waited on, biggest first: wait_event_type, wait_event, statement
-    # (``scale_probes.statement_label``) and the share of all active backend samples.
-    waits: list[dict[str, Any]] = field(default_factory=list)
-    # request_lines after the batch: the share of its row updates (the result writes) that were
-    # HOT (no index entries written, the new version in the old one's page), its heap and
-    # index size per line, and the mean row's bytes.
-    line_hot_update_share: float | None = None
-    line_heap_bytes_per_line: float = 0.0
-    line_index_bytes_per_line: float = 0.0
-    line_row_bytes: float = 0.0
-    # The same polls as the API timed them itself (its Server-Timing header: from the request's
-    # first byte in to the response's headers out).
-    status_poll_server_ms_median: float | None = None
-    status_poll_db_ms_median: float | None = None
-    # The polls of the separate client process (new connection each) while the batch was in
-    # progress: what a user's client sees; the API's own time for them beside.
-    fresh_poll_ms_p50: float | None = None
-    fresh_poll_ms_p95: float | None = None
-    fresh_poll_server_ms_p50: float | None = None
-    fresh_poll_server_ms_p95: float | None = None
-    fresh_poll_connect_ms_p50: float | None = None  # of the client's: the TCP handshake
-    fresh_poll_connect_ms_p95: float | None = None
-    num_fresh_polls: int = 0
-    # pg_stat_activity's samples: every backend's, the non-idle ones', the active ones waiting
-    # on their own client (ClientRead), those waiting on a lock, and the lock share of the
-    # first two (lock_wait_share above is over the active ones).
-    backend_samples: int = 0
-    non_idle_samples: int = 0
-    client_wait_samples: int = 0
-    lock_samples: int = 0
-    lock_share_of_backends: float | None = None
-    lock_share_of_non_idle: float | None = None
-    # Contention: claim statements, those that lost a wanted shard to another worker (SKIP
-    # LOCKED passed over it, or it was taken since read) and the shards so lost.
-    claim_statements: float | None = None
-    contended_statements: float | None = None
-    claims_lost: float | None = None
-    repeat: int = 1
-    killed_workers: int = 0  # SIGKILLed during the batch (the kill run)
-    num_cpus: int = 0  # the machine's: what the CPU figures are shares of
-    # The batch's phases as the polls saw them (to a poll interval): prepare (created to
-    # in_progress, one worker), the run (to every line closed: all workers) and finalize (to
-    # completed, one worker); and lines/s over the run alone, against the ideal.
-    prepare_s: float | None = None
-    run_s: float | None = None
-    finalize_s: float | None = None
-    run_lines_per_s: float | None = None
-    run_efficiency: float | None = None
 
 
 def ok(response: httpx.Response) -> httpx.Response:
@@ -230,8 +139,8 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     cpu_before = machine_cpu_ticks()
     service_before = service_cpu_s(stack)
     polls: list[Poll] = []
-    poller: PollerProcess | None = None
-    fresh: list[TimedPoll] = []
+    pollers: dict[str, PollerProcess] = {}  # by what they poll (``bench.scale_poller``)
+    fresh: dict[str, list[TimedPoll]] = {}
     started_run: float | None = None  # when a poll first saw the batch in_progress
     drained: float | None = None  # when a poll first saw every line closed
     start = time.perf_counter()
@@ -249,18 +158,14 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
                 polls.append(poll)
             if started_run is None and batch["status"] != "validating":
                 started_run = seen
-            if (poller is None and batch["status"] == "in_progress"
-                    and config.fresh_poll_interval > 0):
-                poller = PollerProcess(base_url=stack.base_url, api_key=stack.api_key,
-                                       batch_id=batch["id"],
-                                       interval=config.fresh_poll_interval, cwd=REPO,
-                                       env=stack.env)
+            if not pollers and batch["status"] == "in_progress":
+                pollers = start_pollers(stack, batch["id"], config)
             counts = batch["request_counts"]
             if drained is None and (batch["status"] in ("finalizing", *TERMINAL) or (
                     counts["total"] and counts["completed"] + counts["failed"] >= counts["total"])):
                 drained = seen
-            if poller is not None and drained is not None:
-                fresh = poller.stop()  # the workers' part is over: one worker finalizes
+            if pollers and drained is not None:  # the workers' part is over: one finalizes
+                fresh = {what: poller.stop() for what, poller in pollers.items()}
             if batch["status"] in TERMINAL:
                 break
             if (config.kill_one and not stack.killed and batch["status"] == "in_progress"
@@ -275,8 +180,7 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         elapsed = end - start
     finally:
         activity = sampler.stop()
-        if poller is not None:
-            fresh = poller.stop()
+        fresh = {what: poller.stop() for what, poller in pollers.items()}
     cpu_busy = cpu_busy_share(cpu_before, machine_cpu_ticks())
     service_cpu = service_cpu_s(stack) - service_before
     if batch["status"] != "completed":
@@ -292,10 +196,15 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     lines_per_s = config.num_lines / elapsed
     ideal = (config.num_workers * config.lines_per_s
              if config.engine == "paced" and config.lines_per_s else None)
-    running = [p for p in fresh if p.status == "in_progress"]  # while the workers ran
+    # While the workers ran:
+    running, listed, status = ([p for p in fresh.get(what, []) if p.status == "in_progress"]
+                               for what in ("batch", "list", "status"))
     client_ms = [p.client_ms for p in running]
     server_ms = [p.server_ms for p in running if p.server_ms is not None]
     connect_ms = [p.connect_ms for p in running]
+    list_ms = [p.client_ms for p in listed]
+    list_server_ms = [p.server_ms for p in listed if p.server_ms is not None]
+    collect_ms = [p.db_ms for p in status if p.db_ms is not None]
     return RunResult(
         num_workers=config.num_workers, num_lines=config.num_lines, engine=config.engine,
         lines_per_s_per_worker=config.lines_per_s if config.engine == "paced" else None,
@@ -323,6 +232,14 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         fresh_poll_server_ms_p95=quantile(server_ms, 0.95), num_fresh_polls=len(running),
         fresh_poll_connect_ms_p50=quantile(connect_ms, 0.5),
         fresh_poll_connect_ms_p95=quantile(connect_ms, 0.95),
+        list_poll_ms_p50=quantile(list_ms, 0.5), list_poll_ms_p95=quantile(list_ms, 0.95),
+        list_poll_server_ms_p50=quantile(list_server_ms, 0.5),
+        list_poll_server_ms_p95=quantile(list_server_ms, 0.95), num_list_polls=len(listed),
+        cli_status_ms_p50=quantile([p.client_ms for p in status], 0.5),
+        cli_status_ms_p95=quantile([p.client_ms for p in status], 0.95),
+        cli_status_collect_ms_p50=quantile(collect_ms, 0.5),
+        cli_status_collect_ms_p95=quantile(collect_ms, 0.95), num_cli_status=len(status),
+        cli_status_explained=pollers["status"].explained if "status" in pollers else None,
         backend_samples=activity.backends, non_idle_samples=activity.non_idle,
         client_wait_samples=activity.client_waits, lock_samples=activity.lock_waits,
         lock_share_of_backends=activity.lock_share_of_backends,
@@ -334,6 +251,19 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         num_cpus=os.cpu_count() or 1,
         **phases(start, started_run, drained, end, config.num_lines, ideal),
     )
+
+
+def start_pollers(stack: ScaleStack, batch_id: str,
+                  config: RunConfig) -> dict[str, PollerProcess]:
+    """The separate pollers of a batch in progress: its retrieve, the list's first page and
+    ``boxcar status``, as ``config`` asks."""
+    intervals = {"batch": config.fresh_poll_interval,
+                 "list": config.fresh_poll_interval if config.list_limit else 0.0,
+                 "status": config.cli_status_interval}
+    return {what: PollerProcess(base_url=stack.base_url, api_key=stack.api_key,
+                                batch_id=batch_id, interval=interval, cwd=REPO, env=stack.env,
+                                what=what, list_limit=config.list_limit or 20)
+            for what, interval in intervals.items() if interval > 0}
 
 
 def phases(start: float, started_run: float | None, drained: float | None, end: float,
@@ -425,6 +355,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="seconds between the separate poller's status polls, each on a "
                              "new connection, while a batch is in progress (default 0.1; "
                              "0: no poller)")
+    parser.add_argument("--list-limit", type=int, default=20,
+                        help="a second poller asks the list's first page of this size the same "
+                             "way (default 20; 0: no list poller)")
+    parser.add_argument("--status-interval", type=float, default=0.5,
+                        help="seconds between a third poller's runs of `boxcar status`'s "
+                             "database part (default 0.5; 0: none)")
     parser.add_argument("--lines", type=int, default=20000,
                         help="lines in each run's batch (default 20000)")
     parser.add_argument("--engine", choices=("instant", "paced"), default="paced")
@@ -471,6 +407,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      f"got {args.kill_at}")
     if args.poll_interval < 0:
         parser.error(f"--poll-interval must be >= 0, got {args.poll_interval}")
+    if not 0 <= args.list_limit <= 100 or args.status_interval < 0:
+        parser.error(f"--list-limit must be 0-100 and --status-interval >= 0, got "
+                     f"{args.list_limit} and {args.status_interval}")
     if args.idle_settle_s < 0:
         parser.error(f"--idle-settle-s must be >= 0, got {args.idle_settle_s}")
     return args
@@ -480,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     common = dict(idle_s=args.idle_s, timeout_s=args.timeout, database_url=args.database_url,
                   broker_url=args.broker_url, idle_settle_s=args.idle_settle_s,
-                  fresh_poll_interval=args.poll_interval)
+                  fresh_poll_interval=args.poll_interval, list_limit=args.list_limit,
+                  cli_status_interval=args.status_interval)
     # Interleaved, so a spell of load from elsewhere on the machine falls on every count.
     sweep = [RunConfig(n, args.lines, args.engine, args.lines_per_s, repeat=r, **common)
              for r in range(1, args.repeat + 1) for n in args.workers]

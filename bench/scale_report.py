@@ -9,29 +9,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from bench.scale_poll_targets import cli_status_lines, poll_targets
+from bench.scale_target import Target, check, cpu_share, fmt_num
+
 SCALING_SHARE = 0.60  # each step up in workers adds >= 60% of its ideal throughput
 TOP_SCALING_SHARE = 0.70  # the step to the largest count (16->32), where not saturated
 MAX_ATTEMPTS_PER_CLAIM = 1.1
 MAX_LOCK_SHARE = 0.10  # lock samples over non-idle backend samples
-MAX_POLL_P50_MS = 5.0  # a fresh client's poll of a live batch, its workers running
-MAX_POLL_P95_MS = 15.0
 MIN_BIG_LINES_PER_S = 3000.0
 MAX_IDLE_COMMITS_PER_S = 1.0
 MAX_WAITS_SHOWN = 6
-SATURATED = 0.90  # a machine this busy is saturated: its figures judge the machine too
 FLOOR_PACE = 100.0  # the floors below are for this paced engine
 # Issue 31's re-measure (2-core AMD EPYC, private PostgreSQL, fsync off, paced 100 lines/s a
 # worker, 40,000 lines): the lowest of two runs, the floor a change must not fall below.
 FLOOR_LINES_PER_S = {8: 721.0, 16: 1162.0, 32: 2092.0}
 FLOOR_BIG_LINES_PER_S = 3234.0
-
-
-@dataclass
-class Target:
-    name: str
-    value: float | None
-    status: str  # met | not met | not measured | info (a figure without a target)
-    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -71,15 +63,6 @@ def summarize(runs: Sequence[Any]) -> list[Summary]:
     return found
 
 
-def _check(ok: bool) -> str:
-    return "met" if ok else "not met"
-
-
-def _cpu(busy: float) -> str:
-    state = "saturated" if busy >= SATURATED else "not saturated"
-    return f"machine CPU {100 * busy:.0f}% busy ({state})"
-
-
 def scaling_targets(sweep: Sequence[Any]) -> list[Target]:
     """Each step between paced worker counts, over the medians; the step to the largest count
     against ``TOP_SCALING_SHARE``, the others against ``SCALING_SHARE``. The repeats paired in
@@ -101,9 +84,9 @@ def scaling_targets(sweep: Sequence[Any]) -> list[Target]:
                   if len(shares) > 1 else "; one run each")
         found.append(Target(
             f"paced {low.num_workers}->{high.num_workers} workers adds >= {goal:.0%} of ideal "
-            "(medians)", share, _check(share >= goal),
+            "(medians)", share, check(share >= goal),
             f"+{high.lines_per_s - low.lines_per_s:,.0f} of +{ideal_added:,.0f} lines/s"
-            f"{spread}; {_cpu(high.machine_cpu_busy)}"))
+            f"{spread}; {cpu_share(high.machine_cpu_busy)}"))
     return found
 
 
@@ -116,16 +99,16 @@ def floor_targets(sweep: Sequence[Any], big: Sequence[Any]) -> list[Target]:
         if floor is not None:
             found.append(Target(
                 f"paced {s.num_workers} workers >= {floor:,.0f} lines/s (issue 31's floor; "
-                "median)", s.lines_per_s, _check(s.lines_per_s >= floor),
-                f"runs {s.low:,.0f}-{s.high:,.0f}; {_cpu(s.machine_cpu_busy)}"))
+                "median)", s.lines_per_s, check(s.lines_per_s >= floor),
+                f"runs {s.low:,.0f}-{s.high:,.0f}; {cpu_share(s.machine_cpu_busy)}"))
     for s in summarize(big):
         found.append(Target(
             f"{big[0].num_lines:,}-line instant batch >= {MIN_BIG_LINES_PER_S:,.0f} lines/s "
             f"({s.num_workers} workers; median; issue 31's floor {FLOOR_BIG_LINES_PER_S:,.0f})",
-            s.lines_per_s, _check(s.lines_per_s >= MIN_BIG_LINES_PER_S),
+            s.lines_per_s, check(s.lines_per_s >= MIN_BIG_LINES_PER_S),
             f"runs {s.low:,.0f}-{s.high:,.0f}; "
             f"{'above' if s.lines_per_s >= FLOOR_BIG_LINES_PER_S else 'below'} the floor; "
-            f"{_cpu(s.machine_cpu_busy)}"))
+            f"{cpu_share(s.machine_cpu_busy)}"))
     return found
 
 
@@ -137,35 +120,12 @@ def lock_target(runs: Sequence[Any]) -> Target:
         return Target(name, None, "not measured", "no non-idle backend sample")
     worst = max(measured, key=lambda r: r.lock_share_of_non_idle)
     return Target(name, worst.lock_share_of_non_idle,
-                  _check(worst.lock_share_of_non_idle < MAX_LOCK_SHARE),
+                  check(worst.lock_share_of_non_idle < MAX_LOCK_SHARE),
                   f"{worst.num_workers} workers: {worst.lock_samples} lock of "
                   f"{worst.non_idle_samples} non-idle samples, "
                   f"{100 * (worst.lock_share_of_backends or 0):.1f}% of all "
                   f"{worst.backend_samples} backend samples; {worst.client_wait_samples} of its "
                   f"{worst.active_backend_samples} active samples waited on their client")
-
-
-def poll_target(big: Sequence[Any]) -> Target:
-    """A fresh client's poll of the live batch while its workers run (the separate poller):
-    the worst run's p50 and p95 against the limits."""
-    name = (f"status poll of a live batch, new connection, workers running: p50 <= "
-            f"{MAX_POLL_P50_MS:.0f} ms and p95 <= {MAX_POLL_P95_MS:.0f} ms (worst run)")
-    measured = [r for r in big if getattr(r, "fresh_poll_ms_p50", None) is not None]
-    if not measured:
-        return Target(name, None, "not measured", "no --big-lines run, or no poll while in "
-                      "progress")
-    p50 = max(r.fresh_poll_ms_p50 for r in measured)
-    p95 = max(r.fresh_poll_ms_p95 for r in measured)
-    runs = "; ".join(
-        f"p50 {r.fresh_poll_ms_p50:.1f} p95 {r.fresh_poll_ms_p95:.1f} ms of {r.num_fresh_polls} "
-        f"(server {_num(r.fresh_poll_server_ms_p50, '.1f')}/"
-        f"{_num(r.fresh_poll_server_ms_p95, '.1f')}, connect "
-        f"{_num(getattr(r, 'fresh_poll_connect_ms_p50', None), '.1f')}/"
-        f"{_num(getattr(r, 'fresh_poll_connect_ms_p95', None), '.1f')}), "
-        f"{_cpu(r.machine_cpu_busy)}"
-        for r in measured)
-    return Target(name, p50, _check(p50 <= MAX_POLL_P50_MS and p95 <= MAX_POLL_P95_MS),
-                  f"worst p95 {p95:.1f} ms; {runs}")
 
 
 def contention_target(sweep: Sequence[Any]) -> list[Target]:
@@ -181,7 +141,7 @@ def contention_target(sweep: Sequence[Any]) -> list[Target]:
     value = statistics.median(ratios) if ratios else None
     found.append(Target(
         f"attempts per claim <= {MAX_ATTEMPTS_PER_CLAIM} at {top_count} workers (median)", value,
-        "not measured" if value is None else _check(value <= MAX_ATTEMPTS_PER_CLAIM),
+        "not measured" if value is None else check(value <= MAX_ATTEMPTS_PER_CLAIM),
         "" if value is not None else "the workers export no claim counters"))
     counted = [r for r in top if getattr(r, "claim_statements", None)]
     if counted:
@@ -203,7 +163,7 @@ def kill_target(kill: Sequence[Any]) -> Target:
     if not kill:
         return Target(name, None, "not measured", "--kill-at 0")
     r = kill[0]
-    return Target(name, float(r.exactly_once), _check(r.exactly_once and r.killed_workers == 1),
+    return Target(name, float(r.exactly_once), check(r.exactly_once and r.killed_workers == 1),
                   f"{r.num_workers} workers, {r.killed_workers} killed, {r.lines_per_s:,.0f} "
                   f"lines/s; {r.missing} missing, {r.duplicated} repeated")
 
@@ -215,18 +175,14 @@ def targets(sweep: Sequence[Any], big: Sequence[Any] = (),
     found.append(lock_target(runs))
     idle = max((r.idle_commits_per_s_per_worker for r in runs), default=None)
     found.append(Target(f"idle commits/s per worker <= {MAX_IDLE_COMMITS_PER_S:.0f} (worst run)",
-                        idle, "not measured" if idle is None else _check(
+                        idle, "not measured" if idle is None else check(
                             idle <= MAX_IDLE_COMMITS_PER_S)))
-    found.append(poll_target(big))
+    found += poll_targets(big)
     found.append(kill_target(kill))
     broken = [f"{r.num_workers}#{getattr(r, 'repeat', 1)}" for r in runs if not r.exactly_once]
     found.append(Target("every custom_id exactly once in every run (runs broken)", len(broken),
-                        _check(not broken), f"broken: {broken}" if broken else ""))
+                        check(not broken), f"broken: {broken}" if broken else ""))
     return found
-
-
-def _num(value: float | None, fmt: str) -> str:
-    return "n/a" if value is None else format(value, fmt)
 
 
 def _pct(value: float | None) -> str:
@@ -246,15 +202,15 @@ def run_row(r: Any) -> list[str]:
         f"{getattr(r, 'repeat', 1)}{'k' if getattr(r, 'killed_workers', 0) else ''}",
         f"{r.num_lines:,}", f"{r.lines_per_s:,.0f}",
         "n/a" if r.efficiency is None else f"{100 * r.efficiency:.0f}%",
-        _num(r.attempts_per_claim, ".2f"), lost,
+        fmt_num(r.attempts_per_claim, ".2f"), lost,
         _pct(getattr(r, "lock_share_of_non_idle", None)),
         _pct(getattr(r, "lock_share_of_backends", None)),
         f"{getattr(r, 'lock_samples', 0)}/{getattr(r, 'non_idle_samples', 0)}/"
         f"{getattr(r, 'backend_samples', 0)}",
         f"{r.idle_commits_per_s_per_worker:.2f}", f"{r.pg_cpu_ms_per_line:.2f}",
-        _num(getattr(r, "service_cpu_ms_per_line", None), ".2f"),
-        f"{_num(getattr(r, 'fresh_poll_ms_p50', None), '.1f')}/"
-        f"{_num(getattr(r, 'fresh_poll_ms_p95', None), '.1f')} "
+        fmt_num(getattr(r, "service_cpu_ms_per_line", None), ".2f"),
+        f"{fmt_num(getattr(r, 'fresh_poll_ms_p50', None), '.1f')}/"
+        f"{fmt_num(getattr(r, 'fresh_poll_ms_p95', None), '.1f')} "
         f"({getattr(r, 'num_fresh_polls', 0)})",
         f"{100 * r.machine_cpu_busy:.0f}%", str(r.peak_connections),
         "yes" if r.exactly_once else f"NO ({r.missing} missing, {r.duplicated} repeated)",
@@ -306,6 +262,7 @@ def format_report(sweep: Sequence[Any], big: Sequence[Any], kill: Sequence[Any],
             lines.append(f"    phases: prepare {r.prepare_s:.1f} s, run {r.run_s:.1f} s "
                          f"({r.run_lines_per_s:,.0f} lines/s{eff}), finalize "
                          f"{r.finalize_s:.1f} s")
+        lines += cli_status_lines(r)
         hot = getattr(r, "line_hot_update_share", None)
         if hot is not None:
             lines.append(f"    request_lines: {100 * hot:.0f}% of row updates HOT; "

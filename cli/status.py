@@ -1,7 +1,12 @@
 """``boxcar status``: the queue, the workers and the batches, read from the database.
 
 ``collect`` gathers one report (a JSON-able dict, what ``--json`` prints); ``format_status``
-draws it for a terminal, a progress bar per unfinished batch.
+draws it for a terminal, a progress bar per unfinished batch. It reads the unfinished batches
+and their counters (``service.counters``), never their lines, and of the shards only the ones
+not done (the queue; done shards are the service's whole history): a few rows per unfinished
+batch. Its counts come in one statement and the unfinished batches with their counters' sums in
+one more, because on a machine whose CPUs the workers keep busy each round trip is a wait for
+a CPU (docs/benchmarks.md, "Status polls under load").
 """
 
 from __future__ import annotations
@@ -9,22 +14,25 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import String, bindparam, func, literal, select, union_all
+from sqlalchemy.orm import Session
 
 from api.eta import estimate
-from api.metrics import enqueued_by_tenant, queue_depth
+from api.metrics import enqueued_by_tenant
 from service import counters
 from service.counters import CounterDelta
 from service.db import Database, utcnow
 from service.liveness import live_workers
 from service.models import (
-    BATCH_TERMINAL,
+    BATCH_UNFINISHED,
+    SHARD_PENDING,
+    SHARD_RUNNING,
     Batch,
+    BatchCounter,
     Job,
     Shard,
     WebhookDelivery,
 )
-from service.objects import live_totals
 
 NUM_ACTIVE_BATCHES = 20  # unfinished batches listed with a progress bar
 BAR_WIDTH = 30
@@ -35,22 +43,18 @@ def collect(db: Database, *, interval: float,
     """``max_enqueued_tokens``: the deployment's quota, shown beside what tenants hold."""
     now = utcnow()
     with db.read_session() as session:
-        def grouped(column: Any) -> dict[str, int]:
-            return dict(session.execute(select(column, func.count()).group_by(column)).all())
-
-        active = list(session.scalars(
-            select(Batch).where(Batch.status.not_in(BATCH_TERMINAL)).order_by(Batch.pk)
-            .limit(NUM_ACTIVE_BATCHES)))
+        counts = _tallies(session, now)
+        unfinished = _unfinished(session)
+        total = sum((sums for _, sums in unfinished), CounterDelta())
         report: dict[str, Any] = {
-            "batches": grouped(Batch.status),
-            "jobs": grouped(Job.status),
-            "shards": grouped(Shard.status),
-            "lines": _unfinished_lines(session),
-            "webhook_deliveries": grouped(WebhookDelivery.status),
-            "queue_depth_lines": queue_depth(session),
-            "lease_holders": sorted(session.scalars(
-                select(Shard.lease_owner).where(Shard.lease_expires_at > now).distinct()
-            ).all()),
+            "batches": counts.get("batches", {}),
+            "jobs": counts.get("jobs", {}),
+            "shards": counts.get("shards", {}),
+            "lines": {"open": total.num_open, "completed": total.num_completed,
+                      "failed": total.num_failed},
+            "webhook_deliveries": counts.get("webhook_deliveries", {}),
+            "queue_depth_lines": sum(counts.get("queue_depth_lines", {}).values()),
+            "lease_holders": sorted(counts.get("lease_holders", {})),
             "workers": [_worker(w, now) for w in live_workers(session, interval=interval)],
             "active_batches": [],
             "enqueued_tokens": [{"tenant": tenant, "model": model, "tokens": tokens,
@@ -58,9 +62,8 @@ def collect(db: Database, *, interval: float,
                                 for tenant, model, tokens in enqueued_by_tenant(session)],
         }
         etas = estimate(session, worker_metrics_interval=interval)
-        live = live_totals(session, list(active))
-        for batch in active:
-            totals = live[batch.id]
+        for batch, sums in unfinished[:NUM_ACTIVE_BATCHES]:
+            totals = counters.as_totals(batch.num_total, sums)
             eta = etas.get(batch.id)
             report["active_batches"].append({
                 "id": batch.id, "status": batch.status, "total": totals.total,
@@ -72,14 +75,49 @@ def collect(db: Database, *, interval: float,
     return report
 
 
-def _unfinished_lines(session: Any) -> dict[str, int]:
-    """Open, completed and failed lines of the unfinished batches, from their counters
-    (``service.counters``): a few rows a batch, where counting ``request_lines`` by status read
-    every line the service ever held."""
-    ids = session.scalars(select(Batch.id).where(Batch.status.not_in(BATCH_TERMINAL))).all()
-    total = sum(counters.sums(session, ids).values(), CounterDelta())
-    return {"open": total.num_open, "completed": total.num_completed,
-            "failed": total.num_failed}
+def _part(name: str, key: Any, value: Any) -> Any:
+    return select(literal(name, String).label("part"), key.label("key"), value.label("value"))
+
+
+# Rows by status of batches, jobs, unfinished shards and webhook deliveries; the lines of
+# pending shards (``queue_depth_lines``); the workers holding a shard's lease (``lease_holders``):
+# one statement, built once, rows of (part, key, value).
+_TALLIES = union_all(
+    _part("batches", Batch.status, func.count()).group_by(Batch.status),
+    _part("jobs", Job.status, func.count()).group_by(Job.status),
+    _part("shards", Shard.status, func.count())
+    .where(Shard.status.in_((SHARD_PENDING, SHARD_RUNNING))).group_by(Shard.status),
+    _part("webhook_deliveries", WebhookDelivery.status, func.count())
+    .group_by(WebhookDelivery.status),
+    _part("queue_depth_lines", literal(None, String), func.sum(Shard.num_lines))
+    .where(Shard.status == SHARD_PENDING),
+    # A lease is only held on a running shard (done and pending ones have none).
+    _part("lease_holders", Shard.lease_owner, func.count())
+    .where(Shard.status == SHARD_RUNNING, Shard.lease_expires_at > bindparam("now"))
+    .group_by(Shard.lease_owner))
+
+# Every unfinished batch (oldest first) with its counters' sums.
+_IS_UNFINISHED = Batch.status.in_(BATCH_UNFINISHED)
+_SUMS = counters.sums_where(BatchCounter.batch_id.in_(select(Batch.id).where(_IS_UNFINISHED)))
+_UNFINISHED = (select(Batch.id, Batch.status, Batch.num_total, Batch.expires_at,
+                      *counters.sums_columns(_SUMS))
+               .select_from(Batch.__table__.outerjoin(_SUMS, _SUMS.c.batch_id == Batch.id))
+               .where(_IS_UNFINISHED).order_by(Batch.pk))
+_NUM_BATCH_COLUMNS = 4
+
+
+def _tallies(session: Session, now: Any) -> dict[str, dict[str | None, int]]:
+    """``_TALLIES`` by part, then key."""
+    found: dict[str, dict[str | None, int]] = {}
+    for name, key, value in session.execute(_TALLIES, {"now": now}):
+        if value is not None:
+            found.setdefault(name, {})[key] = int(value)
+    return found
+
+
+def _unfinished(session: Session) -> list[tuple[Any, CounterDelta]]:
+    return [(row, counters.delta_of(row[_NUM_BATCH_COLUMNS:]))
+            for row in session.execute(_UNFINISHED)]
 
 
 def _worker(row: Any, now: Any) -> dict[str, Any]:

@@ -25,6 +25,7 @@ EXPIRED = "expired"
 CANCELLING = "cancelling"
 CANCELLED = "cancelled"
 BATCH_TERMINAL = (FAILED, COMPLETED, EXPIRED, CANCELLED)
+BATCH_UNFINISHED = (VALIDATING, IN_PROGRESS, FINALIZING, CANCELLING)  # the others
 
 # Request line statuses; "pending" and "running" are open, the rest are final. A claimed
 # shard's lines stay "pending" (the shard's lease says who runs them); "running" is only

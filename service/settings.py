@@ -86,10 +86,10 @@ class Settings(BaseSettings):
     # status poll then makes no auth query): a revoked key works at most this long in an API
     # process that saw it just before. 0: every request checks its key in the database.
     api_key_cache_seconds: float = 5.0
-    # The oldest view of a batch a status poll is answered with: an API process reads the
-    # batches polled in the last few seconds, together, a few times in this span, and their
-    # polls answer from memory (api.poll_snapshots; PostgreSQL). 0: every poll reads the
-    # database.
+    # The oldest view of a batch a status poll, or the first page of the batch list, is
+    # answered with: an API process reads the batches polled and the first pages asked in the
+    # last few seconds, together, a few times in this span, and answers them from memory
+    # (api.poll_snapshots; PostgreSQL). 0: every poll and list reads the database.
     api_poll_snapshot_seconds: float = 0.5
 
     # Work distribution.

@@ -16,7 +16,7 @@ from api.deps import AppContext, ContextDep, TenantDep, TenantRef
 from api.errors import ApiError, not_found
 from api.eta import BatchEta
 from api.pagination import paginate
-from api.poll_reads import FIRST_PAGE_STATEMENT, POLL_STATEMENT, Compiled, batch_and_sums
+from api.poll_reads import POLL_STATEMENT, batch_and_sums
 from api.routes.files import get_file
 from api.uploads import store_inline_requests
 from metrics.counters import BATCHES_CREATED
@@ -26,6 +26,7 @@ from service.counters import CounterDelta, LineTotals
 from service.db import utcnow
 from service.expiry import ExpiresAfterError, parse_expires_after
 from service.models import (
+    BATCH_UNFINISHED,
     CANCELLED,
     CANCELLING,
     FAILED,
@@ -110,7 +111,7 @@ def get_batch(session: Session, *, tenant_id: str, batch_id: str) -> Batch:
     return row
 
 
-LIVE = (VALIDATING, IN_PROGRESS, CANCELLING, FINALIZING)
+LIVE = BATCH_UNFINISHED
 
 
 def render(session: Session, row: Batch, ctx: AppContext,
@@ -177,6 +178,8 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
                        "upload a file instead.", param="requests", code="invalid_request")
 
     body = _create(request, tenant, ctx, window, output_lifetime)
+    if ctx.polls is not None:  # the tenant's list in this process shows it from now on
+        ctx.polls.forget(tenant_id=tenant.id)
     BATCHES_CREATED.inc()
     ctx.queue.batch_changed(body["id"])
     return body
@@ -262,10 +265,10 @@ async def list_batches(
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> JSONResponse:
     # The first page (what a client polling its batches asks) is one statement on the event
-    # loop, as a retrieve is (``api.poll_reads``); a page after a cursor reads on a thread.
-    if after is None and ctx.poll_reader is not None:
-        rows = await ctx.poll_reader.fetch_all({"tenant_id": tenant.id, "limit": limit + 1},
-                                               _FIRST_PAGE)
+    # loop, as a retrieve is (``api.poll_reads``), or this process's recent read of it
+    # (``api.poll_snapshots``); a page after a cursor reads on a thread.
+    if after is None and ctx.polls is not None:
+        rows = await ctx.polls.first_page(tenant_id=tenant.id, num_rows=limit + 1)
         shown = [batch_and_sums(row) for row in rows[:limit]]
         etas: dict[str, BatchEta] = {}
         for batch_id in (estimated(batch) for batch, _ in shown if batch.status in LIVE):
@@ -277,9 +280,6 @@ async def list_batches(
                  for batch, sums in shown]
         return JSONResponse(page(items, has_more=len(rows) > limit))
     return JSONResponse(await run_in_threadpool(_list_on_thread, ctx, tenant, after, limit))
-
-
-_FIRST_PAGE = Compiled(FIRST_PAGE_STATEMENT)
 
 
 def _list_on_thread(ctx: AppContext, tenant: TenantRef, after: str | None, limit: int) -> dict:
@@ -349,6 +349,6 @@ def cancel_batch(batch_id: str, tenant: TenantDep, ctx: ContextDep) -> dict:
         session.refresh(row)
         body = render(session, row, ctx)
     if ctx.polls is not None:
-        ctx.polls.forget(batch_id)
+        ctx.polls.forget(tenant_id=tenant.id, batch_id=batch_id)
     ctx.queue.batch_changed(batch_id)  # wakes a worker to abort and finalize
     return body

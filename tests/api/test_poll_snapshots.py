@@ -226,7 +226,7 @@ def test_forget_drops_the_row_and_a_refresh_in_flight_does_not_bring_it_back():
         refresh = asyncio.create_task(polls.refresh_once())
         await entered.wait()
         reader.put("b1", "t1", "cancelling")  # this process cancels it...
-        polls.forget("b1")
+        polls.forget(tenant_id="t1", batch_id="b1")
         assert await polls.row(batch_id="b1", tenant_id="t1") == row_of("b1", "cancelling")
         gate.set()  # ...and the refresh that began before answers late
         await refresh
@@ -244,7 +244,7 @@ def test_forget_from_a_worker_thread_lands_before_the_route_answers():
         polls = snapshots(reader, clock)
         await polls.row(batch_id="b1", tenant_id="t1")
         reader.put("b1", "t1", "cancelling")
-        await asyncio.to_thread(polls.forget, "b1")  # as a sync route does
+        await asyncio.to_thread(polls.forget, tenant_id="t1", batch_id="b1")  # as a sync route does
         assert await polls.row(batch_id="b1", tenant_id="t1") == row_of("b1", "cancelling")
         await polls.close()
 

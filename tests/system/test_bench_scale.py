@@ -15,13 +15,13 @@ from types import SimpleNamespace
 
 import pytest
 
+from bench.scale_poll_targets import poll_target, poll_targets
 from bench.scale_poller import quantile
 from bench.scale_probes import claim_contention, claim_counters
 from bench.scale_report import (
     format_report,
     kill_target,
     lock_target,
-    poll_target,
     summarize,
     targets,
 )
@@ -166,6 +166,24 @@ def test_the_poll_target_is_the_worst_fresh_client_run_under_load() -> None:
     assert poll_target([]).status == "not measured"
 
 
+def test_the_list_is_held_to_the_same_limits_and_boxcar_status_is_a_figure() -> None:
+    big = [run(4, 3300, 0.99, engine="instant", list_poll_ms_p50=4.0, list_poll_ms_p95=16.0,
+               list_poll_server_ms_p50=1.0, list_poll_server_ms_p95=3.0, num_list_polls=90,
+               cli_status_ms_p50=30.0, cli_status_ms_p95=50.0, cli_status_collect_ms_p50=12.0,
+               cli_status_collect_ms_p95=20.0, num_cli_status=20,
+               cli_status_explained={"statements": 14, "execution_ms": 2.5,
+                                     "rows_read": {"shards": 196, "batches": 1}})]
+    found = {t.name.split(",")[0]: t for t in poll_targets(big)}
+    listed = found["first page of the batch list"]
+    assert (listed.value, listed.status) == (4.0, "not met")  # p95 16 > 15
+    assert "of 90 (server 1.0/3.0)" in listed.detail
+    assert found["status poll of a live batch"].status == "not measured"
+    status = found["`boxcar status`'s database part (open"]
+    assert (status.value, status.status) == (30.0, "info")
+    report = format_report([], big, [], poll_targets(big))
+    assert "boxcar status: 14 statements, 2.5 ms in PostgreSQL; rows read: shards 196" in report
+
+
 def test_the_kill_run_must_complete_exactly_once_with_a_worker_killed() -> None:
     assert kill_target([run(32, 1500, 0.9, killed_workers=1)]).status == "met"
     assert kill_target([run(32, 1500, 0.9, killed_workers=1, exactly_once=False,
@@ -204,18 +222,26 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     no_non_idle_sample = result["non_idle_samples"] == 0
     # 200 instant lines may go from validating to completed between two of the bench's polls
     # (no phases, and no poller started: it starts once the batch is seen in progress).
+    # The same for the list's poller and `boxcar status`'s (whose Python start-up is longer).
     no_fresh_poll = result["num_fresh_polls"] == 0
+    no_list_poll = result["num_list_polls"] == 0
+    no_cli_status = result["num_cli_status"] == 0
     measured = {k: v for k, v in result.items()
                 if k not in ("engine", "ideal_lines_per_s", "efficiency",
                              "lines_per_s_per_worker", "exactly_once", "waits",
                              "prepare_s", "run_s", "finalize_s", "run_lines_per_s",
-                             "run_efficiency")
+                             "run_efficiency", "cli_status_explained")
                 and not (k == "lock_wait_share" and no_active_sample)
                 and not (k.startswith("lock_share_of") and no_non_idle_sample)
-                and not (k.startswith("fresh_poll") and no_fresh_poll)}
+                and not (k.startswith("fresh_poll") and no_fresh_poll)
+                and not (k.startswith("list_poll") and no_list_poll)
+                and not (k.startswith("cli_status") and no_cli_status)}
     for name, value in measured.items():
         assert isinstance(value, int | float) and math.isfinite(value), (name, value)
     assert result["lines_per_s"] > 0 and result["num_status_polls"] >= 1
+    if result["cli_status_explained"] is not None:  # its poller started: explained at its end
+        assert result["cli_status_explained"]["statements"] >= 1
+        assert "request_lines" not in result["cli_status_explained"]["rows_read"]
     assert result["claims"] >= 1 and result["attempts_per_claim"] >= 1
     # PostgreSQL's share of 200 instant lines is ~10 ms over a few backends, and /proc counts
     # CPU in whole ticks per process: the figure is a tick count per line, and may be 0 ticks
