@@ -57,3 +57,13 @@ def key(ctx) -> str:
 def client(app, key) -> TestClient:
     with TestClient(app, headers={"Authorization": f"Bearer {key}"}) as c:
         yield c
+
+
+@pytest.fixture
+def pg_context(pg_url, tmp_path):
+    """An app context on the PostgreSQL test database (migrated), small shards."""
+    settings = Settings(database_url=pg_url, storage_url=str(tmp_path / "storage"),
+                        shard_size=4, completion_windows=["24h"])
+    ctx = build_context(settings, db=migrated(pg_url), queue=RecordingQueue())
+    yield ctx
+    ctx.db.dispose()

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from api.app import build_context, create_app
+from api.app import create_app
 from api.poll_reads import (
     _ID_AT,
     _PK_AT,
@@ -27,11 +27,9 @@ from api.poll_reads import (
 from api.poll_snapshots import MAX_PAGE_ROWS, PollSnapshots
 from service.counters import CounterDelta, add
 from service.models import IN_PROGRESS, Batch
-from service.settings import Settings
-from tests.api.conftest import RecordingQueue
 from tests.api.test_batches import chat_line, make_batch
 from tests.api.test_poll_snapshots import Clock, never, run
-from tests.conftest_services import make_key, migrated
+from tests.conftest_services import make_key
 
 
 class FakeReader:
@@ -275,15 +273,6 @@ def test_the_rows_held_are_bounded():
 
 
 # -- on PostgreSQL ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def pg_context(pg_url, tmp_path):
-    settings = Settings(database_url=pg_url, storage_url=str(tmp_path / "storage"),
-                        shard_size=4, completion_windows=["24h"])
-    ctx = build_context(settings, db=migrated(pg_url), queue=RecordingQueue())
-    yield ctx
-    ctx.db.dispose()
 
 
 def test_the_pages_statement_reads_what_the_first_page_reads(pg_context):

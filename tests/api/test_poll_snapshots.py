@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select, update
 
-from api.app import build_context, create_app
+from api.app import create_app
 from api.poll_reads import (
     _ID_AT,
     POLL_STATEMENT,
@@ -25,10 +25,8 @@ from api.poll_reads import (
 from api.poll_snapshots import MAX_WATCHED, REFRESHES_PER_AGE, PollSnapshots
 from service.counters import CounterDelta, add
 from service.models import IN_PROGRESS, Batch
-from service.settings import Settings
-from tests.api.conftest import RecordingQueue
 from tests.api.test_batches import chat_line, make_batch
-from tests.conftest_services import make_key, migrated
+from tests.conftest_services import make_key
 
 
 def row_of(batch_id: str, status: str) -> list:
@@ -303,15 +301,6 @@ def test_the_task_refreshes_on_its_own_until_nobody_polls():
 
 
 # -- on PostgreSQL ------------------------------------------------------------------------
-
-
-@pytest.fixture
-def pg_context(pg_url, tmp_path):
-    settings = Settings(database_url=pg_url, storage_url=str(tmp_path / "storage"),
-                        shard_size=4, completion_windows=["24h"])
-    ctx = build_context(settings, db=migrated(pg_url), queue=RecordingQueue())
-    yield ctx
-    ctx.db.dispose()
 
 
 def test_the_snapshot_statement_reads_what_the_poll_statement_reads(pg_context):
