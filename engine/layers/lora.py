@@ -16,8 +16,9 @@ Two paths, chosen by the manager: on the CPU a short segment (a decode's rows, u
 adapter's weights once from its own blocked copy, for all of a linear's short segments in one
 call; a long one is one ``matmul`` + ``addmm_`` per slice on the adapter's own (unpadded)
 tensors (on oneDNN's packed copies where oneDNN multiplies the base weights,
-``ONEDNN_MIN_ROWS``). In bf16 on a CPU with AMX (``kernel.lora_amx``) every segment, a prompt
-chunk's too, runs in the kernel, on the tile units (``csrc/lora_segments_amx.cpp``); on the GPU
+``ONEDNN_MIN_ROWS``). In bf16 on a CPU with bf16 dot products (``kernel.lora_bf16_pairs``)
+every segment, a prompt chunk's too, runs in the kernel: on the tile units where it has AMX
+(``csrc/lora_segments_amx.cpp``), else on AVX512-BF16's pair instruction; on the GPU
 the adapters resident in the step sit in per-layer slot stacks padded to ``max_lora_rank`` and
 two Triton kernels
 (``kernels/lora_shrink.py``, ``kernels/lora_expand.py``) cover every segment in one launch each.
@@ -142,9 +143,10 @@ class LoRABatch:
 
 # The C++ kernel's (``csrc/lora_segments.cpp``) block width, and the longest segment it takes:
 # past that the weights are read from cache by more rows than a register block holds, and the
-# BLAS libraries' cache-blocked GEMMs win (their packing is paid once over many rows). Not on
-# AMX tiles: there the kernel took a prompt's LoRA from 0.79 s to 0.35 s against oneDNN's
-# (``bench.lora``'s 64 x 64 prompt tokens over 8 adapters, bf16, 1 thread).
+# BLAS libraries' cache-blocked GEMMs win (their packing is paid once over many rows). Not in
+# bf16 with bf16 dot products: on AMX tiles the kernel took a prompt's LoRA from 0.79 s to
+# 0.35 s against oneDNN's (``bench.lora``'s 64 x 64 prompt tokens over 8 adapters, 1 thread),
+# and AVX512-BF16's pair path is 1.9-2.2x oneDNN at 256 rows an adapter (Zen 5, 1-2 threads).
 KERNEL_LANES = 16
 KERNEL_MAX_ROWS = 32
 
@@ -227,9 +229,10 @@ class LoRALinear(nn.Module):
         index = self.index
         onednn = self.base.packed_by == "onednn"  # oneDNN multiplies the base weight
         kernel = batch.kernel if x.stride(1) == 1 and out.stride(1) == 1 else None
-        # on AMX tiles the kernel beats the libraries at a prompt chunk's length too
-        max_rows = (None if kernel is not None and x.dtype == torch.bfloat16 and kernel.lora_amx
-                    else KERNEL_MAX_ROWS)
+        # with bf16 dot products (AMX tiles, or AVX512-BF16 pairs) the kernel beats the
+        # libraries at a prompt chunk's length too
+        max_rows = (None if kernel is not None and x.dtype == torch.bfloat16
+                    and kernel.lora_bf16_pairs else KERNEL_MAX_ROWS)
         short = []  # the kernel's segments
         for segment in batch.segments:
             module = segment.modules[index]

@@ -84,14 +84,16 @@ def test_bad_layout_is_refused():
         kernel.lora_segments(x, out, [(0, 5, at, bts, meta)])
 
 
-def test_bf16_segments_of_any_length_run_on_amx():
-    """In bf16 on a CPU with AMX, LoRALinear sends a prompt chunk's long segment to the kernel
-    as well (never to oneDNN's packed copies), and the delta is the torch ops' within bf16."""
+def test_bf16_segments_of_any_length_run_in_the_kernel():
+    """In bf16 on a CPU with bf16 dot products (AMX tiles or AVX512-BF16 pairs), LoRALinear
+    sends a prompt chunk's long segment to the kernel as well (never to oneDNN's packed
+    copies), and the delta is the torch ops' within bf16."""
     from engine.layers.linear import Linear
     from engine.layers.lora import LoRABatch, LoRALinear, LoRASegment, lora_batch
 
-    if kernel is None or not kernel.lora_amx:
-        pytest.skip("no AMX tiles on this CPU (lora_amx false): long segments use the libraries")
+    if kernel is None or not kernel.lora_bf16_pairs:
+        pytest.skip("no bf16 dot products on this CPU (lora_bf16_pairs false): long segments "
+                    "use the libraries")
     g = torch.Generator().manual_seed(4)
     base = Linear(64, 96, bias=False).to(torch.bfloat16)
     with torch.no_grad():
