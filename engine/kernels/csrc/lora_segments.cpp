@@ -61,6 +61,11 @@ constexpr int kRowBlock = 4;
 constexpr int kRowBlock = 8;
 #endif
 
+// How far ahead of its loads a block's weights are prefetched. A decode step streams every
+// resident adapter from memory (176 MB for bench.lora's 8 adapters) in short runs that the
+// hardware prefetchers start on late: 4 KB ahead took one step's LoRA from 16.5 to 10.6 ms on a
+// Zen 5 core (1 KB 13.2, 2 KB 11.8, 8 KB 12.6; the AMX path's distance, too).
+constexpr int64_t kAheadBytes = 4096;
 
 inline float bf16_to_float(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -159,6 +164,7 @@ void block(const float* v, int64_t ldv, const W* w, int64_t depth, D* dst,
   for (int i = 0; i < ROWS; ++i)
     acc[i] = accumulate ? load16(dst + i * ld_dst, mask) : _mm512_setzero_ps();
   for (int64_t k = 0; k < depth; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * kLanes) + kAheadBytes, _MM_HINT_T0);
     const __m512 wk = load16(w + k * kLanes);
     for (int i = 0; i < ROWS; ++i)
       acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(v[i * ldv + k]), wk, acc[i]);
@@ -170,6 +176,7 @@ void block(const float* v, int64_t ldv, const W* w, int64_t depth, D* dst,
     acc[i] = accumulate ? load16(dst + i * ld_dst, lanes)
                         : V16{_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t k = 0; k < depth; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + k * kLanes) + kAheadBytes, _MM_HINT_T0);
     const V16 wk = load16(w + k * kLanes);
     for (int i = 0; i < ROWS; ++i) {
       const __m256 vi = _mm256_set1_ps(v[i * ldv + k]);
@@ -216,12 +223,6 @@ void rows_block(int64_t rows, const float* v, int64_t ldv, const W* w, int64_t d
 }
 
 #if defined(BOXCAR_LORA_BF16_PAIRS)
-// How far ahead of its loads a block's weights are prefetched. A decode step streams every
-// resident adapter from memory (176 MB for bench.lora's 8 adapters) in short runs that the
-// hardware prefetchers start on late: 4 KB ahead took one step's LoRA from 16.5 to 10.6 ms on a
-// Zen 5 core (1 KB 13.2, 2 KB 11.8, 8 KB 12.6; the AMX path's distance, too).
-constexpr int64_t kPairsAheadBytes = 4096;
-
 // acc[i][0..lanes) += sum_p v[i][2p] * w[p][.][0] + v[i][2p+1] * w[p][.][1] for i < ROWS,
 // p < pairs, for NB blocks of 16 columns side by side (block j's weights at w + j * pairs * 32,
 // its columns at dst + j * 16; ``lanes`` masks the last one): v and w bf16, w as [pairs, 16, 2];
@@ -242,7 +243,7 @@ void block_pairs(const uint16_t* v, int64_t ldv, const uint16_t* w, int64_t pair
     __m512bh wp[NB];
     for (int j = 0; j < NB; ++j) {
       const uint16_t* line = w + j * w_step + p * 2 * kLanes;  // one 64-byte line a pair
-      _mm_prefetch(reinterpret_cast<const char*>(line) + kPairsAheadBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(line) + kAheadBytes, _MM_HINT_T0);
       wp[j] = (__m512bh)_mm512_loadu_si512(line);
     }
     for (int i = 0; i < ROWS; ++i) {
