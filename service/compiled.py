@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Select
+from sqlalchemy import CompoundSelect, Select
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
 
 
@@ -18,7 +18,7 @@ class Compiled:
     Its constants (a ``literal``, the values of an ``in_`` of a fixed list) are bound here;
     each run gives the values of its ``bindparam``s without one (``params``)."""
 
-    def __init__(self, statement: Select) -> None:
+    def __init__(self, statement: Select | CompoundSelect) -> None:
         dialect = psycopg_dialect()
         compiled = statement.compile(dialect=dialect)
         required = {key for key, bind in compiled.binds.items() if bind.required}
