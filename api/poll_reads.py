@@ -31,11 +31,10 @@ from sqlalchemy import (
     true,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.engine import make_url
 
 from api.timing import add_statement_time
 from service import counters
-from service.compiled import Compiled
+from service.compiled import Compiled, conninfo
 from service.counters import CounterDelta
 from service.db import PING_AFTER_IDLE_S
 from service.models import Batch, BatchCounter
@@ -117,8 +116,7 @@ class AsyncReader:
                  ping_after_s: float = PING_AFTER_IDLE_S,
                  clock: Callable[[], float] = time.monotonic,
                  application_name: str = APPLICATION_NAME) -> None:
-        self._conninfo = make_url(url).set(drivername="postgresql").render_as_string(
-            hide_password=False)
+        self._conninfo = conninfo(url)
         self._statement = Compiled(statement)
         self._application_name = application_name
         self._max = max_connections

@@ -97,11 +97,15 @@ JOBS_HELD = (select(Job.tenant_id, Tenant.name, Job.model, func.sum(Job.enqueued
              .group_by(Job.tenant_id, Tenant.name, Job.model))
 
 
+STATEMENTS = (TALLIES, UNFINISHED, LIVE_WORKERS, JOBS_HELD)  # StatusRows' order
+
+
 def statements(*, now: dt.datetime,
                interval: float) -> list[tuple[Select | CompoundSelect, dict[str, Any]]]:
     """What one report reads, in ``StatusRows``' order: (statement, its parameters)."""
-    return [(TALLIES, {"now": now}), (UNFINISHED, {}),
-            (LIVE_WORKERS, {"since": live_since(interval, now=now)}), (JOBS_HELD, {})]
+    params: list[dict[str, Any]] = [{"now": now}, {}, {"since": live_since(interval, now=now)},
+                                    {}]
+    return list(zip(STATEMENTS, params, strict=True))
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,12 @@ from typing import Any
 
 from sqlalchemy import CompoundSelect, Select
 from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
+from sqlalchemy.engine import make_url
+
+
+def conninfo(url: str) -> str:
+    """The libpq connection string of a SQLAlchemy database URL (``postgresql+psycopg://``)."""
+    return make_url(url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
 class Compiled:
