@@ -29,6 +29,7 @@ from sqlalchemy import String, column, select, table
 from cli.status import STATEMENTS, StatusRows, collect, report, statements
 from service.compiled import Compiled, conninfo
 from service.db import Database, utcnow
+from service.revisions import code_head
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,10 @@ _REVISION = select(table("alembic_version", column("version_num", String)).c.ver
 def _compiled() -> list[Compiled]:
     """``_REVISION`` and ``STATEMENTS``, compiled once a process."""
     return [Compiled(statement) for statement in (_REVISION, *STATEMENTS)]
+
+
+class SchemaNotAtHead(Exception):
+    """The schema is not the code's revision: ``open_database`` refuses with its message."""
 
 
 class StatusReader:
@@ -65,16 +70,14 @@ class StatusReader:
 
     def read(self, conn: psycopg.Connection[Any], *, now: dt.datetime,
              interval: float) -> StatusRows:
-        """Every statement in one pipeline: one round trip. Raises ``SchemaNotCurrent``."""
-        from service.migrate import SchemaNotCurrent, head
-
+        """Every statement in one pipeline: one round trip. Raises ``SchemaNotAtHead``."""
         with conn.pipeline():
             cursors = [conn.execute(sql, params)
                        for sql, params in self.sql(now=now, interval=interval)]
         revision, *found = ([c.process(row) for row in cursor.fetchall()]
                             for c, cursor in zip(_compiled(), cursors, strict=True))
-        if revision != [[head()]]:
-            raise SchemaNotCurrent(revision[0][0] if revision else None, head())
+        if revision != [[code_head()]]:
+            raise SchemaNotAtHead(f"schema at {revision}, the code's is {code_head()}")
         return StatusRows(*found)
 
     def collect(self, *, interval: float,

@@ -46,6 +46,7 @@ from service.models import (
     WebhookDelivery,
     WorkerStatus,
 )
+from service.revisions import code_head
 from tests.conftest_services import REPO, migrated, pg_schema
 
 INTERVAL = 2.0
@@ -241,3 +242,7 @@ def test_the_command_prints_the_fast_path_s_report(busy_db):
     assert (printed["batches"], printed["enqueued_tokens"]) == (
         expected["batches"], expected["enqueued_tokens"])
 
+
+
+def test_the_code_s_head_read_without_alembic_is_alembic_s():
+    assert code_head() == head()
