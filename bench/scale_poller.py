@@ -2,10 +2,11 @@
 connection (no keep-alive), sends ``GET /v1/batches/{id}`` (``--what batch``) or the first page
 of the list, ``GET /v1/batches?limit=N`` (``--what list``), reads the whole answer and closes,
 then sleeps ``--interval``. ``--what status`` runs ``boxcar status``'s database part instead
-(``bench.scale_status``: a new connection, the schema check, ``collect``), and once at the end
-explains its statements. It stops when the batch is no longer live or on SIGTERM, and prints one
-JSON document: every poll of the live batch (client ms from connect to the last body byte, the
-API's Server-Timing ``app`` and ``db`` ms, the status) and the polls it left out.
+(``bench.scale_status``: a new connection, one round trip with the schema's check and the
+reads, the report), and once at the end explains its statements. It stops when the batch is no
+longer live or on SIGTERM, and prints one JSON document: every poll of the live batch (client ms
+from connect to the last body byte, the API's Server-Timing ``app`` and ``db`` ms, the status)
+and the polls it left out.
 
     python -m bench.scale_poller --url http://127.0.0.1:8000 --key KEY --batch batch_... \
         --interval 0.1 [--what list --list-limit 20]
@@ -39,7 +40,7 @@ class TimedPoll:
     client_ms: float
     server_ms: float | None
     connect_ms: float  # of client_ms: the new connection's TCP handshake (status: and schema)
-    db_ms: float | None  # status: ``collect``'s part
+    db_ms: float | None  # status: after connecting (the reads, the schema's check, the report)
     status: str
 
 
