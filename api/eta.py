@@ -36,10 +36,11 @@ seconds, the first value served for ``CACHE_S`` was most of its life.
 
 from __future__ import annotations
 
+import datetime as dt
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +48,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from metrics.forecast import Cost
+from metrics.cost import Cost
 from service import counters
 from service.counters import CounterDelta
 from service.liveness import live_workers
@@ -80,7 +81,9 @@ class BatchEta:
 
 
 @dataclass(frozen=True)
-class _Live:
+class LiveBatch:
+    """What the estimate needs of one in-progress or finalizing batch (``live_batch``)."""
+
     id: str
     model: str | None
     status: str
@@ -174,9 +177,9 @@ def _pool_seconds(forecasts: list[WorkerForecast], lines: float, prompt: float,
     return lines / rate
 
 
-def _from_forecasts(b: _Live, live: list[_Live], forecasts: list[WorkerForecast],
+def _from_forecasts(b: LiveBatch, live: list[LiveBatch], forecasts: list[WorkerForecast],
                     now: float) -> float:
-    def held(batch: _Live) -> int:
+    def held(batch: LiveBatch) -> int:
         return sum(f.batches[batch.id][0] for f in forecasts if batch.id in f.batches)
 
     ends = [f.at + f.batches[b.id][1] for f in forecasts if b.id in f.batches]
@@ -198,45 +201,55 @@ def _from_forecasts(b: _Live, live: list[_Live], forecasts: list[WorkerForecast]
     return max(held_end, start + queued + own)
 
 
-def _live_batches(session: Session) -> list[_Live]:
-    batches = session.scalars(
-        select(Batch).where(Batch.status.in_((IN_PROGRESS, FINALIZING)))).all()
+LIVE_STATUSES = (IN_PROGRESS, FINALIZING)  # the batches ``estimate`` estimates
+
+
+def live_batch(*, id: str, model: str | None, status: str, priority: int,
+               expires_at: dt.datetime | None, prepared_at: dt.datetime | None, num_total: int,
+               est_prompt_tokens_per_line: float, est_output_tokens_per_line: float,
+               sums: CounterDelta) -> LiveBatch:
+    """A live batch from its row's values and its counters' sums (``service.counters``): its
+    open lines, finished lines and usage, never its lines."""
+    deadline = expires_at.timestamp() if expires_at else None
+    prompt, output = per_line(completed=sums.num_completed, input_tokens=sums.input_tokens,
+                              output_tokens=sums.output_tokens,
+                              cached_tokens=sums.cached_tokens,
+                              est_prompt=est_prompt_tokens_per_line,
+                              est_output=est_output_tokens_per_line)
+    remaining = sums.num_open
+    if prepared_at is None:  # prepare still committing chunks: the file's lines count
+        remaining = max(remaining, num_total - sums.num_completed - sums.num_failed)
+    return LiveBatch(id, model, status, bulk_rank(deadline, priority), deadline, remaining,
+                     prompt, output)
+
+
+def live_batches(session: Session) -> list[LiveBatch]:
+    """Every batch in progress or finalizing, read with its counters' sums (a row per worker
+    that ran it)."""
+    batches = session.scalars(select(Batch).where(Batch.status.in_(LIVE_STATUSES))).all()
     if not batches:
         return []
-    # Open lines, finished lines and their usage from the batches' counter rows
-    # (service.counters): a row per worker that ran a batch, never its lines.
     found = counters.sums(session, [b.id for b in batches])
-    live = []
-    for b in batches:
-        c = found.get(b.id, CounterDelta())
-        deadline = b.expires_at.timestamp() if b.expires_at else None
-        prompt, output = per_line(completed=c.num_completed, input_tokens=c.input_tokens,
-                                  output_tokens=c.output_tokens, cached_tokens=c.cached_tokens,
-                                  est_prompt=b.est_prompt_tokens_per_line,
-                                  est_output=b.est_output_tokens_per_line)
-        remaining = c.num_open
-        if b.prepared_at is None:  # prepare still committing chunks: the file's lines count
-            remaining = max(remaining, b.num_total - c.num_completed - c.num_failed)
-        live.append(_Live(b.id, b.model, b.status, bulk_rank(deadline, b.priority), deadline,
-                          remaining, prompt, output))
-    return live
+    return [live_batch(id=b.id, model=b.model, status=b.status, priority=b.priority,
+                       expires_at=b.expires_at, prepared_at=b.prepared_at,
+                       num_total=b.num_total,
+                       est_prompt_tokens_per_line=b.est_prompt_tokens_per_line,
+                       est_output_tokens_per_line=b.est_output_tokens_per_line,
+                       sums=found.get(b.id, CounterDelta()))
+            for b in batches]
 
 
-def estimate(session: Session, *, worker_metrics_interval: float,
-             now: float | None = None) -> dict[str, BatchEta]:
-    """The estimate of every in-progress or finalizing batch, by id."""
-    now = time.time() if now is None else now
-    live = _live_batches(session)
-    if not live:
-        return {}
-    workers = live_workers(session, interval=worker_metrics_interval)
+def forecast(live: list[LiveBatch], workers: Sequence[tuple[str | None, dict[str, Any] | None]],
+             *, now: float) -> dict[str, BatchEta]:
+    """The estimate of each of ``live`` from the live workers' (model, metrics snapshot),
+    computed, nothing read."""
     result: dict[str, BatchEta] = {}
     for b in live:
         if b.status == FINALIZING:
             result[b.id] = BatchEta(now, b.deadline, 0.0)
             continue
-        own_model = [w.metrics or {} for w in workers if w.model == b.model]
-        serving = own_model or [w.metrics or {} for w in workers]
+        own_model = [metrics or {} for model, metrics in workers if model == b.model]
+        serving = own_model or [metrics or {} for _, metrics in workers]
         forecasts = [f for snap in serving if (f := WorkerForecast.parse(snap)) is not None]
         if forecasts:
             provisional = (bool(own_model) and b.remaining > 0
@@ -256,6 +269,17 @@ def estimate(session: Session, *, worker_metrics_interval: float,
         result[b.id] = BatchEta(now + (ahead + shared + b.work_left) / rate, b.deadline,
                                 b.work_left)
     return result
+
+
+def estimate(session: Session, *, worker_metrics_interval: float,
+             now: float | None = None) -> dict[str, BatchEta]:
+    """The estimate of every in-progress or finalizing batch, by id."""
+    now = time.time() if now is None else now
+    live = live_batches(session)
+    if not live:
+        return {}
+    workers = live_workers(session, interval=worker_metrics_interval)
+    return forecast(live, [(w.model, w.metrics) for w in workers], now=now)
 
 
 class EtaCache:

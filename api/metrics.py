@@ -44,7 +44,7 @@ from service.models import (
     Shard,
     Tenant,
 )
-from service.quotas import enqueued
+from service.quotas import by_tenant_name, enqueued
 
 log = logging.getLogger(__name__)
 
@@ -66,8 +66,7 @@ def enqueued_by_tenant(session: Session) -> list[tuple[str, str, int]]:
     held = {k: v for k, v in enqueued(session).items() if v}
     names = dict(session.execute(select(Tenant.id, Tenant.name).where(
         Tenant.id.in_({tenant for tenant, _ in held}))).all()) if held else {}
-    return sorted((names.get(tenant, tenant), model or "", tokens)
-                  for (tenant, model), tokens in held.items())
+    return by_tenant_name(held, names)
 
 
 def queue_depth(session: Session) -> int:

@@ -4,8 +4,9 @@ connections (``AsyncReader``), so the poll never hops to a worker thread and bac
 whose CPUs are busy (workers beside the API) each hop is a wait for a CPU, and the two hops were
 half of a loaded poll's time. SQLite has no such driver here: the route reads on a thread.
 
-The statement is compiled once for psycopg; its rows go through the columns' own result
-processing, so the ``Batch`` built from them is the one a session would have loaded.
+The statement is compiled once for psycopg (``service.compiled``); its rows go through the
+columns' own result processing, so the ``Batch`` built from them is the one a session would
+have loaded.
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ from sqlalchemy import (
     true,
 )
 from sqlalchemy.dialects.postgresql import ARRAY
-from sqlalchemy.dialects.postgresql.psycopg import dialect as psycopg_dialect
-from sqlalchemy.engine import make_url
 
 from api.timing import add_statement_time
 from service import counters
+from service.compiled import Compiled, conninfo
 from service.counters import CounterDelta
 from service.db import PING_AFTER_IDLE_S
 from service.models import Batch, BatchCounter
@@ -106,20 +106,6 @@ APPLICATION_NAME = "boxcar-api-polls"  # how pg_stat_activity names these connec
 MAX_CONNECTIONS = 4  # polls waiting for the database beyond these wait for a connection
 
 
-class Compiled:
-    """A statement compiled for psycopg once, with its columns' result processing."""
-
-    def __init__(self, statement: Select) -> None:
-        dialect = psycopg_dialect()
-        self.sql = str(statement.compile(dialect=dialect))
-        self._processors = [column.type.result_processor(dialect, None)
-                            for column in statement.selected_columns]
-
-    def process(self, row: Sequence[Any]) -> list[Any]:
-        return [value if process is None else process(value)
-                for value, process in zip(row, self._processors, strict=True)]
-
-
 class AsyncReader:
     """Runs one compiled statement on a small pool of autocommit psycopg connections, bound to
     the event loop that first used it (a new loop, as in tests, starts a new pool). A
@@ -130,8 +116,7 @@ class AsyncReader:
                  ping_after_s: float = PING_AFTER_IDLE_S,
                  clock: Callable[[], float] = time.monotonic,
                  application_name: str = APPLICATION_NAME) -> None:
-        self._conninfo = make_url(url).set(drivername="postgresql").render_as_string(
-            hide_password=False)
+        self._conninfo = conninfo(url)
         self._statement = Compiled(statement)
         self._application_name = application_name
         self._max = max_connections
@@ -157,7 +142,7 @@ class AsyncReader:
             conn = await self._checkout()
             start = time.perf_counter()
             try:
-                cursor = await conn.execute(compiled.sql, params)
+                cursor = await conn.execute(compiled.sql, compiled.params(params))
                 found = [await cursor.fetchone()] if first_only else await cursor.fetchall()
             except psycopg.OperationalError as err:
                 await conn.close()

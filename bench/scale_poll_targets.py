@@ -43,13 +43,14 @@ def poll_target(big: Sequence[Any], what: str = "fresh_poll") -> Target:
 
 def cli_status_target(big: Sequence[Any]) -> Target:
     """``boxcar status``'s database part while the workers run: a figure (worst run's p50)."""
-    name = "`boxcar status`'s database part (open, schema check, collect), workers running: p50"
+    name = ("`boxcar status`'s database part (connect, one round trip, report), workers running: "
+            "p50")
     measured = [r for r in big if getattr(r, "cli_status_ms_p50", None) is not None]
     if not measured:
         return Target(name, None, "not measured", "no --big-lines run, or --status-interval 0")
     runs = "; ".join(
         f"p50 {r.cli_status_ms_p50:.1f} p95 {r.cli_status_ms_p95:.1f} ms of {r.num_cli_status} "
-        f"(collect {fmt_num(r.cli_status_collect_ms_p50, '.1f')}/"
+        f"(after connecting {fmt_num(r.cli_status_collect_ms_p50, '.1f')}/"
         f"{fmt_num(r.cli_status_collect_ms_p95, '.1f')})" for r in measured)
     return Target(name, max(r.cli_status_ms_p50 for r in measured), "info", runs)
 

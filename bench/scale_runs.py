@@ -83,7 +83,8 @@ class RunResult:
     list_poll_server_ms_p50: float | None = None
     list_poll_server_ms_p95: float | None = None
     num_list_polls: int = 0
-    # ``boxcar status``'s database part (open, schema check, collect) from a third process,
+    # ``boxcar status``'s database part from a third process (connect, then one round trip with
+    # the schema's check and the reads, and the report: ``collect_ms``, all after connecting),
     # and once its statements explained (``bench.scale_status``: rows read by table).
     cli_status_ms_p50: float | None = None
     cli_status_ms_p95: float | None = None

@@ -1,60 +1,43 @@
 """``boxcar status``'s database part, as the scale benchmark's poller measures it: one run of
-the command less Python's start-up (open the database and check its schema, ``collect``, close),
-timed; and once, every statement ``collect`` runs explained (``EXPLAIN ANALYZE``): the rows its
-scans read, table by table, so a report that grows with the lines or shards of the service's
-history shows.
+the command less Python's start-up (``cli.status_reader.StatusCommand``: on PostgreSQL a new
+connection and one round trip with the schema's revision and the reads; a report), timed; and
+once, every statement that run sends explained (``EXPLAIN ANALYZE``): the rows its scans read,
+table by table, so a report that grows with the lines or shards of the service's history shows.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
-from sqlalchemy import event
+import psycopg
 
-from cli.service_commands import open_database
-from cli.status import collect
-from service.db import Database
+from cli.status_reader import StatusCommand, StatusReader
+from service.compiled import conninfo
+from service.db import utcnow
 
 
 def timed_status(url: str, *, interval: float) -> tuple[float, float, dict[str, Any]]:
-    """(ms to open the database and check its schema, ms of ``collect``, the report)."""
+    """(ms to connect, ms of the rest: the reads, the schema's check and the report; the
+    report). Raises if the report did not come the fast way: the figures would be another
+    path's."""
     start = time.perf_counter()
-    db = open_database(url)
-    opened = time.perf_counter()
+    status = StatusCommand(url)
     try:
-        report = collect(db, interval=interval)
-        collected = time.perf_counter()
+        report = status.collect(interval=interval)
+        took = time.perf_counter() - start
     finally:
-        db.dispose()
-    return 1000 * (opened - start), 1000 * (collected - opened), report
+        status.close()
+    if not status.fast:
+        raise RuntimeError("boxcar status fell back from its one-round-trip read")
+    return 1000 * status.connect_s, 1000 * (took - status.connect_s), report
 
 
 def batch_status(report: dict[str, Any], batch_id: str) -> str:
     """The batch's status among the report's unfinished batches (``absent``: not listed)."""
     return next((b["status"] for b in report["active_batches"] if b["id"] == batch_id),
                 "absent")
-
-
-@contextmanager
-def _statements(db: Database) -> Iterator[list[tuple[str, Any]]]:
-    seen: list[tuple[str, Any]] = []
-
-    def record(conn: Any, cursor: Any, statement: str, parameters: Any, context: Any,
-               executemany: bool) -> None:
-        seen.append((statement, parameters))
-
-    engines = {id(e): e for e in (db.engine, db.read_engine)}.values()
-    for engine in engines:
-        event.listen(engine, "before_cursor_execute", record)
-    try:
-        yield seen
-    finally:
-        for engine in engines:
-            event.remove(engine, "before_cursor_execute", record)
 
 
 def _scanned(plan: dict[str, Any], rows: Counter[str]) -> None:
@@ -67,22 +50,16 @@ def _scanned(plan: dict[str, Any], rows: Counter[str]) -> None:
 
 
 def explained_status(url: str, *, interval: float) -> dict[str, Any]:
-    """One ``collect`` with its statements explained: their number, the rows read by table, and
-    PostgreSQL's execution ms summed."""
-    db = open_database(url)
-    try:
-        with _statements(db) as seen:
-            collect(db, interval=interval)
-        rows: Counter[str] = Counter()
-        execution_ms = 0.0
-        with db.engine.connect() as conn:
-            for statement, parameters in seen:
-                plan = conn.exec_driver_sql(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}",
-                                            parameters).scalar_one()[0]
-                _scanned(plan["Plan"], rows)
-                execution_ms += plan["Execution Time"]
-            conn.rollback()
-    finally:
-        db.dispose()
-    return {"statements": len(seen), "rows_read": dict(rows.most_common()),
+    """The statements of one ``boxcar status`` explained: their number, the rows read by
+    table, and PostgreSQL's execution ms summed."""
+    sql = StatusReader(url).sql(now=utcnow(), interval=interval)
+    rows: Counter[str] = Counter()
+    execution_ms = 0.0
+    with psycopg.connect(conninfo(url), autocommit=True) as conn:
+        for statement, parameters in sql:
+            [(plan,)] = conn.execute(f"EXPLAIN (ANALYZE, FORMAT JSON) {statement}",
+                                     parameters).fetchall()
+            _scanned(plan[0]["Plan"], rows)
+            execution_ms += plan[0]["Execution Time"]
+    return {"statements": len(sql), "rows_read": dict(rows.most_common()),
             "execution_ms": round(execution_ms, 2)}

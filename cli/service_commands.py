@@ -275,22 +275,28 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     import time
 
-    from cli.status import collect, format_status
+    from cli.status import format_status
+    from cli.status_reader import StatusCommand
 
     settings = _settings_from(args)
-    db = open_database(settings.database_url)
-    while True:
-        report = collect(db, interval=settings.worker_metrics_interval,
-                         max_enqueued_tokens=settings.max_enqueued_tokens)
-        if args.json:
-            print(json.dumps(report, indent=2))
-        else:
-            if args.watch:
-                print("\033[H\033[J", end="")  # clear the terminal between redraws
-            print(format_status(report), flush=True)
-        if not args.watch:
-            return 0
-        time.sleep(args.watch)
+    # PostgreSQL: one connection and one round trip a report; SQLite, or anything going wrong
+    # there: open_database (whose messages say what) and cli.status.collect.
+    status = StatusCommand(settings.database_url)
+    try:
+        while True:
+            report = status.collect(interval=settings.worker_metrics_interval,
+                                    max_enqueued_tokens=settings.max_enqueued_tokens)
+            if args.json:
+                print(json.dumps(report, indent=2))
+            else:
+                if args.watch:
+                    print("\033[H\033[J", end="")  # clear the terminal between redraws
+                print(format_status(report), flush=True)
+            if not args.watch:
+                return 0
+            time.sleep(args.watch)
+    finally:
+        status.close()
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from metrics.cost import Cost
+
 STEP_HISTORY = 2048
 # The level is taken from the steps of the last RECENT_S seconds (at least MIN_RECENT_STEPS):
 # on a shared machine the load moves within a batch's life, and the forecast should follow it
@@ -58,15 +60,6 @@ class LineProgress:
     max_tokens: int
     ignore_eos: bool
     counts_line: bool = True  # False for the 2nd..nth sequence of an n > 1 line
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Seconds of one step: ``fixed + per_decode * decodes + per_prefill * prefill tokens``."""
-
-    fixed: float
-    per_decode: float
-    per_prefill: float
 
 
 class StepCost:

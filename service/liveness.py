@@ -10,6 +10,7 @@ pause, a long step), so one missed heartbeat never drops a worker.
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any
 
 from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
@@ -27,10 +28,20 @@ def stale_after(interval: float) -> float:
     return max(STALE_MIN_S, STALE_INTERVALS * interval)
 
 
+def live_since(interval: float, *, now: dt.datetime | None = None) -> dt.datetime:
+    """The oldest heartbeat of a live worker, ``now``."""
+    return (now or utcnow()) - dt.timedelta(seconds=stale_after(interval))
+
+
+def beat_since(since: Any) -> ColumnElement[bool]:
+    """The SQL condition on ``WorkerStatus`` rows of workers that beat at ``since`` or later (a
+    value from ``live_since``, or a bound parameter that will carry one)."""
+    return WorkerStatus.heartbeat_at >= since
+
+
 def is_live(interval: float, *, now: dt.datetime | None = None) -> ColumnElement[bool]:
     """The SQL condition on ``WorkerStatus`` rows of live workers."""
-    since = (now or utcnow()) - dt.timedelta(seconds=stale_after(interval))
-    return WorkerStatus.heartbeat_at >= since
+    return beat_since(live_since(interval, now=now))
 
 
 def live_workers(session: Session, *, interval: float,

@@ -17,6 +17,7 @@ are checked one after the other; releases only ever lower the sum, so they need 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -69,12 +70,31 @@ def enqueued(session: Session, *, tenant_id: str | None = None,
         select(BatchCounter.batch_id, func.sum(BatchCounter.released_tokens))
         .where(BatchCounter.batch_id.in_([r.id for r in rows]))
         .group_by(BatchCounter.batch_id)).all()) if rows else {}
+    return held_tokens(
+        ((row.tenant_id, row.model, row.enqueued_tokens, released.get(row.id)) for row in rows),
+        session.execute(jobs).all())
+
+
+def held_tokens(batches: Iterable[tuple[str, str | None, int, int | None]],
+                jobs: Iterable[tuple[str, str | None, int | None]]
+                ) -> dict[tuple[str, str | None], int]:
+    """Tokens held per (tenant, model), from rows read already: each live batch's (tenant,
+    model, ``enqueued_tokens``, its counters' ``released_tokens`` summed or None), and the open
+    jobs' (tenant, model, ``enqueued_tokens`` summed)."""
     held: dict[tuple[str, str | None], int] = defaultdict(int)
-    for row in rows:
-        held[(row.tenant_id, row.model)] += row.enqueued_tokens - int(released.get(row.id) or 0)
-    for tenant, job_model, tokens in session.execute(jobs).all():
-        held[(tenant, job_model)] += int(tokens or 0)
+    for tenant, model, reserved, released in batches:
+        held[(tenant, model)] += reserved - int(released or 0)
+    for tenant, model, tokens in jobs:
+        held[(tenant, model)] += int(tokens or 0)
     return dict(held)
+
+
+def by_tenant_name(held: dict[tuple[str, str | None], int],
+                   names: dict[str, str]) -> list[tuple[str, str, int]]:
+    """(tenant name, model, tokens) of every (tenant, model) of ``held`` holding some, sorted;
+    a tenant missing from ``names`` (tenant id -> name) goes by its id."""
+    return sorted((names.get(tenant, tenant), model or "", tokens)
+                  for (tenant, model), tokens in held.items() if tokens)
 
 
 def reserve(session: Session, *, tenant_id: str, model: str, tokens: int,

@@ -178,7 +178,7 @@ def test_the_list_is_held_to_the_same_limits_and_boxcar_status_is_a_figure() -> 
     assert (listed.value, listed.status) == (4.0, "not met")  # p95 16 > 15
     assert "of 90 (server 1.0/3.0)" in listed.detail
     assert found["status poll of a live batch"].status == "not measured"
-    status = found["`boxcar status`'s database part (open"]
+    status = found["`boxcar status`'s database part (connect"]
     assert (status.value, status.status) == (30.0, "info")
     report = format_report([], big, [], poll_targets(big))
     assert "boxcar status: 14 statements, 2.5 ms in PostgreSQL; rows read: shards 196" in report
