@@ -15,3 +15,19 @@ def test_prints_each_projection_and_a_layers_totals(capsys):
     for name in lora_kernel.SHAPES:
         assert out.count(name) == 2  # fp32 and bf16
     assert out.count("a layer: kernel") == 2 and "GB/s" in out
+
+
+@pytest.mark.skipif(cpu_decode_attention.load() is None, reason="no CPU kernels here")
+def test_prompt_length_segments_are_timed_against_onednn(capsys):
+    assert lora_kernel.main(["--repeats", "1", "--rows-per-adapter", "32"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("oneDNN's LoRA") == 2 * len(lora_kernel.SHAPES) + 2
+    assert out.count("x faster") == 2
+
+
+@pytest.mark.skipif(cpu_decode_attention.load() is None, reason="no CPU kernels here")
+def test_a_whole_step_over_layers_of_their_own(capsys):
+    assert lora_kernel.main(["--repeats", "2", "--layers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("a step over 2 layers: kernel median") == 2  # fp32 and bf16
+    assert "a layer" not in out

@@ -63,8 +63,10 @@ constexpr int kRowBlock = 8;
 
 // How far ahead of its loads a block's weights are prefetched. A decode step streams every
 // resident adapter from memory (176 MB for bench.lora's 8 adapters) in short runs that the
-// hardware prefetchers start on late: 4 KB ahead took one step's LoRA from 16.5 to 10.6 ms on a
-// Zen 5 core (1 KB 13.2, 2 KB 11.8, 8 KB 12.6; the AMX path's distance, too).
+// hardware prefetchers start on late. On a Zen 5 core, one sweep of the distance (a bf16 step's
+// LoRA, bench.lora_kernel --layers 30): none 16.5 ms, 1 KB 13.2, 2 KB 11.8, 4 KB 10.6, 8 KB 12.6;
+// interleaved with the code before, 18.9-23.7 ms -> 12.9-16.0 (memory speed varies there). The
+// AMX path's distance too.
 constexpr int64_t kAheadBytes = 4096;
 
 inline float bf16_to_float(uint16_t x) {
