@@ -5,16 +5,12 @@ also checked with ``EXPLAIN ANALYZE``)."""
 
 from __future__ import annotations
 
-import datetime as dt
-import uuid
-
 import pytest
 from sqlalchemy import event, func, select, text, update
 
 from bench.scale_status import explained_status
 from cli.status import collect, format_status
 from service.counters import CounterDelta, add
-from service.db import Database, utcnow
 from service.keys import create_key
 from service.models import (
     COMPLETED,
@@ -23,37 +19,13 @@ from service.models import (
     SHARD_PENDING,
     SHARD_RUNNING,
     Batch,
-    File,
     Shard,
 )
+from tests.batch_rows import add_batch
 from tests.conftest_services import migrated
 
 MAX_STATEMENTS = 10
 NUM_DONE_SHARDS = 2_000  # enough that PostgreSQL's planner reads them by index
-
-
-def add_batch(db: Database, tenant_id: str, *, status: str, shards: list[str],
-              owner: str | None = None) -> str:
-    batch_id = f"batch_{uuid.uuid4().hex[:12]}"
-    now = utcnow()
-    with db.session() as session:
-        file = File(id=f"file-{uuid.uuid4().hex[:12]}", tenant_id=tenant_id, purpose="batch",
-                    filename="x.jsonl", bytes=1, storage_key="k", num_lines=4 * len(shards))
-        session.add(file)
-        session.flush()
-        session.add(Batch(id=batch_id, tenant_id=tenant_id, endpoint="/v1/chat/completions",
-                          input_file_id=file.id, completion_window="24h", status=status,
-                          num_total=4 * len(shards), created_at=now,
-                          expires_at=now + dt.timedelta(hours=1)))
-        session.flush()
-        for i, shard_status in enumerate(shards):
-            running = shard_status == SHARD_RUNNING
-            session.add(Shard(id=f"{batch_id}:{i}", tenant_id=tenant_id, batch_id=batch_id,
-                              status=shard_status, num_lines=4,
-                              lease_owner=owner if running else None,
-                              lease_expires_at=now + dt.timedelta(seconds=30) if running
-                              else None))
-    return batch_id
 
 
 @pytest.fixture

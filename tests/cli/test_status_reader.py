@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from typing import Any
 
 import psycopg
@@ -39,14 +38,12 @@ from service.models import (
     SHARD_PENDING,
     SHARD_RUNNING,
     VALIDATING,
-    Batch,
-    File,
     Job,
-    Shard,
     WebhookDelivery,
     WorkerStatus,
 )
 from service.revisions import code_head
+from tests import batch_rows
 from tests.conftest_services import REPO, migrated, pg_schema
 
 INTERVAL = 2.0
@@ -54,29 +51,12 @@ INTERVAL = 2.0
 
 def add_batch(db: Database, tenant_id: str, *, status: str, shards: list[str],
               model: str = "m", prepared: bool = True, enqueued_tokens: int = 0) -> str:
-    batch_id = f"batch_{uuid.uuid4().hex[:12]}"
-    now = utcnow()
-    with db.session() as session:
-        file = File(id=f"file-{uuid.uuid4().hex[:12]}", tenant_id=tenant_id, purpose="batch",
-                    filename="x.jsonl", bytes=1, storage_key="k", num_lines=4 * len(shards))
-        session.add(file)
-        session.flush()
-        session.add(Batch(id=batch_id, tenant_id=tenant_id, endpoint="/v1/chat/completions",
-                          input_file_id=file.id, completion_window="24h", status=status,
-                          model=model, num_total=4 * len(shards), created_at=now,
-                          expires_at=now + dt.timedelta(hours=1),
-                          prepared_at=now if prepared else None,
-                          enqueued_tokens=enqueued_tokens,
-                          est_prompt_tokens_per_line=100.0, est_output_tokens_per_line=50.0))
-        session.flush()
-        for i, shard_status in enumerate(shards):
-            running = shard_status == SHARD_RUNNING
-            session.add(Shard(id=f"{batch_id}:{i}", tenant_id=tenant_id, batch_id=batch_id,
-                              status=shard_status, num_lines=4,
-                              lease_owner="host:1" if running else None,
-                              lease_expires_at=now + dt.timedelta(seconds=30) if running
-                              else None))
-    return batch_id
+    """``tests.batch_rows.add_batch`` with what the ETAs and held tokens read: the model,
+    prepared or not, tokens held, estimates a line."""
+    return batch_rows.add_batch(
+        db, tenant_id, status=status, shards=shards, model=model,
+        prepared_at=utcnow() if prepared else None, enqueued_tokens=enqueued_tokens,
+        est_prompt_tokens_per_line=100.0, est_output_tokens_per_line=50.0)
 
 
 def tenant(db: Database, name: str) -> str:
