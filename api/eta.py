@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -204,23 +204,34 @@ def _from_forecasts(b: LiveBatch, live: list[LiveBatch], forecasts: list[WorkerF
 LIVE_STATUSES = (IN_PROGRESS, FINALIZING)  # the batches ``estimate`` estimates
 
 
-def live_batch(*, id: str, model: str | None, status: str, priority: int,
-               expires_at: dt.datetime | None, prepared_at: dt.datetime | None, num_total: int,
-               est_prompt_tokens_per_line: float, est_output_tokens_per_line: float,
-               sums: CounterDelta) -> LiveBatch:
-    """A live batch from its row's values and its counters' sums (``service.counters``): its
-    open lines, finished lines and usage, never its lines."""
-    deadline = expires_at.timestamp() if expires_at else None
+class BatchFields(Protocol):
+    """What ``live_batch`` reads of a batch: a ``Batch`` row, or a status read's row."""
+
+    id: str
+    model: str | None
+    status: str
+    priority: int
+    expires_at: dt.datetime | None
+    prepared_at: dt.datetime | None
+    num_total: int
+    est_prompt_tokens_per_line: float
+    est_output_tokens_per_line: float
+
+
+def live_batch(b: BatchFields, sums: CounterDelta) -> LiveBatch:
+    """A live batch from its row and its counters' sums (``service.counters``): its open
+    lines, finished lines and usage, never its lines."""
+    deadline = b.expires_at.timestamp() if b.expires_at else None
     prompt, output = per_line(completed=sums.num_completed, input_tokens=sums.input_tokens,
                               output_tokens=sums.output_tokens,
                               cached_tokens=sums.cached_tokens,
-                              est_prompt=est_prompt_tokens_per_line,
-                              est_output=est_output_tokens_per_line)
+                              est_prompt=b.est_prompt_tokens_per_line,
+                              est_output=b.est_output_tokens_per_line)
     remaining = sums.num_open
-    if prepared_at is None:  # prepare still committing chunks: the file's lines count
-        remaining = max(remaining, num_total - sums.num_completed - sums.num_failed)
-    return LiveBatch(id, model, status, bulk_rank(deadline, priority), deadline, remaining,
-                     prompt, output)
+    if b.prepared_at is None:  # prepare still committing chunks: the file's lines count
+        remaining = max(remaining, b.num_total - sums.num_completed - sums.num_failed)
+    return LiveBatch(b.id, b.model, b.status, bulk_rank(deadline, b.priority), deadline,
+                     remaining, prompt, output)
 
 
 def live_batches(session: Session) -> list[LiveBatch]:
@@ -230,13 +241,7 @@ def live_batches(session: Session) -> list[LiveBatch]:
     if not batches:
         return []
     found = counters.sums(session, [b.id for b in batches])
-    return [live_batch(id=b.id, model=b.model, status=b.status, priority=b.priority,
-                       expires_at=b.expires_at, prepared_at=b.prepared_at,
-                       num_total=b.num_total,
-                       est_prompt_tokens_per_line=b.est_prompt_tokens_per_line,
-                       est_output_tokens_per_line=b.est_output_tokens_per_line,
-                       sums=found.get(b.id, CounterDelta()))
-            for b in batches]
+    return [live_batch(b, found.get(b.id, CounterDelta())) for b in batches]
 
 
 def forecast(live: list[LiveBatch], workers: Sequence[tuple[str | None, dict[str, Any] | None]],

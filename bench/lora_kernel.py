@@ -38,17 +38,11 @@ def _timed(repeats: int, fn, *args) -> float:
 
 
 def _library_delta(x, out, modules) -> None:
-    """What ``LoRALinear`` runs on a long segment without the kernel: oneDNN's packed A, then
-    each piece's packed scaled B."""
-    from engine.layers.linear import onednn_linear
+    """What ``LoRALinear`` runs on a long segment without the kernel (``onednn_delta``)."""
+    from engine.layers.lora import onednn_delta
 
     for start, end, module in modules:
-        packed_a, packed_b = module.onednn_weights()
-        shrunk = onednn_linear(x[start:end], packed_a, None)
-        for piece, b in zip(module.pieces, packed_b, strict=True):
-            ranks = shrunk[:, piece.rank_offset: piece.rank_offset + piece.rank].contiguous()
-            out[start:end, piece.col_offset: piece.col_offset + piece.col_size] += (
-                onednn_linear(ranks, b, None))
+        onednn_delta(x, out, slice(start, end), module)
 
 
 def _linear_inputs(g, dtype, in_features, slices, per, kernel):

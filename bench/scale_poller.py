@@ -39,7 +39,7 @@ WHATS = ("batch", "list", "status")
 class TimedPoll:
     client_ms: float
     server_ms: float | None
-    connect_ms: float  # of client_ms: the new connection's TCP handshake (status: and schema)
+    connect_ms: float  # of client_ms: the new connection (TCP handshake; status: PostgreSQL's)
     db_ms: float | None  # status: after connecting (the reads, the schema's check, the report)
     status: str
 

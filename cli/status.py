@@ -171,12 +171,7 @@ def report(rows: StatusRows, *, now: dt.datetime,
     held = held_tokens(((b.tenant_id, b.model, b.enqueued_tokens, b.sums.released_tokens)
                         for b in unfinished),
                        ((tenant, model, tokens) for tenant, _, model, tokens in rows.jobs_held))
-    live = [live_batch(id=b.id, model=b.model, status=b.status, priority=b.priority,
-                       expires_at=b.expires_at, prepared_at=b.prepared_at,
-                       num_total=b.num_total,
-                       est_prompt_tokens_per_line=b.est_prompt_tokens_per_line,
-                       est_output_tokens_per_line=b.est_output_tokens_per_line, sums=b.sums)
-            for b in unfinished if b.status in LIVE_STATUSES]
+    live = [live_batch(b, b.sums) for b in unfinished if b.status in LIVE_STATUSES]
     etas = forecast(live, [(model, metrics) for _, model, _, metrics in rows.workers],
                     now=now.timestamp()) if live else {}
     active = []

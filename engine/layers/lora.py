@@ -112,6 +112,17 @@ def _lane_blocks(w: torch.Tensor, pairs: bool = False) -> torch.Tensor:
     return padded.view(-1, KERNEL_LANES, depth).transpose(1, 2).contiguous()
 
 
+def onednn_delta(x: torch.Tensor, out: torch.Tensor, rows: slice, module: ModuleLoRA) -> None:
+    """``out[rows]`` += the adapter's delta on ``x[rows]``, on oneDNN's packed A and scaled B
+    (a long segment where oneDNN multiplies the base weights)."""
+    packed_a, packed_b = module.onednn_weights()
+    shrunk = onednn_linear(x[rows], packed_a, None)  # [segment rows, ranks]
+    for piece, b in zip(module.pieces, packed_b, strict=True):
+        ranks = shrunk[:, piece.rank_offset: piece.rank_offset + piece.rank]
+        out[rows, piece.col_offset: piece.col_offset + piece.col_size] += (
+            onednn_linear(ranks.contiguous(), b, None))
+
+
 @dataclass
 class LoRASegment:
     """Contiguous rows of the flat batch under one adapter."""
@@ -244,12 +255,7 @@ class LoRALinear(nn.Module):
                 short.append((segment.start, segment.end, *module.kernel_args(kernel)))
                 continue
             if onednn and num_rows >= ONEDNN_MIN_ROWS:
-                packed_a, packed_b = module.onednn_weights()
-                shrunk = onednn_linear(x[rows], packed_a, None)  # [segment rows, ranks]
-                for piece, b in zip(module.pieces, packed_b, strict=True):
-                    ranks = shrunk[:, piece.rank_offset: piece.rank_offset + piece.rank]
-                    out[rows, piece.col_offset: piece.col_offset + piece.col_size] += (
-                        onednn_linear(ranks.contiguous(), b, None))
+                onednn_delta(x, out, rows, module)
                 continue
             shrunk = x[rows] @ module.lora_a.T  # [segment rows, sum of ranks]
             for piece in module.pieces:
