@@ -1,6 +1,10 @@
 """GPU acceptance check for the Triton path, in one run on an NVIDIA GPU (sized for an H200).
 
-1. The kernel, backend and CUDA-graph tests, on CUDA tensors (no interpreter).
+1. The kernel, backend and CUDA-graph tests, on CUDA tensors (no interpreter), with the LoRA
+   and MoE kernels' and multi-LoRA's exactness tests (fp32 against peft, every scheduling mode).
+1b. Multi-LoRA speed (issue 27, ``bench/lora.py``): the base model, 8 adapters mixed in one
+   batch, and one adapter at a time with merged weights, on a random model of the default
+   model's shapes in bf16; targets (b) >= 0.8x (a) and (b) >= 2x (c).
 2. Decode-kernel bandwidth at serving shapes (bf16, 32 query / 8 kv heads, head_dim 128) against
    a measured device-to-device copy; target >= 70% of it. Prefill throughput for information.
 3. End to end: boxcar's ``LLM`` against transformers' continuous batching on one workload of
@@ -10,8 +14,8 @@
    bf16 with the all-reduces' share of it. Skipped, with a row saying so, on one GPU.
 
 Prints a summary table and writes it to ``$OUT/gpu_report.txt`` when ``OUT`` is set. Usage:
-``bash bench/gpu_check.sh [--skip-tests] [--skip-kernels] [--skip-e2e] [--skip-tp]
-[--num-requests N]``.
+``bash bench/gpu_check.sh [--skip-tests] [--skip-lora] [--skip-kernels] [--skip-e2e]
+[--skip-tp] [--num-requests N]``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ KERNEL_TESTS = [
     "tests/engine/test_kernel_prefill.py",
     "tests/engine/test_triton_backend.py",
     "tests/engine/test_cuda_graphs.py",
+    "tests/engine/test_kernel_lora.py",
+    "tests/engine/test_kernel_fused_moe.py",
+    "tests/engine/test_lora.py",  # every scheduling mode on the GPU path, fp32, against peft
 ]
 
 
@@ -65,8 +72,9 @@ def log(msg: str) -> None:
 
 
 def run_tests(timeout_s: float) -> list[Row]:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS]
+    # "0", not unset: tests/conftest.py defaults it to "1" (the interpreter) for CPU machines
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *KERNEL_TESTS]
     if importlib.util.find_spec("xdist") is not None:
         cmd += ["-n", "8"]  # the Triton compiles dominate; spread them over the CPU cores
     try:
@@ -76,6 +84,9 @@ def run_tests(timeout_s: float) -> list[Row]:
     except subprocess.TimeoutExpired:
         return [Row("tests", "kernel tests on CUDA", f"timed out after {timeout_s:.0f}s", ok=False)]
     print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
+    if out := os.environ.get("OUT"):  # the whole log: the first failure may be far up
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_tests.txt").write_text(proc.stdout + "\n" + proc.stderr)
     summary = next(
         (line for line in reversed(proc.stdout.splitlines()) if " in " in line), "no summary"
     )
@@ -346,6 +357,34 @@ def bench_e2e(num_requests: int, hf_timeout_s: float, deadline: float) -> list[R
     return rows
 
 
+# The default model's shapes (SmolLM2-135M): what issue 27's bench.lora runs on.
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                     num_attention_heads=9, num_key_value_heads=3, head_dim=64)
+
+
+def bench_lora() -> list[Row]:
+    """``bench.lora`` on the GPU: (a) base, (b) 8 adapters mixed, (c) one at a time merged, on a
+    random model of the default model's shapes, bf16."""
+    from bench.lora import measure
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "smollm2-shaped"
+        build_model(folder, **SMOLLM2_SHAPE)
+        result = measure(str(folder), lines=256, adapters=8, prompt_tokens=128, max_tokens=64,
+                         rounds=2, device="cuda", dtype="bfloat16",
+                         engine_options={"max_num_seqs": 256, "max_num_batched_tokens": 8192,
+                                         "kv_cache_memory": 8 << 30})
+    print("\n".join(result.report(8)), flush=True)
+    ba, bc = result.b_tps / result.a_tps, result.b_tps / result.c_tps
+    return [
+        Row("lora", "(a) base / (b) 8 mixed / (c) one at a time",
+            f"{result.a_tps:,.0f} / {result.b_tps:,.0f} / {result.c_tps:,.0f} tok/s"),
+        Row("lora", "(b)/(a)", f"{ba:.2f}x", ">= 0.8x", ba >= 0.8),
+        Row("lora", "(b)/(c)", f"{bc:.2f}x", ">= 2x", bc >= 2),
+        Row("lora", "(b) and (c) agree (bf16)", f"{result.agree}/{result.lines} lines"),
+    ]
+
+
 def bench_tp() -> list[Row]:
     from bench.tp import measure
 
@@ -386,12 +425,19 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def write_report(table: str) -> None:
+    if out := os.environ.get("OUT"):
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / "gpu_report.txt").write_text(table + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-tp", action="store_true")
+    parser.add_argument("--skip-lora", action="store_true")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-timeout", type=float, default=180.0)
     parser.add_argument("--budget", type=float, default=540.0,
@@ -411,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
             Row("env", "versions", f"torch {torch.__version__}, python {sys.version.split()[0]}")]
     sections: list[tuple[str, bool, Callable[[], list[Row]]]] = [
         ("tests", args.skip_tests, lambda: run_tests(180.0)),
+        ("lora", args.skip_lora, bench_lora),
         ("decode", args.skip_kernels, bench_decode),
         ("prefill", args.skip_kernels, bench_prefill),
         ("e2e", args.skip_e2e, lambda: bench_e2e(
@@ -429,13 +476,12 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(Row(name, "section", f"error: {type(exc).__name__}: {exc}"[:160],
                             ok=False))
         log(f"{name} done in {time.perf_counter() - t:.0f}s")
+        write_report(format_table(rows))  # so far: a run cut short keeps its sections
     rows.append(Row("env", "wall time", f"{time.perf_counter() - started:.0f}s", "< 600s"))
 
     table = format_table(rows)
     print("\n" + table, flush=True)
-    if out := os.environ.get("OUT"):
-        Path(out).mkdir(parents=True, exist_ok=True)
-        (Path(out) / "gpu_report.txt").write_text(table + "\n")
+    write_report(table)
     return 1 if any(r.ok is False for r in rows) else 0
 
 

@@ -11,6 +11,7 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Triton kernels run on the CPU through the interpreter, which triton reads when it is first
 # imported: any test module may import it (peft does), so set it before every one of them.
+# On a GPU, TRITON_INTERPRET=0 compiles them instead (bench/gpu_check.py runs the tests so).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 CHAT_TEMPLATE = (
