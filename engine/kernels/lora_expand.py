@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from engine.kernels.lora_shrink import _segmented_matmul_kernel, check_segments
+from engine.kernels.lora_shrink import check_segments, launch
 
 
 def lora_expand(y: torch.Tensor, b_stack: torch.Tensor, out: torch.Tensor,
@@ -28,17 +28,10 @@ def lora_expand(y: torch.Tensor, b_stack: torch.Tensor, out: torch.Tensor,
     if y.dtype != torch.float32:
         raise ValueError(f"y must be float32 (lora_shrink's output), got {y.dtype}")
     check_segments(seg_start, seg_len, seg_slot)
-    num_segments = seg_start.shape[0]
-    n, r = b_stack.shape[1], b_stack.shape[2]
-    if num_segments == 0 or max_seg_len == 0:
+    if seg_start.shape[0] == 0 or max_seg_len == 0:
         return
-    grid = (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n))
-    _segmented_matmul_kernel[grid](
-        y, b_stack, out, seg_start, seg_len, seg_slot, n, r,
-        y.stride(0), y.stride(1), b_stack.stride(0), b_stack.stride(1), b_stack.stride(2),
-        out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_r, ACCUMULATE=True,
-    )
+    launch(y, b_stack, out, seg_start, seg_len, seg_slot, triton.cdiv(max_seg_len, block_m),
+           block_m=block_m, block_n=block_n, block_k=block_r, accumulate=True)
 
 
 def lora_expand_ref(y: torch.Tensor, b_stack: torch.Tensor, out: torch.Tensor,

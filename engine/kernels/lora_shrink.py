@@ -21,6 +21,8 @@ def _segmented_matmul_kernel(
     stride_xm, stride_xk, stride_wl, stride_wn, stride_wk, stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for fp32 weights (no TF32), the default for 16-bit ones
+    UPCAST_DOT: tl.constexpr,
 ):
     """Each segment's rows of ``x [num_tokens, K]`` times its slot's ``w [N, K]`` transposed,
     in fp32: stored into ``out`` (shrink: ``x @ A.T``) or, with ``ACCUMULATE``, added to it in
@@ -47,7 +49,12 @@ def _segmented_matmul_kernel(
                     other=0.0)
         w = tl.load(w_cols + ks[:, None] * stride_wk, mask=k_mask[:, None] & col_mask[None, :],
                     other=0.0)
-        acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+        # in the weights' dtype: bf16 tensor-core products into the fp32 accumulator (the
+        # expand's fp32 input rounds to bf16 as the CPU path's bf16 shrink output does)
+        x = x.to(w.dtype)
+        if UPCAST_DOT:
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(x, w, input_precision=PRECISION)
     mask = row_mask[:, None] & col_mask[None, :]
     out = out_ptr + (start + rows)[:, None] * stride_om + cols[None, :] * stride_on
     if ACCUMULATE:
@@ -55,6 +62,28 @@ def _segmented_matmul_kernel(
         tl.store(out, (base.to(tl.float32) + acc).to(base.dtype), mask=mask)
     else:
         tl.store(out, acc, mask=mask)
+
+
+# Triton's CPU interpreter multiplies the raw bits of bf16 dot operands (it stores bf16 as
+# uint16), so under TRITON_INTERPRET the kernel feeds tl.dot fp32 copies instead.
+_INTERPRETED = not isinstance(_segmented_matmul_kernel, triton.JITFunction)
+
+
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, seg_start: torch.Tensor,
+           seg_len: torch.Tensor, seg_slot: torch.Tensor, row_tiles: int, *, block_m: int,
+           block_n: int, block_k: int, accumulate: bool) -> None:
+    """One launch over every segment: ``row_tiles`` row tiles each (tiles past a segment's
+    length return at once, so a CUDA graph can be captured over a bucket's worth)."""
+    n, k = w.shape[1], w.shape[2]
+    grid = (seg_start.shape[0], row_tiles, triton.cdiv(n, block_n))
+    _segmented_matmul_kernel[grid](
+        x, w, out, seg_start, seg_len, seg_slot, n, k,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACCUMULATE=accumulate,
+        PRECISION="ieee" if w.dtype == torch.float32 or _INTERPRETED else "tf32",
+        UPCAST_DOT=_INTERPRETED and w.dtype != torch.float32,
+    )
 
 
 def check_segments(seg_start: torch.Tensor, seg_len: torch.Tensor,
@@ -71,24 +100,17 @@ def lora_shrink(x: torch.Tensor, a_stack: torch.Tensor, seg_start: torch.Tensor,
                 seg_len: torch.Tensor, seg_slot: torch.Tensor, max_seg_len: int,
                 *, block_m: int = 16, block_n: int = 32, block_k: int = 32) -> torch.Tensor:
     """``[num_tokens, N]`` fp32: each segment's rows of ``x [num_tokens, K]`` times its slot's
-    ``A.T`` (``a_stack [max_loras, N, K]``); rows in no segment are left unwritten."""
+    ``A.T`` (``a_stack [max_loras, N, K]``); rows in no segment are left unwritten.
+    ``max_seg_len`` bounds the segments' lengths: the whole batch's rows in a captured graph."""
     if x.dim() != 2 or a_stack.dim() != 3 or a_stack.shape[2] != x.shape[1]:
         raise ValueError(f"x must be [num_tokens, K] and a_stack [max_loras, N, K], got "
                          f"{tuple(x.shape)} and {tuple(a_stack.shape)}")
     check_segments(seg_start, seg_len, seg_slot)
-    num_tokens, k = x.shape
-    n = a_stack.shape[1]
-    y = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
-    num_segments = seg_start.shape[0]
-    if num_segments == 0 or max_seg_len == 0:
+    y = torch.empty(x.shape[0], a_stack.shape[1], dtype=torch.float32, device=x.device)
+    if seg_start.shape[0] == 0 or max_seg_len == 0:
         return y
-    grid = (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n))
-    _segmented_matmul_kernel[grid](
-        x, a_stack, y, seg_start, seg_len, seg_slot, n, k,
-        x.stride(0), x.stride(1), a_stack.stride(0), a_stack.stride(1), a_stack.stride(2),
-        y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ACCUMULATE=False,
-    )
+    launch(x, a_stack, y, seg_start, seg_len, seg_slot, triton.cdiv(max_seg_len, block_m),
+           block_m=block_m, block_n=block_n, block_k=block_k, accumulate=False)
     return y
 
 
