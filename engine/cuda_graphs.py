@@ -145,6 +145,7 @@ class CUDAGraphRunner:
         *,
         enforce_eager: bool = False,
         num_warmups: int = 2,
+        pool: Any = None,
     ) -> None:
         if not batch_sizes or min(batch_sizes) < 1:
             raise ValueError(f"batch_sizes must be non-empty and >= 1, got {list(batch_sizes)}")
@@ -158,7 +159,13 @@ class CUDAGraphRunner:
         self.static = DecodeInputs.allocate(self.batch_sizes[-1], max_num_blocks, self.device)
         self._replays: dict[int, Replay] = {}
         self._outputs: dict[int, torch.Tensor] = {}
-        self._pool: Any = None  # torch.cuda.graph_pool_handle(), made at the first capture
+        # torch.cuda.graph_pool_handle(), made at the first capture unless given: runners whose
+        # graphs never replay at once may share one (the base and LoRA decode graphs do)
+        self._pool: Any = pool
+
+    @property
+    def pool(self) -> Any:
+        return self._pool
 
     @property
     def captured(self) -> list[int]:

@@ -97,10 +97,12 @@ class ModelRunner:
             self._pack_weights()
         self._allocate_kv_cache(hf_config)
         self.graphs: CUDAGraphRunner | None = None
-        # The captured graphs read one block table: a model with a windowed group runs eager.
+        self.lora_graphs: CUDAGraphRunner | None = None  # decode steps with adapter rows
+        # The captured graphs read one block table: a model with a windowed group runs eager;
+        # so does the torch backend, which sizes its gather from host-side lengths.
         if (self.device.type == "cuda" and not config.enforce_eager
-                and self.kv_window is None):
-            self._capture_cuda_graphs()
+                and self.kv_window is None and self.attn.name == "triton"):
+            self.capture_decode_graphs()
 
     def _enable_lora(self, checkpoint) -> None:
         """Wrap the projections in ``LoRALinear`` (before packing: packing finds the base
@@ -129,20 +131,32 @@ class ModelRunner:
         model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
         return model
 
-    def _capture_cuda_graphs(self) -> None:
-        """Decode-only steps replay CUDA graphs captured at bucketed batch sizes."""
+    def capture_decode_graphs(self, runner_cls: type[CUDAGraphRunner] = CUDAGraphRunner
+                              ) -> None:
+        """Decode-only steps replay CUDA graphs captured at bucketed batch sizes (a test's
+        ``runner_cls`` stands in for capture on the CPU)."""
         from engine.cuda_graphs import bucket_sizes
 
         def forward(input_ids, positions, metadata):
             return self.model(input_ids, positions, self.kv_caches, self.attn, metadata)
 
-        self.graphs = CUDAGraphRunner(
-            forward,
-            bucket_sizes(min(self.config.max_num_seqs, 256)),
-            max_num_blocks=-(-self.max_position // self.block_size),
-            device=self.device,
-        )
+        buckets = bucket_sizes(min(self.config.max_num_seqs, 256))
+        max_num_blocks = -(-self.max_position // self.block_size)
+        self.graphs = runner_cls(forward, buckets, max_num_blocks, self.device)
         self.graphs.capture()
+        lora = self.lora
+        if lora is None or not lora.stacked:
+            return
+
+        # A second set for decode steps with adapter rows: the LoRA kernels read the step's
+        # segments from a table written before each replay (``LoRAManager.graph_batch``).
+        def lora_forward(input_ids, positions, metadata):
+            with lora_batch(lora.graph_batch(input_ids.shape[0])):
+                return forward(input_ids, positions, metadata)
+
+        self.lora_graphs = runner_cls(lora_forward, buckets, max_num_blocks, self.device,
+                                      pool=self.graphs.pool)
+        self.lora_graphs.capture()
 
     def _native_cpu_path(self) -> bool:
         """CPU, fp32 or bf16, and the native kernels on (the ``torch`` backend keeps stock
@@ -245,9 +259,12 @@ class ModelRunner:
         batch, sample_requests = self.prepare_inputs(scheduler_output, requests)
         metadata = batch.metadata
         lora = self._lora_batch(scheduler_output, requests)
-        # The graphs were captured base-only: a step with adapter rows runs eagerly.
-        if self.graphs is not None and metadata.num_prefills == 0 and lora is None:
-            hidden = self.graphs.run(
+        graphs = self.graphs if lora is None else self.lora_graphs
+        if graphs is not None and metadata.num_prefills == 0:
+            if lora is not None:
+                assert self.lora is not None
+                self.lora.write_graph_segments(lora)
+            hidden = graphs.run(
                 batch.input_ids, batch.positions, metadata.decode_block_tables,
                 metadata.decode_context_lens, metadata.slot_mapping,
             )

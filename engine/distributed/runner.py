@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import CUDAGraphRunner
 from engine.distributed.group import RankFailure, TPGroup
 from engine.distributed.helper import (
     STORE_TIMEOUT,
@@ -129,7 +130,8 @@ class TPModelRunner(ModelRunner):
                             gemm=gemm)
         self.packed_weights = True
 
-    def _capture_cuda_graphs(self) -> None:
+    def capture_decode_graphs(self, runner_cls: type[CUDAGraphRunner] = CUDAGraphRunner
+                              ) -> None:
         """Eager: the step's collectives are not captured."""
 
     # ---- the driver ---------------------------------------------------------------------------

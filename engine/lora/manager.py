@@ -44,6 +44,9 @@ class LoRAManager:
         self.slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, LRU first
         self.num_loads = 0
         self.num_slot_writes = 0
+        # The captured decode graphs' segment table: start, length and slot rows, one column a
+        # slot (``graph_batch``; written before each replay by ``write_graph_segments``).
+        self.graph_table: torch.Tensor | None = None
         if stacked:
             for linear in linears:
                 linear.allocate_stacks(self.max_loras, self.max_rank, dtype, device)
@@ -130,6 +133,33 @@ class LoRAManager:
                                           device=self.device)
             batch.max_seg_len = max(s.end - s.start for s in segments)
         return batch
+
+    def graph_batch(self, num_rows: int) -> LoRABatch:
+        """The LoRA rows a captured decode graph of ``num_rows`` rows reads: ``max_loras``
+        segments from ``graph_table``, row tiles over every row. A decode step's rows are
+        grouped by adapter, so its segments number at most ``max_loras``; unused ones have
+        length 0, and their programs return at once."""
+        if not self.stacked:
+            raise RuntimeError("graph_batch is the stacked (GPU) path's")
+        if self.graph_table is None:
+            self.graph_table = torch.zeros(3, self.max_loras, dtype=torch.int32,
+                                           device=self.device)
+        start, length, slot = self.graph_table.unbind(0)
+        return LoRABatch([], stacked=True, seg_start=start, seg_len=length, seg_slot=slot,
+                         max_seg_len=num_rows, num_rows=num_rows)
+
+    def write_graph_segments(self, batch: LoRABatch) -> None:
+        """Put a decode step's segments (``step_batch``'s) into the graphs' table."""
+        if self.graph_table is None:
+            raise RuntimeError("no graph was captured with LoRA (graph_batch)")
+        if len(batch.segments) > self.max_loras:
+            raise RuntimeError(f"{len(batch.segments)} segments, above max_loras="
+                               f"{self.max_loras}")
+        pad = [0] * (self.max_loras - len(batch.segments))
+        table = [[s.start for s in batch.segments] + pad,
+                 [s.end - s.start for s in batch.segments] + pad,
+                 [s.slot for s in batch.segments] + pad]
+        self.graph_table.copy_(torch.tensor(table, dtype=torch.int32))
 
     def _activate(self, adapters: dict[str, LoRAAdapter]) -> dict[str, int]:
         """Give each of the step's adapters a slot, writing those not already in one."""

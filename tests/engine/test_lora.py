@@ -186,3 +186,25 @@ def test_every_family_gets_lora(family_reference, mode):
                         lora_name=[name for _, name in lines])
     for out, (i, name) in zip(outs, lines, strict=True):
         assert out.token_ids == expected[name][i], (mode, name, i)
+
+
+def test_decode_graphs_with_adapters_match_peft(lora_reference):
+    """The GPU path's decode graphs: adapter rows read the step's segments from a table written
+    before each replay, over a bucket's padded rows (capture stood in for on the CPU)."""
+    from tests.engine.test_cuda_graphs import EagerReplayRunner
+
+    path, adapters, prompts, lines, expected = lora_reference
+    subset = [line for line in lines if len(line[0]) <= 17][:6]
+    llm = LLM(str(path), dtype="float32", lora_modules=lora_modules(adapters),
+              attention_backend="triton", max_loras=3, max_num_seqs=8)
+    runner = llm.engine.model_runner
+    runner.capture_decode_graphs(EagerReplayRunner)
+    assert runner.lora is not None and runner.lora_graphs is not None
+    written = []
+    write = runner.lora.write_graph_segments
+    runner.lora.write_graph_segments = lambda batch: written.append(batch) or write(batch)
+    outs = llm.generate([p for p, _, _ in subset], [greedy(4) for _ in subset],
+                        lora_name=[name for _, _, name in subset])
+    for out, (prompt, _, name) in zip(outs, subset, strict=True):
+        assert out.token_ids == expected[name][prompts.index(prompt)][:4], name
+    assert written and all(len(b.segments) <= 3 for b in written)  # decode steps replayed
