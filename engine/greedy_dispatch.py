@@ -1,8 +1,9 @@
 """Which sampled rows take the greedy screen and which the full fp32 logits, and their tokens.
 
 Plain greedy rows need only an argmax: the screen (``layers/greedy_screen.py``) gives it without
-the full output projection. Rows that need the distribution (sampling, penalties, logprobs,
-masked tokens: ``Sampler.needs_full_logits``) get the full logits and the sampler.
+the full output projection; without a screen it is taken on the device. Rows that need the
+distribution (sampling, penalties, logprobs, masked tokens: ``Sampler.needs_full_logits``) get
+the full logits and the sampler.
 """
 
 from __future__ import annotations
@@ -23,12 +24,17 @@ def sample_tokens(
 ) -> tuple[list[int], dict[str, TokenLogprob]]:
     tokens: list[int] = [0] * len(requests)
     logprobs: dict[str, TokenLogprob] = {}
-    needs_full = [screen is None or Sampler.needs_full_logits(r) for r in requests]
+    needs_full = [Sampler.needs_full_logits(r) for r in requests]
     full = [i for i, f in enumerate(needs_full) if f]
-    screened = [i for i, f in enumerate(needs_full) if not f]
-    if screen is not None and screened:
-        rows = hidden if not full else hidden[screened]
-        for i, token in zip(screened, screen.argmax(rows).tolist(), strict=True):
+    plain = [i for i, f in enumerate(needs_full) if not f]
+    if plain:
+        rows = hidden if not full else hidden[plain]
+        if screen is not None:
+            ids = screen.argmax(rows)
+        else:  # (a GPU) the argmax where the logits are: only the ids cross to the host, not
+            # [rows, vocab] fp32 for the sampler; padded vocabulary rows are never tokens
+            ids = model.compute_logits(rows)[:, : sampler.vocab_size].argmax(-1)
+        for i, token in zip(plain, ids.tolist(), strict=True):
             tokens[i] = token
     if full:
         full_requests = [requests[i] for i in full]

@@ -36,11 +36,12 @@ class InputBatch:
 
 
 def _block_table(rows: list[list[int]]) -> torch.Tensor:
-    width = max((len(r) for r in rows), default=0)
-    table = torch.zeros(len(rows), max(width, 1), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
-    return table
+    """``rows`` padded with block 0 to the longest: one tensor built from one list (a tensor
+    a row cost ~4 us each, a millisecond a step at 256 requests)."""
+    width = max(max((len(r) for r in rows), default=0), 1)
+    if not rows:
+        return torch.zeros(0, width, dtype=torch.int32)
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32)
 
 
 def _slots(blocks: list[int], start: int, end: int, block_size: int) -> list[int]:

@@ -125,6 +125,9 @@ class KVCacheManager:
         ``admit`` applies the watermark: a new request may not take the last free blocks, which
         are kept so that running requests can keep decoding without preemption.
         """
+        if not computed_blocks and self.window is None and self.blocks_needed(
+                request.num_computed_tokens + num_new_tokens) <= len(request.block_ids):
+            return True  # most decode steps: the last block has room
         computed_blocks = computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_required = self.blocks_needed(num_computed + num_new_tokens)
@@ -154,8 +157,11 @@ class KVCacheManager:
             if self.window is not None:
                 self.window.release_behind(request)
             return
-        self._update_block_hashes(request)
         bs = self.block_size
+        num_done = request.num_computed_tokens // bs
+        if self.window is None and num_done <= request.num_published_blocks:
+            return  # most decode steps: no block filled up (hashes catch up when one does)
+        self._update_block_hashes(request)
         num_full = min(request.num_computed_tokens // bs, len(request.block_hashes))
         for i in range(request.num_published_blocks, num_full):
             block = self.pool.blocks[request.block_ids[i]]
