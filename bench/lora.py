@@ -31,6 +31,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,27 +70,31 @@ def write_adapter(folder: Path, config: Any, base_name: str, rank: int, seed: in
     }))
 
 
-def write_merged(folder: Path, base: Path, adapter: Path, config: Any) -> None:
-    """The base checkpoint with the adapter merged into its projections."""
+def write_merged(folder: Path, base: Path, adapter: Path) -> None:
+    """The base checkpoint (one safetensors file or shards) with the adapter merged into its
+    projections."""
     from safetensors.torch import load_file, save_file
 
-    weights = load_file(str(base / "model.safetensors"))
     lora = load_file(str(adapter / "adapter_model.safetensors"))
     meta = json.loads((adapter / "adapter_config.json").read_text())
     scaling = meta["lora_alpha"] / meta["r"]
+    deltas = {}
     for key, a in lora.items():
-        if not key.endswith("lora_A.weight"):
-            continue
-        module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
-        b = lora[key.replace("lora_A", "lora_B")]
-        name = f"{module}.weight"
-        w = weights[name]
-        weights[name] = (w.float() + scaling * (b @ a)).to(w.dtype)
+        if key.endswith("lora_A.weight"):
+            module = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+            deltas[f"{module}.weight"] = scaling * (lora[key.replace("lora_A", "lora_B")] @ a)
     folder.mkdir(parents=True, exist_ok=True)
     for item in base.iterdir():
-        if item.name != "model.safetensors":
+        if item.suffix != ".safetensors":
             shutil.copy(item, folder / item.name)
-    save_file(weights, str(folder / "model.safetensors"))
+            continue
+        weights = load_file(str(item))
+        for name in deltas.keys() & weights.keys():
+            w = weights[name]
+            weights[name] = (w.float() + deltas.pop(name)).to(w.dtype)
+        save_file(weights, str(folder / item.name), metadata={"format": "pt"})
+    if deltas:
+        raise ValueError(f"{base} has no weights for {sorted(deltas)[:3]}...")
 
 
 class LoRATimer:
@@ -147,6 +152,108 @@ def generate(llm: Any, rounds: list[list[list[int]]], max_tokens: int,
     return statistics.median(times), sum(times), sum(len(t) for t in tokens), tokens
 
 
+@dataclass
+class LoRAResult:
+    """One side-by-side run: tokens/s of (a), (b) and (c), and what (b) spent on LoRA."""
+
+    a_tps: float
+    b_tps: float
+    c_tps: float
+    lora_share: float | None  # None on a GPU: its kernels run asynchronously to the timer
+    agree: int
+    lines: int
+    c_start_s: float
+
+    def report(self, adapters: int) -> list[str]:
+        a, b, c = self.a_tps, self.b_tps, self.c_tps
+        share = (f"{100 * self.lora_share:.1f}%" if self.lora_share is not None else
+                 f"not timed on a GPU; 1 - (b)/(a) = {100 * (1 - b / a):.1f}% bounds it")
+        return [
+            f"(a) base              {a:10.1f} tok/s",
+            f"(b) mixed, {adapters} adapters {b:10.1f} tok/s",
+            f"(c) one at a time     {c:10.1f} tok/s (+{self.c_start_s:.1f} s merging and "
+            f"starting {adapters} engines, not counted)",
+            f"(b)/(a) = {b / a:.2f}x (target >= 0.8x)   (b)/(c) = {b / c:.2f}x (target >= 2x)",
+            f"LoRA share of (b)'s step time: {share}",
+            f"(b) and (c) agree on {self.agree}/{self.lines} lines' greedy tokens",
+        ]
+
+
+def measure(model: str, *, lines: int = 64, adapters: int = 8, min_rank: int = 8,
+            max_rank: int = 64, prompt_tokens: int = 64, max_tokens: int = 32, rounds: int = 1,
+            seed: int = 0, device: str = "cpu", dtype: str = "auto", threads: int | None = 1,
+            engine_options: dict[str, Any] | None = None) -> LoRAResult:
+    """(a), (b) and (c) on ``model`` (module docstring); ``engine_options`` go to every engine."""
+    import torch
+
+    from engine import LLM
+    from engine.model_runner import resolve_dtype
+    from engine.models.loader import load_checkpoint
+
+    checkpoint = load_checkpoint(model, None, convert_gguf=True)
+    config = checkpoint.config
+    base_name = Path(model).name
+    n = adapters
+    ranks = [round(min_rank + (max_rank - min_rank) * i / max(n - 1, 1)) for i in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    # one set of lines a round, the same sets for every variant, and a warm-up set apart
+    sets = [[torch.randint(100, config.vocab_size, (prompt_tokens,), generator=g).tolist()
+             for _ in range(lines)] for _ in range(rounds + 1)]
+    warmup, round_sets = sets[0][:n], sets[1:]
+    dtype = str(resolve_dtype(dtype, torch.device(device))).removeprefix("torch.")
+    engine_args: dict[str, Any] = dict(dtype=dtype, device=device, **(engine_options or {}))
+    if device == "cpu":
+        engine_args["num_threads"] = threads
+    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
+        root = Path(tmp)
+        folders = {}
+        for i, rank in enumerate(ranks):
+            folders[f"lora{i}-r{rank}"] = root / f"lora{i}"
+            write_adapter(folders[f"lora{i}-r{rank}"], config, base_name, rank, seed + i)
+        names = list(folders)
+        spread = [names[i % n] for i in range(lines)]
+        print(f"model {model}, {lines} lines of {prompt_tokens} prompt tokens, {max_tokens} "
+              f"generated each; {n} adapters of ranks {ranks} on all seven projections; "
+              f"{dtype} on {device}" + (f", {threads} thread(s)" if device == "cpu" else "")
+              + f", median of {rounds} round(s)", flush=True)
+
+        base = LLM(model, **engine_args)
+        warm(base, warmup)
+        a_s, _, a_tok, _ = generate(base, round_sets, max_tokens)
+        del base
+
+        mixed = LLM(model, lora_modules=[f"{k}={v}" for k, v in folders.items()], max_loras=n,
+                    max_lora_rank=max_rank, **engine_args)
+        warm(mixed, warmup, names)
+        timer = LoRATimer()
+        try:
+            b_s, b_total, b_tok, b_tokens = generate(mixed, round_sets, max_tokens, spread)
+        finally:
+            timer.close()
+        lora_share = timer.seconds / b_total if device == "cpu" else None
+        del mixed
+
+        c_s, c_tok, c_start = 0.0, 0, 0.0
+        agree = 0
+        for name, folder in folders.items():
+            rows = [i for i, s in enumerate(spread) if s == name]
+            merged = root / f"merged-{name}"
+            start = time.perf_counter()
+            write_merged(merged, checkpoint.path, folder)
+            llm = LLM(str(merged), **engine_args)
+            c_start += time.perf_counter() - start
+            warm(llm, warmup)
+            seconds, _, tokens, outs = generate(llm, [[p[i] for i in rows] for p in round_sets],
+                                                max_tokens)
+            c_s += seconds
+            c_tok += tokens
+            # merged weights round differently from base + delta: count agreeing lines
+            agree += sum(outs[j] == b_tokens[i] for j, i in enumerate(rows))
+            del llm
+            shutil.rmtree(merged)
+    return LoRAResult(a_tok / a_s, b_tok / b_s, c_tok / c_s, lora_share, agree, lines, c_start)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="default: the default model")
@@ -157,92 +264,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompt-tokens", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (bench/gpu_check.py "
+                        "runs it there on a random model of the default model's shapes)")
     parser.add_argument("--dtype", default="auto",
                         help="the engine's dtype (default: auto, what a user gets: bf16 on a "
-                        "CPU with bf16 units, else fp32)")
+                        "GPU and on a CPU with bf16 units, else fp32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=1,
                         help="rounds of new lines for each variant; the median counts")
     args = parser.parse_args(argv)
 
-    import torch
-
-    from engine import LLM
     from engine.model_cache import DEFAULT_MODEL
-    from engine.models.loader import load_checkpoint
 
-    model = args.model or DEFAULT_MODEL
-    checkpoint = load_checkpoint(model, None, convert_gguf=True)
-    config = checkpoint.config
-    base_name = Path(model).name
-    n = args.adapters
-    ranks = [round(args.min_rank + (args.max_rank - args.min_rank) * i / max(n - 1, 1))
-             for i in range(n)]
-    g = torch.Generator().manual_seed(args.seed)
-    # one set of lines a round, the same sets for every variant, and a warm-up set apart
-    sets = [[torch.randint(100, config.vocab_size, (args.prompt_tokens,), generator=g).tolist()
-             for _ in range(args.lines)] for _ in range(args.rounds + 1)]
-    warmup, rounds = sets[0][:n], sets[1:]
-    from engine.model_runner import resolve_dtype
-
-    dtype = str(resolve_dtype(args.dtype, torch.device("cpu"))).removeprefix("torch.")
-    engine_args = dict(dtype=dtype, device="cpu", num_threads=args.threads)
-    with tempfile.TemporaryDirectory(prefix="bench-lora-") as tmp:
-        root = Path(tmp)
-        folders = {}
-        for i, rank in enumerate(ranks):
-            folders[f"lora{i}-r{rank}"] = root / f"lora{i}"
-            write_adapter(folders[f"lora{i}-r{rank}"], config, base_name, rank, args.seed + i)
-        names = list(folders)
-        spread = [names[i % n] for i in range(args.lines)]
-        print(f"model {model}, {args.lines} lines of {args.prompt_tokens} prompt tokens, "
-              f"{args.max_tokens} generated each; {n} adapters of ranks {ranks} on all seven "
-              f"projections; {dtype} ({args.dtype}), {args.threads} thread(s), median of "
-              f"{args.rounds} round(s)")
-
-        base = LLM(model, **engine_args)
-        warm(base, warmup)
-        a_s, _, a_tok, _ = generate(base, rounds, args.max_tokens)
-        del base
-
-        mixed = LLM(model, lora_modules=[f"{k}={v}" for k, v in folders.items()], max_loras=n,
-                    max_lora_rank=args.max_rank, **engine_args)
-        warm(mixed, warmup, names)
-        timer = LoRATimer()
-        try:
-            b_s, b_total, b_tok, b_tokens = generate(mixed, rounds, args.max_tokens, spread)
-        finally:
-            timer.close()
-        lora_share = timer.seconds / b_total
-        del mixed
-
-        c_s, c_tok, c_start = 0.0, 0, 0.0
-        agree = 0
-        for name, folder in folders.items():
-            rows = [i for i, s in enumerate(spread) if s == name]
-            merged = root / f"merged-{name}"
-            start = time.perf_counter()
-            write_merged(merged, checkpoint.path, folder, config)
-            llm = LLM(str(merged), **engine_args)
-            c_start += time.perf_counter() - start
-            warm(llm, warmup)
-            seconds, _, tokens, outs = generate(llm, [[p[i] for i in rows] for p in rounds],
-                                                args.max_tokens)
-            c_s += seconds
-            c_tok += tokens
-            # merged fp32 weights round differently from base + delta: count agreeing lines
-            agree += sum(outs[j] == b_tokens[i] for j, i in enumerate(rows))
-            del llm
-            shutil.rmtree(merged)
-
-    a, b, c = a_tok / a_s, b_tok / b_s, c_tok / c_s
-    print(f"(a) base              {a_tok:6d} tokens in {a_s:7.2f} s  {a:8.1f} tok/s")
-    print(f"(b) mixed, {n} adapters {b_tok:6d} tokens in {b_s:7.2f} s  {b:8.1f} tok/s")
-    print(f"(c) one at a time     {c_tok:6d} tokens in {c_s:7.2f} s  {c:8.1f} tok/s "
-          f"(+{c_start:.1f} s merging and starting {n} engines, not counted)")
-    print(f"(b)/(a) = {b / a:.2f}x (target >= 0.8x)   (b)/(c) = {b / c:.2f}x (target >= 2x)")
-    print(f"LoRA share of (b)'s step time: {100 * lora_share:.1f}%")
-    print(f"(b) and (c) agree on {agree}/{args.lines} lines' greedy tokens")
+    result = measure(args.model or DEFAULT_MODEL, lines=args.lines, adapters=args.adapters,
+                     min_rank=args.min_rank, max_rank=args.max_rank,
+                     prompt_tokens=args.prompt_tokens, max_tokens=args.max_tokens,
+                     rounds=args.rounds, seed=args.seed, device=args.device, dtype=args.dtype,
+                     threads=args.threads)
+    print("\n".join(result.report(args.adapters)))
 
 
 if __name__ == "__main__":
