@@ -139,7 +139,8 @@ class LoRASegment:
 class LoRABatch:
     """A step's LoRA rows. ``stacked``: run the Triton kernels over the slot stacks."""
 
-    segments: list[LoRASegment]
+    segments: list[LoRASegment]  # empty in a captured graph's (``LoRAManager.graph_batch``):
+    # its segments are a table on the device, written before each replay
     stacked: bool = False
     # [num_segments] int32 each, on the device (stacked path only)
     seg_start: torch.Tensor | None = None
