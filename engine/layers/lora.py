@@ -142,10 +142,9 @@ class LoRABatch:
     segments: list[LoRASegment]  # empty in a captured graph's (``LoRAManager.graph_batch``):
     # its segments are a table on the device, written before each replay
     stacked: bool = False
-    # [num_segments] int32 each, on the device (stacked path only)
-    seg_start: torch.Tensor | None = None
-    seg_len: torch.Tensor | None = None
-    seg_slot: torch.Tensor | None = None
+    # [3, num_segments] int32 on the device (stacked path only): the segments' start, length
+    # and slot rows
+    seg_table: torch.Tensor | None = None
     max_seg_len: int = 0
     num_rows: int = 0  # rows under an adapter
     # The CPU kernels' module when its segment loop runs the short segments (CPU path; None:
@@ -272,16 +271,15 @@ class LoRALinear(nn.Module):
         from engine.kernels.lora_shrink import lora_shrink
 
         assert self.a_stack is not None
-        assert batch.seg_start is not None and batch.seg_len is not None
-        assert batch.seg_slot is not None
+        assert batch.seg_table is not None
+        seg_start, seg_len, seg_slot = batch.seg_table.unbind(0)
         max_rank = self.b_stacks[0].shape[-1]
         # [num_tokens, num_slices * max_rank] fp32; rows outside the segments are never read
-        shrunk = lora_shrink(x, self.a_stack, batch.seg_start, batch.seg_len, batch.seg_slot,
-                             batch.max_seg_len)
+        shrunk = lora_shrink(x, self.a_stack, seg_start, seg_len, seg_slot, batch.max_seg_len)
         for s, b in enumerate(self.b_stacks):
             cols = out[:, self.slice_offsets[s]: self.slice_offsets[s] + self.slice_sizes[s]]
             lora_expand(shrunk[:, s * max_rank: (s + 1) * max_rank], b, cols,
-                        batch.seg_start, batch.seg_len, batch.seg_slot, batch.max_seg_len)
+                        seg_start, seg_len, seg_slot, batch.max_seg_len)
 
 
 @dataclass(frozen=True)

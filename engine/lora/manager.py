@@ -125,12 +125,11 @@ class LoRAManager:
             for segment in segments:
                 segment.slot = slot_of[segment.adapter]
             batch.stacked = True
-            batch.seg_start = torch.tensor([s.start for s in segments], dtype=torch.int32,
-                                           device=self.device)
-            batch.seg_len = torch.tensor([s.end - s.start for s in segments],
-                                         dtype=torch.int32, device=self.device)
-            batch.seg_slot = torch.tensor([s.slot for s in segments], dtype=torch.int32,
-                                          device=self.device)
+            # one host-to-device copy: start, length and slot rows
+            batch.seg_table = torch.tensor([[s.start for s in segments],
+                                            [s.end - s.start for s in segments],
+                                            [s.slot for s in segments]],
+                                           dtype=torch.int32, device=self.device)
             batch.max_seg_len = max(s.end - s.start for s in segments)
         return batch
 
@@ -144,9 +143,8 @@ class LoRAManager:
         if self.graph_table is None:
             self.graph_table = torch.zeros(3, self.max_loras, dtype=torch.int32,
                                            device=self.device)
-        start, length, slot = self.graph_table.unbind(0)
-        return LoRABatch([], stacked=True, seg_start=start, seg_len=length, seg_slot=slot,
-                         max_seg_len=num_rows, num_rows=num_rows)
+        return LoRABatch([], stacked=True, seg_table=self.graph_table, max_seg_len=num_rows,
+                         num_rows=num_rows)
 
     def write_graph_segments(self, batch: LoRABatch) -> None:
         """Put a decode step's segments (``step_batch``'s) into the graphs' table."""
@@ -155,11 +153,10 @@ class LoRAManager:
         if len(batch.segments) > self.max_loras:
             raise RuntimeError(f"{len(batch.segments)} segments, above max_loras="
                                f"{self.max_loras}")
-        pad = [0] * (self.max_loras - len(batch.segments))
-        table = [[s.start for s in batch.segments] + pad,
-                 [s.end - s.start for s in batch.segments] + pad,
-                 [s.slot for s in batch.segments] + pad]
-        self.graph_table.copy_(torch.tensor(table, dtype=torch.int32))
+        assert batch.seg_table is not None
+        num = batch.seg_table.shape[1]
+        self.graph_table[:, :num].copy_(batch.seg_table)
+        self.graph_table[:, num:].zero_()
 
     def _activate(self, adapters: dict[str, LoRAAdapter]) -> dict[str, int]:
         """Give each of the step's adapters a slot, writing those not already in one."""

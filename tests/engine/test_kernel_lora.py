@@ -124,7 +124,7 @@ def test_lora_linear_stacked_path_equals_segmented_path_and_base_rows_pay_nothin
     linear.write_slot(1, a0)
     linear.write_slot(0, a1)
     start, length, slot = segments_tensors([(1, 3, 1), (6, 3, 0)])
-    stacked = LoRABatch(segments, stacked=True, seg_start=start, seg_len=length, seg_slot=slot,
+    stacked = LoRABatch(segments, stacked=True, seg_table=torch.stack([start, length, slot]),
                         max_seg_len=3)
     with lora_batch(stacked):
         gpu = linear(x)
