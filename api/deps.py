@@ -3,6 +3,7 @@ behind the request's API key."""
 
 from __future__ import annotations
 
+import hmac
 import threading
 import time
 from dataclasses import dataclass, field
@@ -98,8 +99,8 @@ async def get_context(request: Request) -> AppContext:
 ContextDep = Annotated[AppContext, Depends(get_context)]
 
 
-async def get_tenant(request: Request, ctx: ContextDep) -> TenantRef:
-    # async: a key in the cache is answered on the event loop, without a hop to a thread.
+def bearer_key(request: Request) -> str:
+    """The request's ``Authorization: Bearer <key>``; 401 without one."""
     header = request.headers.get("authorization", "")
     scheme, _, key = header.partition(" ")
     if scheme and scheme.lower() != "bearer":  # not echoed: it may be the key itself
@@ -108,10 +109,16 @@ async def get_tenant(request: Request, ctx: ContextDep) -> TenantRef:
     if not key.strip():
         raise ApiError(401, "Missing API key: send 'Authorization: Bearer <key>'.",
                        code="invalid_api_key")
-    key_hash = hash_key(key.strip())
+    return key.strip()
+
+
+async def get_tenant(request: Request, ctx: ContextDep) -> TenantRef:
+    # async: a key in the cache is answered on the event loop, without a hop to a thread.
+    key = bearer_key(request)
+    key_hash = hash_key(key)
     tenant = ctx.keys.get(key_hash)
     if tenant is None:
-        tenant = await run_in_threadpool(_authenticate, ctx, key.strip())
+        tenant = await run_in_threadpool(_authenticate, ctx, key)
         ctx.keys.put(key_hash, tenant)
     return tenant
 
@@ -125,3 +132,20 @@ def _authenticate(ctx: AppContext, key: str) -> TenantRef:
 
 
 TenantDep = Annotated[TenantRef, Depends(get_tenant)]
+
+
+async def require_operator(request: Request, ctx: ContextDep) -> None:
+    """The request bears the operator's key (``BOXCAR_OPERATOR_KEY``): 403 when this API has
+    none, 401 for any other key (a tenant's too)."""
+    expected = ctx.settings.operator_key
+    if expected is None:
+        raise ApiError(403, "This endpoint is the operator's and is off: the API has no "
+                       "operator key (set BOXCAR_OPERATOR_KEY).", code="operator_key_not_set")
+    given = bearer_key(request)
+    # Compared as digests: equal lengths, so the time taken says nothing of the key's.
+    if not hmac.compare_digest(hash_key(given), hash_key(expected.get_secret_value())):
+        raise ApiError(401, "Incorrect operator key: this endpoint takes BOXCAR_OPERATOR_KEY, "
+                       "not a tenant's API key.", code="invalid_api_key")
+
+
+OperatorDep = Depends(require_operator)

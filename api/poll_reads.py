@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import psycopg
@@ -106,6 +106,22 @@ APPLICATION_NAME = "boxcar-api-polls"  # how pg_stat_activity names these connec
 MAX_CONNECTIONS = 4  # polls waiting for the database beyond these wait for a connection
 
 
+Run = tuple[Compiled, Mapping[str, Any]]  # a statement and the parameters of one run
+
+
+async def _execute(conn: psycopg.AsyncConnection, runs: Sequence[Run], *,
+                   first_only: bool) -> list[list[Any]]:
+    if len(runs) == 1:  # no pipeline: its Sync would cost one more message
+        compiled, params = runs[0]
+        cursor = await conn.execute(compiled.sql, compiled.params(params))
+        return [[await cursor.fetchone()] if first_only else await cursor.fetchall()]
+    async with conn.pipeline():
+        cursors = [await conn.execute(compiled.sql, compiled.params(params))
+                   for compiled, params in runs]
+    return [[await cursor.fetchone()] if first_only else await cursor.fetchall()
+            for cursor in cursors]
+
+
 class AsyncReader:
     """Runs one compiled statement on a small pool of autocommit psycopg connections, bound to
     the event loop that first used it (a new loop, as in tests, starts a new pool). A
@@ -136,24 +152,31 @@ class AsyncReader:
     async def fetch_all(self, params: dict[str, Any], statement: Compiled | None = None, *,
                         first_only: bool = False) -> list[list[Any]]:
         """The statement's rows, their values processed."""
-        compiled = statement or self._statement
+        [rows] = await self.fetch_each([(statement or self._statement, params)],
+                                       first_only=first_only)
+        return rows
+
+    async def fetch_each(self, runs: Sequence[Run], *,
+                         first_only: bool = False) -> list[list[list[Any]]]:
+        """Each run's rows (a statement and its parameters), their values processed; several
+        runs go in one pipeline on one connection: one round trip."""
         slots = self._bind_loop()
         async with slots:
             conn = await self._checkout()
             start = time.perf_counter()
             try:
-                cursor = await conn.execute(compiled.sql, compiled.params(params))
-                found = [await cursor.fetchone()] if first_only else await cursor.fetchall()
+                found = await _execute(conn, runs, first_only=first_only)
             except psycopg.OperationalError as err:
                 await conn.close()
-                raise exc.OperationalError(compiled.sql, params, err) from err
+                raise exc.OperationalError(runs[0][0].sql, runs[0][1], err) from err
             except BaseException:
                 await conn.close()
                 raise
             finally:
                 add_statement_time(time.perf_counter() - start)
             self._idle.append((conn, self._clock()))
-        return [compiled.process(row) for row in found if row is not None]
+        return [[compiled.process(row) for row in rows if row is not None]
+                for (compiled, _), rows in zip(runs, found, strict=True)]
 
     def _bind_loop(self) -> asyncio.Semaphore:
         loop = asyncio.get_running_loop()

@@ -23,6 +23,11 @@ for the most rows any of its pages asks), with the same age, the same failure ru
 tenant check (the key). A batch this process creates or cancels drops its tenant's pages, so
 its own list shows it at once. A read that was in flight when this process wrote is answered
 but not kept: it may predate the write.
+
+The operator's status report (``GET /v1/status``, ``api.status``: its four statements in one
+pipeline, then the report made from their rows) is held the same way while it is asked for,
+with the same age and failure rule. It is not dropped on this process's writes: it says when it
+was read (``read_at``), and other processes' writes reach it no sooner either.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ from api.poll_reads import (
     batch_id_of,
     tenant_and_pk_of,
 )
+from api.status import StatusQuery
+from service.db import utcnow
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +64,14 @@ class _Watched:
     tenant_id: str
     polled_at: float
     row: list[Any]
+    read_at: float
+
+
+@dataclass
+class _Status:
+    query: StatusQuery
+    polled_at: float
+    report: dict[str, Any]
     read_at: float
 
 
@@ -86,6 +101,7 @@ class PollSnapshots:
         self._pages_statement = Compiled(FIRST_PAGES_STATEMENT)
         self._watched: dict[str, _Watched] = {}
         self._pages: dict[tuple[str, int], _Page] = {}  # by (tenant id, rows asked)
+        self._status: _Status | None = None
         self._writes = 0  # this process's writes so far: a read that saw one land is not kept
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -125,6 +141,26 @@ class PollSnapshots:
             self._pages[key] = _Page(now, rows, now)
             self._start()
         return rows
+
+    async def status(self, query: StatusQuery) -> dict[str, Any]:
+        """The status report (``api.status``), from memory when a fresh one of the same query
+        is held."""
+        self._bind_loop()
+        now = self._clock()
+        held = self._status
+        if held is not None and held.query == query and now - held.read_at < self._max_age:
+            held.polled_at = now
+            return held.report
+        report = await self._read_status(query)
+        if self._max_age > 0:
+            self._status = _Status(query, now, report, now)
+            self._start()
+        return report
+
+    async def _read_status(self, query: StatusQuery) -> dict[str, Any]:
+        now = utcnow()
+        found = await self._reader.fetch_each(query.runs(now))
+        return query.report(found, now)
 
     def forget(self, *, tenant_id: str, batch_id: str | None = None) -> None:
         """This process wrote the batch (``batch_id``), or created one for the tenant: the
@@ -171,14 +207,19 @@ class PollSnapshots:
             del self._watched[batch_id]
         for key in [k for k, p in self._pages.items() if now - p.polled_at > self._watch_s]:
             del self._pages[key]
+        if self._status is not None and now - self._status.polled_at > self._watch_s:
+            self._status = None
         try:
             if self._watched:
                 await self._refresh_batches()
             if self._pages:
                 await self._refresh_pages()
+            if self._status is not None:
+                await self._refresh_status(self._status)
         except BaseException:
             self._watched.clear()
             self._pages.clear()
+            self._status = None
             raise
 
     async def _refresh_batches(self) -> None:
@@ -216,27 +257,35 @@ class PollSnapshots:
             if self._pages.get((tenant_id, rows_asked)) is held:
                 held.rows, held.read_at = ordered.get(tenant_id, [])[:rows_asked], started
 
+    async def _refresh_status(self, held: _Status) -> None:
+        started = self._clock()
+        report = await self._read_status(held.query)
+        if self._status is held:  # not replaced by a poll's own read meanwhile
+            held.report, held.read_at = report, started
+
     async def close(self) -> None:
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
         self._watched.clear()
         self._pages.clear()
+        self._status = None
 
     def _bind_loop(self) -> None:
         loop = asyncio.get_running_loop()
         if self._loop is not loop:
             self._loop, self._task, self._watched, self._pages = loop, None, {}, {}
+            self._status = None
 
     def _start(self) -> None:
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._run(), name="poll-snapshots")
 
     async def _run(self) -> None:
-        while self._watched or self._pages:
+        while self._watched or self._pages or self._status is not None:
             await self._sleep(self._interval)
             try:
                 await self.refresh_once()
             except Exception as exc:  # the polls now read the database and report its error
-                log.warning("refreshing the polled batches and pages failed (%s: %s); polls "
-                            "read the database", type(exc).__name__, exc)
+                log.warning("refreshing the polled batches, pages and status failed (%s: %s); "
+                            "polls read the database", type(exc).__name__, exc)

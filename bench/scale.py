@@ -197,8 +197,9 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
     ideal = (config.num_workers * config.lines_per_s
              if config.engine == "paced" and config.lines_per_s else None)
     # While the workers ran:
-    running, listed, status = ([p for p in fresh.get(what, []) if p.status == "in_progress"]
-                               for what in ("batch", "list", "status"))
+    running, listed, api_status, status = (
+        [p for p in fresh.get(what, []) if p.status == "in_progress"]
+        for what in ("batch", "list", "status", "status_db"))
     client_ms = [p.client_ms for p in running]
     server_ms = [p.server_ms for p in running if p.server_ms is not None]
     connect_ms = [p.connect_ms for p in running]
@@ -235,11 +236,19 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
         list_poll_ms_p50=quantile(list_ms, 0.5), list_poll_ms_p95=quantile(list_ms, 0.95),
         list_poll_server_ms_p50=quantile(list_server_ms, 0.5),
         list_poll_server_ms_p95=quantile(list_server_ms, 0.95), num_list_polls=len(listed),
+        api_status_ms_p50=quantile([p.client_ms for p in api_status], 0.5),
+        api_status_ms_p95=quantile([p.client_ms for p in api_status], 0.95),
+        api_status_server_ms_p50=quantile(
+            [p.server_ms for p in api_status if p.server_ms is not None], 0.5),
+        api_status_server_ms_p95=quantile(
+            [p.server_ms for p in api_status if p.server_ms is not None], 0.95),
+        num_api_status=len(api_status),
         cli_status_ms_p50=quantile([p.client_ms for p in status], 0.5),
         cli_status_ms_p95=quantile([p.client_ms for p in status], 0.95),
         cli_status_collect_ms_p50=quantile(collect_ms, 0.5),
         cli_status_collect_ms_p95=quantile(collect_ms, 0.95), num_cli_status=len(status),
-        cli_status_explained=pollers["status"].explained if "status" in pollers else None,
+        cli_status_explained=(pollers["status_db"].explained if "status_db" in pollers
+                              else None),
         backend_samples=activity.backends, non_idle_samples=activity.non_idle,
         client_wait_samples=activity.client_waits, lock_samples=activity.lock_waits,
         lock_share_of_backends=activity.lock_share_of_backends,
@@ -255,11 +264,12 @@ def measure_batch(stack: ScaleStack, client: httpx.Client, file_id: str, config:
 
 def start_pollers(stack: ScaleStack, batch_id: str,
                   config: RunConfig) -> dict[str, PollerProcess]:
-    """The separate pollers of a batch in progress: its retrieve, the list's first page and
-    ``boxcar status``, as ``config`` asks."""
+    """The separate pollers of a batch in progress: its retrieve, the list's first page,
+    ``boxcar status --api`` and ``boxcar status``'s database part, as ``config`` asks."""
     intervals = {"batch": config.fresh_poll_interval,
                  "list": config.fresh_poll_interval if config.list_limit else 0.0,
-                 "status": config.cli_status_interval}
+                 "status": config.fresh_poll_interval,
+                 "status_db": config.cli_status_interval}
     return {what: PollerProcess(base_url=stack.base_url, api_key=stack.api_key,
                                 batch_id=batch_id, interval=interval, cwd=REPO, env=stack.env,
                                 what=what, list_limit=config.list_limit or 20)

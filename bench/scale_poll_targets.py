@@ -16,9 +16,11 @@ MAX_POLL_P95_MS = 15.0
 def poll_target(big: Sequence[Any], what: str = "fresh_poll") -> Target:
     """A fresh client's poll of the live batch while its workers run (the separate poller):
     the worst run's p50 and p95 against the limits. ``what``: ``fresh_poll`` (the batch's
-    retrieve) or ``list_poll`` (the list's first page)."""
-    asked = "status poll of a live batch" if what == "fresh_poll" else (
-        "first page of the batch list")
+    retrieve), ``list_poll`` (the list's first page) or ``api_status`` (``boxcar status
+    --api``)."""
+    asked = {"fresh_poll": "status poll of a live batch",
+             "list_poll": "first page of the batch list",
+             "api_status": "`boxcar status --api`"}[what]
     name = (f"{asked}, new connection, workers running: p50 <= {MAX_POLL_P50_MS:.0f} ms and "
             f"p95 <= {MAX_POLL_P95_MS:.0f} ms (worst run)")
     measured = [r for r in big if getattr(r, f"{what}_ms_p50", None) is not None]
@@ -27,7 +29,8 @@ def poll_target(big: Sequence[Any], what: str = "fresh_poll") -> Target:
                       "progress")
     p50 = max(getattr(r, f"{what}_ms_p50") for r in measured)
     p95 = max(getattr(r, f"{what}_ms_p95") for r in measured)
-    count = "num_fresh_polls" if what == "fresh_poll" else "num_list_polls"
+    count = {"fresh_poll": "num_fresh_polls", "list_poll": "num_list_polls",
+             "api_status": "num_api_status"}[what]
     runs = "; ".join(
         f"p50 {getattr(r, f'{what}_ms_p50'):.1f} p95 {getattr(r, f'{what}_ms_p95'):.1f} ms of "
         f"{getattr(r, count, 0)} (server {fmt_num(getattr(r, f'{what}_server_ms_p50'), '.1f')}/"
@@ -43,8 +46,8 @@ def poll_target(big: Sequence[Any], what: str = "fresh_poll") -> Target:
 
 def cli_status_target(big: Sequence[Any]) -> Target:
     """``boxcar status``'s database part while the workers run: a figure (worst run's p50)."""
-    name = ("`boxcar status`'s database part (connect, one round trip, report), workers running: "
-            "p50")
+    name = ("`boxcar status`'s database part, without --api (connect, one round trip, report), "
+            "workers running: p50")
     measured = [r for r in big if getattr(r, "cli_status_ms_p50", None) is not None]
     if not measured:
         return Target(name, None, "not measured", "no --big-lines run, or --status-interval 0")
@@ -56,7 +59,8 @@ def cli_status_target(big: Sequence[Any]) -> Target:
 
 
 def poll_targets(big: Sequence[Any]) -> list[Target]:
-    return [poll_target(big), poll_target(big, "list_poll"), cli_status_target(big)]
+    return [poll_target(big), poll_target(big, "list_poll"), poll_target(big, "api_status"),
+            cli_status_target(big)]
 
 
 def cli_status_lines(r: Any) -> list[str]:

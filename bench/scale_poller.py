@@ -1,9 +1,11 @@
 """A status poller in a process of its own, as a user's client is: every poll opens a new TCP
 connection (no keep-alive), sends ``GET /v1/batches/{id}`` (``--what batch``) or the first page
 of the list, ``GET /v1/batches?limit=N`` (``--what list``), reads the whole answer and closes,
-then sleeps ``--interval``. ``--what status`` runs ``boxcar status``'s database part instead
-(``bench.scale_status``: a new connection, one round trip with the schema's check and the
-reads, the report), and once at the end explains its statements. It stops when the batch is no
+then sleeps ``--interval``. ``--what status`` runs ``boxcar status --api`` instead (its
+``cli.status_client``: ``GET /v1/status`` with the operator's key, ``BOXCAR_OPERATOR_KEY``, on a
+new connection); ``--what status_db`` runs its database part (``bench.scale_status``: a new
+PostgreSQL connection, one round trip with the schema's check and the reads, the report), and
+once at the end explains its statements. It stops when the batch is no
 longer live or on SIGTERM, and prints one JSON document: every poll of the live batch (client ms
 from connect to the last body byte, the API's Server-Timing ``app`` and ``db`` ms, the status)
 and the polls it left out.
@@ -32,15 +34,15 @@ from typing import Any
 from urllib.parse import urlsplit
 
 LIVE = ("validating", "in_progress", "finalizing")
-WHATS = ("batch", "list", "status")
+WHATS = ("batch", "list", "status", "status_db")
 
 
 @dataclass(frozen=True)
 class TimedPoll:
     client_ms: float
     server_ms: float | None
-    connect_ms: float  # of client_ms: the new connection (TCP handshake; status: PostgreSQL's)
-    db_ms: float | None  # status: after connecting (the reads, the schema's check, the report)
+    connect_ms: float  # of client_ms: the new connection (TCP handshake; status_db: PostgreSQL's)
+    db_ms: float | None  # the API's Server-Timing db ms; status_db: all after connecting
     status: str
 
 
@@ -69,6 +71,19 @@ def poll_once(host: str, port: int, path: str, key: str, timeout: float,
         (b["status"] for b in data["data"] if b["id"] == batch_id), "absent")
     return TimedPoll(1000 * took, server_timing_ms(header), 1000 * (connected - start),
                      server_timing_ms(header, "db"), status)
+
+
+def api_status_once(status: Any, batch_id: str) -> TimedPoll:
+    """One ``boxcar status --api`` report (``status``: its ``cli.status_client.ApiStatus``)."""
+    from api.timing import server_timing_ms
+    from bench.scale_status import batch_status
+
+    start = time.perf_counter()
+    report = status.collect()
+    took = time.perf_counter() - start
+    return TimedPoll(1000 * took, server_timing_ms(status.server_timing),
+                     1000 * status.connect_s, server_timing_ms(status.server_timing, "db"),
+                     batch_status(report, batch_id))
 
 
 def status_once(database_url: str, batch_id: str, interval: float) -> TimedPoll:
@@ -148,6 +163,17 @@ def main(argv: list[str] | None = None) -> int:
     url = urlsplit(args.url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
     if args.what == "status":
+        from cli.status_client import ApiStatus
+        from service.settings import Settings
+
+        key = Settings().operator_key  # BOXCAR_OPERATOR_KEY, as ``boxcar status`` reads it
+        if key is None:
+            parser.error("--what status needs BOXCAR_OPERATOR_KEY")
+        api_status = ApiStatus(args.url, key.get_secret_value(), timeout=args.timeout)
+
+        def poll() -> TimedPoll:
+            return api_status_once(api_status, args.batch)
+    elif args.what == "status_db":
         from service.settings import Settings
 
         settings = Settings()  # BOXCAR_DATABASE_URL, as ``boxcar status`` reads it
@@ -171,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         polls.append(found)
         time.sleep(args.interval)
     explained = None
-    if args.what == "status":
+    if args.what == "status_db":
         from bench.scale_status import explained_status
 
         explained = explained_status(settings.database_url,

@@ -83,7 +83,14 @@ class RunResult:
     list_poll_server_ms_p50: float | None = None
     list_poll_server_ms_p95: float | None = None
     num_list_polls: int = 0
-    # ``boxcar status``'s database part from a third process (connect, then one round trip with
+    # ``boxcar status --api`` from a third process (``GET /v1/status`` on a new connection): the
+    # client's ms and the API's Server-Timing ``app`` ms.
+    api_status_ms_p50: float | None = None
+    api_status_ms_p95: float | None = None
+    api_status_server_ms_p50: float | None = None
+    api_status_server_ms_p95: float | None = None
+    num_api_status: int = 0
+    # ``boxcar status``'s database part from a fourth process (connect, then one round trip with
     # the schema's check and the reads, and the report: ``collect_ms``, all after connecting),
     # and once its statements explained (``bench.scale_status``: rows read by table).
     cli_status_ms_p50: float | None = None

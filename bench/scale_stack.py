@@ -7,6 +7,7 @@ process it started, drops the database and deletes the queues and the folder, wh
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -69,6 +70,7 @@ class ScaleStack:
             "BOXCAR_BROKER_URL": broker_url,
             "BOXCAR_QUEUE_NAMESPACE": self.namespace,
             "BOXCAR_STORAGE_URL": os.path.join(self.root, "storage"),
+            "BOXCAR_OPERATOR_KEY": secrets.token_urlsafe(24),  # boxcar status --api
             **engine_env,
         }
         self.api: subprocess.Popen | None = None

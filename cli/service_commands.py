@@ -14,6 +14,9 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Callable
+from contextlib import ExitStack, closing
+from functools import partial
 
 
 class Refused(Exception):
@@ -276,16 +279,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     import time
 
     from cli.status import format_status
-    from cli.status_reader import StatusCommand
 
     settings = _settings_from(args)
-    # PostgreSQL: one connection and one round trip a report; SQLite, or anything going wrong
-    # there: open_database (whose messages say what) and cli.status.collect.
-    status = StatusCommand(settings.database_url)
-    try:
+    with ExitStack() as stack:
+        collect = _status_source(args, settings, stack)
         while True:
-            report = status.collect(interval=settings.worker_metrics_interval,
-                                    max_enqueued_tokens=settings.max_enqueued_tokens)
+            report = collect()
             if args.json:
                 print(json.dumps(report, indent=2))
             else:
@@ -295,8 +294,27 @@ def _cmd_status(args: argparse.Namespace) -> int:
             if not args.watch:
                 return 0
             time.sleep(args.watch)
-    finally:
-        status.close()
+
+
+def _status_source(args: argparse.Namespace, settings,
+                   stack: ExitStack) -> Callable[[], dict]:
+    """Where each report comes from: the API (``--api`` or BOXCAR_API_URL, with
+    BOXCAR_OPERATOR_KEY), else the database. PostgreSQL: one connection and one round trip a
+    report; SQLite, or anything going wrong there: open_database (whose messages say what) and
+    api.status.collect. What it holds open is closed with ``stack``."""
+    api_url = args.api or settings.api_url
+    if api_url:
+        from cli.status_client import ApiStatus
+
+        if settings.operator_key is None:
+            raise Refused(f"asking the API at {api_url} needs the operator's key: set "
+                          "BOXCAR_OPERATOR_KEY (the API's own)")
+        return ApiStatus(api_url, settings.operator_key.get_secret_value()).collect
+    from cli.status_reader import StatusCommand
+
+    status = stack.enter_context(closing(StatusCommand(settings.database_url)))
+    return partial(status.collect, interval=settings.worker_metrics_interval,
+                   max_enqueued_tokens=settings.max_enqueued_tokens)
 
 
 def _usage(parser: argparse.ArgumentParser) -> int:
@@ -367,4 +385,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status.add_argument("--json", action="store_true", help="the report as JSON")
     status.add_argument("--watch", type=float, default=None, metavar="SECONDS",
                         help="redraw every SECONDS until Ctrl-C")
+    status.add_argument("--api", default=None, metavar="URL",
+                        help="ask the API at URL (GET /v1/status, with BOXCAR_OPERATOR_KEY) "
+                             "instead of reading the database; default: BOXCAR_API_URL")
     status.set_defaults(handler=_refusing("status", _cmd_status))

@@ -1,7 +1,7 @@
 """``boxcar status`` on PostgreSQL in one round trip after connecting: a psycopg connection of
-its own, and in one pipeline the schema's revision and ``cli.status.statements`` (compiled for
+its own, and in one pipeline the schema's revision and ``api.status.statements`` (compiled for
 psycopg once, ``service.compiled``), then the report made from their rows as ``collect`` makes
-it (``cli.status.report``).
+it (``api.status.report``).
 
 The command runs on a machine whose CPUs the workers keep busy, from a new process with a new
 connection each time. ``open_database``'s path (a SQLAlchemy engine: the dialect's own queries
@@ -27,7 +27,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 from sqlalchemy import String, column, select, table
 
-from cli.status import STATEMENTS, StatusRows, collect, report, statements
+from api.status import StatusRows, collect, compiled_statements, report, statements
 from service.compiled import Compiled, conninfo
 from service.db import Database, utcnow
 from service.revisions import code_head
@@ -45,8 +45,8 @@ _REVISION = select(table("alembic_version", column("version_num", String)).c.ver
 
 @cache
 def _compiled() -> list[Compiled]:
-    """``_REVISION`` and ``STATEMENTS``, compiled once a process."""
-    return [Compiled(statement) for statement in (_REVISION, *STATEMENTS)]
+    """``_REVISION`` and ``api.status.STATEMENTS``, compiled once a process."""
+    return [Compiled(_REVISION), *compiled_statements()]
 
 
 class SchemaNotAtHead(Exception):
@@ -89,7 +89,7 @@ class StatusReader:
 
     def collect(self, *, interval: float,
                 max_enqueued_tokens: int | None = None) -> dict[str, Any]:
-        """``cli.status.collect``'s report."""
+        """``api.status.collect``'s report."""
         start = time.perf_counter()
         with self.connect() as conn:
             self.connect_s = time.perf_counter() - start

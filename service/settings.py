@@ -11,7 +11,7 @@ import re
 from functools import lru_cache
 from typing import Any
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from openai_format.embeddings import MAX_BATCH_EMBEDDING_INPUTS
@@ -19,6 +19,8 @@ from service.expiry import MAX_EXPIRES_AFTER_S, MIN_EXPIRES_AFTER_S
 
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# An operator key shorter than this is refused: it reads every tenant's batches (GET /v1/status).
+MIN_OPERATOR_KEY_CHARS = 16
 
 
 def parse_completion_window(window: str) -> int:
@@ -91,6 +93,13 @@ class Settings(BaseSettings):
     # last few seconds, together, a few times in this span, and answers them from memory
     # (api.poll_snapshots; PostgreSQL). 0: every poll and list reads the database.
     api_poll_snapshot_seconds: float = 0.5
+    # The operator's key: ``GET /v1/status`` (the whole service's status, every tenant's
+    # batches) answers only a request bearing it, and ``boxcar status --api`` sends it. None:
+    # that endpoint is off (403). At least MIN_OPERATOR_KEY_CHARS characters.
+    operator_key: SecretStr | None = None
+    # Where ``boxcar status`` asks for the report (an API's base URL, with operator_key): the
+    # API answers from its warm connections and held report. None: it reads the database.
+    api_url: str | None = None
 
     # Work distribution.
     shard_size: int = 256
@@ -163,6 +172,17 @@ class Settings(BaseSettings):
     def _seconds_or_zero(cls, value: float) -> float:
         if value < 0:
             raise ValueError(f"must be >= 0 seconds (0: no cache), got {value}")
+        return value
+
+    @field_validator("operator_key")
+    @classmethod
+    def _operator_key(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is None or not value.get_secret_value():
+            return None  # unset, or set empty: no operator endpoint
+        if len(value.get_secret_value()) < MIN_OPERATOR_KEY_CHARS:
+            raise ValueError(f"must be at least {MIN_OPERATOR_KEY_CHARS} characters (it opens "
+                             "every tenant's status), e.g. `python -c 'import secrets; "
+                             "print(secrets.token_urlsafe(32))'`")
         return value
 
     @field_validator("max_priority")

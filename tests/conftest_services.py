@@ -287,3 +287,23 @@ def completion_line(custom_id: str, prompt: str, *, max_tokens: int = 4, **body)
 def jsonl(lines: list[dict | str]) -> bytes:
     return "".join((line if isinstance(line, str) else json.dumps(line)) + "\n"
                    for line in lines).encode()
+
+
+@contextmanager
+def serve_app(app) -> Iterator[str]:
+    """``app`` served by uvicorn on loopback in a thread (no lifespan): its base URL."""
+    import threading
+
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started, 30, 0.05, "the API")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)

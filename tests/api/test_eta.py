@@ -13,7 +13,8 @@ from sqlalchemy import event, select, update
 
 from api.eta import MIN_LEARNED_LINES, SOON_S, EtaCache, estimate, throughput, work_left
 from api.metrics import metrics_registry
-from cli.status import collect, format_status
+from api.status import collect
+from cli.status import format_status
 from service import counters
 from service.counters import CounterDelta
 from service.db import utcnow

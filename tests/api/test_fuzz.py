@@ -6,19 +6,17 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-import threading
 
 import httpx
 import pytest
 import schemathesis
-import uvicorn
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
 from api.app import build_context, create_app
 from service.settings import Settings
 from tests.api.conftest import RecordingQueue
-from tests.conftest_services import free_port, make_key, migrated, wait_for
+from tests.conftest_services import make_key, migrated, serve_app
 from tests.figures import record
 
 COUNTS: dict[str, int] = {}
@@ -33,15 +31,8 @@ def live_api(tmp_path_factory):
     ctx = build_context(app_settings, db=migrated(app_settings.database_url),
                         queue=RecordingQueue())
     key = make_key(ctx.db, "fuzz")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(context=ctx), host="127.0.0.1", port=port,
-                                           log_level="error", lifespan="off"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    wait_for(lambda: server.started, 30, 0.05, "the API")
-    yield f"http://127.0.0.1:{port}", key
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(create_app(context=ctx)) as base_url:
+        yield base_url, key
     ctx.db.dispose()
     total = sum(COUNTS.values())
     if total:

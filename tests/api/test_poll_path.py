@@ -164,7 +164,7 @@ def test_a_poll_gets_the_old_etas_while_one_thread_computes_the_next(monkeypatch
 
 
 def test_boxcar_status_counts_unfinished_lines_from_their_counters(client, ctx):
-    from cli.status import collect
+    from api.status import collect
 
     batch = make_batch(client, [chat_line(f"l{i}", "x") for i in range(4)]).json()
     with ctx.db.session() as session:

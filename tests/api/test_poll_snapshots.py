@@ -348,3 +348,80 @@ def test_a_repeated_poll_makes_no_statement_and_cancel_is_seen_at_once(pg_contex
         stranger = c.get(f"/v1/batches/{batch['id']}",
                          headers={"Authorization": f"Bearer {other}"})
         assert stranger.status_code == 404
+
+
+class StatusReader(FakeReader):
+    """A reader that also answers ``fetch_each`` (the status report's one round trip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.status_reads = 0
+
+    async def fetch_each(self, runs, first_only=False):
+        self.status_reads += 1
+        if self.fail is not None:
+            raise self.fail
+        return [[["read", self.status_reads]] for _ in runs]
+
+
+class CountingQuery:
+    """A ``StatusQuery`` stand-in: one statement; its report says which read made it."""
+
+    def __init__(self, interval: float = 2.0) -> None:
+        self.interval = interval
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CountingQuery) and other.interval == self.interval
+
+    def runs(self, now):
+        return [(None, {"now": now})]
+
+    def report(self, found, now):
+        [[(_, read)]] = found
+        return {"read": read}
+
+
+def test_the_status_report_is_held_refreshed_and_dropped_like_a_poll():
+    reader, clock = StatusReader(), Clock()
+
+    async def scenario():
+        polls = snapshots(reader, clock)  # type: ignore[arg-type]
+        query = CountingQuery()
+        assert await polls.status(query) == {"read": 1}  # type: ignore[arg-type]
+        clock.now += 0.3
+        assert await polls.status(query) == {"read": 1}  # type: ignore[arg-type]
+        assert reader.status_reads == 1
+        # Another deployment's question (another interval) is not this report.
+        assert await polls.status(CountingQuery(5.0)) == {"read": 2}  # type: ignore[arg-type]
+        assert await polls.status(query) == {"read": 3}  # type: ignore[arg-type]
+        clock.now += 0.3
+        await polls.refresh_once()  # the refresh reads it again: the next poll reads nothing
+        assert await polls.status(query) == {"read": 4}  # type: ignore[arg-type]
+        assert reader.status_reads == 4
+        clock.now += 0.6  # older than max_age, and no refresh came: the poll reads for itself
+        assert await polls.status(query) == {"read": 5}  # type: ignore[arg-type]
+        clock.now += 6  # nobody asked for longer than watch_s: no longer read
+        await polls.refresh_once()
+        assert reader.status_reads == 5
+        await polls.close()
+
+    run(scenario())
+
+
+def test_a_failed_status_refresh_sends_the_next_poll_to_the_database():
+    reader, clock = StatusReader(), Clock()
+
+    async def scenario():
+        polls = snapshots(reader, clock)  # type: ignore[arg-type]
+        query = CountingQuery()
+        assert await polls.status(query) == {"read": 1}  # type: ignore[arg-type]
+        reader.fail = RuntimeError("the database is down")
+        with pytest.raises(RuntimeError):
+            await polls.refresh_once()
+        with pytest.raises(RuntimeError, match="down"):  # not the held report: the error
+            await polls.status(query)  # type: ignore[arg-type]
+        reader.fail = None
+        assert await polls.status(query) == {"read": 4}  # type: ignore[arg-type]
+        await polls.close()
+
+    run(scenario())

@@ -14,7 +14,8 @@ from prometheus_client import generate_latest
 import service.quotas as quotas
 from api.app import build_context, create_app
 from api.metrics import metrics_registry
-from cli.status import collect, format_status
+from api.status import collect
+from cli.status import format_status
 from openai_format.parse import parse_line
 from service.keys import create_key
 from service.lines import enqueued_tokens

@@ -8,8 +8,9 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import event, func, select, text, update
 
+from api.status import collect
 from bench.scale_status import explained_status
-from cli.status import collect, format_status
+from cli.status import format_status
 from service.counters import CounterDelta, add
 from service.keys import create_key
 from service.models import (

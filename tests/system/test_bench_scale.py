@@ -166,19 +166,24 @@ def test_the_poll_target_is_the_worst_fresh_client_run_under_load() -> None:
     assert poll_target([]).status == "not measured"
 
 
-def test_the_list_is_held_to_the_same_limits_and_boxcar_status_is_a_figure() -> None:
+def test_the_list_and_boxcar_status_api_are_held_to_the_same_limits() -> None:
+    """And ``boxcar status``'s database path is a figure."""
     big = [run(4, 3300, 0.99, engine="instant", list_poll_ms_p50=4.0, list_poll_ms_p95=16.0,
                list_poll_server_ms_p50=1.0, list_poll_server_ms_p95=3.0, num_list_polls=90,
                cli_status_ms_p50=30.0, cli_status_ms_p95=50.0, cli_status_collect_ms_p50=12.0,
                cli_status_collect_ms_p95=20.0, num_cli_status=20,
                cli_status_explained={"statements": 14, "execution_ms": 2.5,
-                                     "rows_read": {"shards": 196, "batches": 1}})]
+                                     "rows_read": {"shards": 196, "batches": 1}},
+               api_status_ms_p50=2.0, api_status_ms_p95=9.0, api_status_server_ms_p50=0.5,
+               api_status_server_ms_p95=0.9, num_api_status=80)]
     found = {t.name.split(",")[0]: t for t in poll_targets(big)}
     listed = found["first page of the batch list"]
     assert (listed.value, listed.status) == (4.0, "not met")  # p95 16 > 15
     assert "of 90 (server 1.0/3.0)" in listed.detail
     assert found["status poll of a live batch"].status == "not measured"
-    status = found["`boxcar status`'s database part (connect"]
+    api = found["`boxcar status --api`"]
+    assert (api.value, api.status) == (2.0, "met") and "of 80 (server 0.5/0.9)" in api.detail
+    status = found["`boxcar status`'s database part"]
     assert (status.value, status.status) == (30.0, "info")
     report = format_report([], big, [], poll_targets(big))
     assert "boxcar status: 14 statements, 2.5 ms in PostgreSQL; rows read: shards 196" in report
@@ -226,6 +231,7 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
     no_fresh_poll = result["num_fresh_polls"] == 0
     no_list_poll = result["num_list_polls"] == 0
     no_cli_status = result["num_cli_status"] == 0
+    no_api_status = result["num_api_status"] == 0
     measured = {k: v for k, v in result.items()
                 if k not in ("engine", "ideal_lines_per_s", "efficiency",
                              "lines_per_s_per_worker", "exactly_once", "waits",
@@ -235,7 +241,8 @@ def test_a_tiny_run_end_to_end_is_exactly_once_and_all_figures_are_numbers() -> 
                 and not (k.startswith("lock_share_of") and no_non_idle_sample)
                 and not (k.startswith("fresh_poll") and no_fresh_poll)
                 and not (k.startswith("list_poll") and no_list_poll)
-                and not (k.startswith("cli_status") and no_cli_status)}
+                and not (k.startswith("cli_status") and no_cli_status)
+                and not (k.startswith("api_status") and no_api_status)}
     for name, value in measured.items():
         assert isinstance(value, int | float) and math.isfinite(value), (name, value)
     assert result["lines_per_s"] > 0 and result["num_status_polls"] >= 1

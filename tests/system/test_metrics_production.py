@@ -8,9 +8,9 @@ import json
 
 import httpx
 
+from api.status import collect
 from cli import main as cli
 from cli.doctor_commands import parse_exposition
-from cli.status import collect
 from service.db import Database
 from tests.conftest_services import chat_line, free_port, jsonl, wait_for
 

@@ -189,7 +189,8 @@ def test_metered_real_engine_matches_its_stats(tiny_model_dir) -> None:
 
 
 def test_worker_publishes_for_api_metrics_dashboard_and_status(make_stack, sqlite_url) -> None:
-    from cli.status import collect, format_status
+    from api.status import collect
+    from cli.status import format_status
 
     stack = make_stack(sqlite_url, worker_metrics_interval=0.1)
     worker = stack.add_worker(FakeEngine(max_num_seqs=4))
