@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import threading
 import time
 from collections import deque
@@ -173,19 +174,41 @@ class OutputLengths:
 
     def expected_left(self, line: LineProgress) -> float:
         """Tokens ``line`` has left to generate (at least one: it has not finished)."""
-        if line.ignore_eos:
-            return max(line.max_tokens - line.output_tokens, 1)
+        return self.table().expected_left(line)
+
+    def table(self) -> LengthTable:
+        """The lengths seen so far, fixed, to answer many lines' ``expected_left``."""
         with self._lock:
-            lengths = self._sorted
-            longer = lengths[bisect.bisect_right(lengths, line.output_tokens):]
-        if not longer:  # nothing seen yet, or it already outlived every finished line
-            return max(line.max_tokens - line.output_tokens, 1)
-        total = sum(min(n, line.max_tokens) for n in longer)
-        return max(total / len(longer) - line.output_tokens, 1.0)
+            return LengthTable(list(self._sorted))
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._sorted)
+
+
+class LengthTable:
+    """Sorted output lengths and their running sums: a line's expected tokens left in
+    O(log n), where summing its longer lengths one by one cost O(n) a line (a forecast over
+    thousands of held lines against thousands of lengths was most of a busy worker's CPU)."""
+
+    def __init__(self, ordered: list[int]) -> None:
+        self._sorted = ordered
+        self._sums = [0, *itertools.accumulate(ordered)]  # _sums[i]: the first i lengths
+
+    def expected_left(self, line: LineProgress) -> float:
+        """The mean of the finished lengths longer than the line's output so far, each capped
+        at its ``max_tokens``, less its output so far; its whole budget left when no finished
+        line ran longer (or it ignores EOS). At least one: it has not finished."""
+        if line.ignore_eos:
+            return max(line.max_tokens - line.output_tokens, 1)
+        lengths, sums = self._sorted, self._sums
+        first = bisect.bisect_right(lengths, line.output_tokens)  # the longer ones from here
+        num_longer = len(lengths) - first
+        if not num_longer:  # nothing seen yet, or it already outlived every finished line
+            return max(line.max_tokens - line.output_tokens, 1)
+        uncapped = max(bisect.bisect_right(lengths, line.max_tokens), first)  # <= max_tokens
+        total = sums[uncapped] - sums[first] + line.max_tokens * (len(lengths) - uncapped)
+        return max(total / num_longer - line.output_tokens, 1.0)
 
 
 @dataclass(frozen=True)
@@ -204,9 +227,10 @@ def forecast(lines: Iterable[LineProgress], *, seats: int, cost: Cost,
     ends: list[float] = []
     prefill: list[float] = []
     held = list(lines)
+    table = lengths.table()
     for line in held:
         start = heapq.heappop(free) if not line.running and len(free) >= seats else 0.0
-        end = start + lengths.expected_left(line)
+        end = start + table.expected_left(line)
         heapq.heappush(free, end)
         batch_ids.append(line.batch_id)
         starts.append(start)

@@ -108,6 +108,24 @@ def test_output_lengths_condition_on_what_a_line_already_generated():
     assert len(small) == 2 and small.expected_left(line(0, 100)) == pytest.approx(6.5)
 
 
+def test_the_length_table_answers_what_the_mean_of_the_longer_lengths_is():
+    """``LengthTable`` (running sums, two bisections a line) against the definition: the mean
+    of the finished lengths longer than the line's output, each capped at its max_tokens."""
+    rng = random.Random(7)
+    lengths = OutputLengths(capacity=300)
+    for _ in range(400):  # past capacity: the oldest drop out
+        lengths.observe(rng.choice([1, 2, 50, rng.randint(1, 600)]))
+    table, seen = lengths.table(), sorted(lengths._sorted)
+    for _ in range(2_000):
+        max_tokens = rng.randint(1, 700)
+        progress = line(rng.randint(0, max_tokens), max_tokens)
+        longer = [n for n in seen if n > progress.output_tokens]
+        expected = (max(sum(min(n, max_tokens) for n in longer) / len(longer)
+                        - progress.output_tokens, 1.0) if longer
+                    else max(max_tokens - progress.output_tokens, 1))
+        assert table.expected_left(progress) == pytest.approx(expected, rel=1e-12)
+
+
 def test_a_tail_is_bound_by_its_longest_line_not_by_its_tokens():
     # Two lines left in a 128-seat engine: 3 and 40 tokens to go. The batch needs 40 steps,
     # each costing the fixed part: a per-token rate (43 tokens) cannot see that.
