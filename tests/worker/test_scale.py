@@ -395,7 +395,7 @@ def test_a_claim_takes_only_the_shards_that_fill_the_engines_queue(make_stack, s
 
     test_thread = threading.current_thread()
 
-    def find_candidates(session, *, now, max_bulk, max_jobs, model=None):
+    def find_candidates(session, *, now, max_bulk, max_jobs, model=None, spread=0):
         if threading.current_thread() is test_thread:  # not the stack worker's own claim loop
             asked.append(max_bulk // lease_keeper.CANDIDATES_PER_WANT)
         return []
