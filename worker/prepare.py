@@ -16,8 +16,10 @@ A prepare that stops half way (the worker dies, storage or the database fails) l
 committed chunks; the next one (this worker's retry, or another's once the lease runs out)
 reads the file again from the start, to rebuild the custom_id check and the batch's figures,
 and inserts only the lines after the cursor: every line exactly once. Chunk boundaries depend
-only on the shards already committed (``chunk_shards``), so a resumed prepare cuts the same
-shards as one that never stopped.
+only on the shards already committed (``chunk_shards``) and the shards' sizes only on the input
+file's line count (``worker.shard_plan``: full shards, then a tail of shrinking ones, so a
+batch's workers run dry together), so a resumed prepare cuts the same shards as one that never
+stopped.
 
 Shards follow prompt-prefix order within a chunk: its valid lines are sorted by (sort key, line
 number) in memory before the insert, so no UPDATE and no database sort follow.
@@ -53,6 +55,7 @@ from service.objects import batch_object
 from service.storage import ObjectStorage
 from service.webhooks import queue_event
 from worker.prepare_rows import as_is, assign_shards, copies, insert_lines, json_text, line_rows
+from worker.shard_plan import ShardPlan
 
 log = logging.getLogger(__name__)
 
@@ -209,6 +212,9 @@ class _Prepare:
             self.num_shards = session.scalar(  # committed by an earlier run (ix_shards_batch)
                 select(func.count()).select_from(Shard).where(Shard.batch_id == batch.id)) or 0
         self.batch, self.cursor = batch, batch.prepared_lines
+        # From the file's count, not from what this run has read: a resumed prepare cuts the
+        # same shards.
+        self.plan = ShardPlan(file.num_lines - file.num_errors, self.shard_size)
         self.model = self.adapters.get(batch.model, batch.model) if batch.model else None
         if file.deleted_at is not None:
             error = {"code": "invalid_file", "param": "input_file_id", "line": None,
@@ -235,7 +241,8 @@ class _Prepare:
             chunk.append(row)
             if row["status"] == LINE_PENDING:
                 chunk_valid += 1
-                if chunk_valid == chunk_shards(self.num_shards) * self.shard_size:
+                if chunk_valid == self.plan.lines(self.num_shards,
+                                                  chunk_shards(self.num_shards)):
                     created += self._commit(chunk, num_valid=chunk_valid, last=False)
                     chunk, chunk_valid = [], 0
         created += self._commit(chunk, num_valid=chunk_valid, last=True)
@@ -245,9 +252,9 @@ class _Prepare:
         """One chunk's transaction: its lines, shards and counters, and the batch's cursor;
         then its shards are announced. Returns their ids."""
         batch, totals, now = self.batch, self.totals, utcnow()
-        sizes = assign_shards(rows, batch_id=batch.id, shard_size=self.shard_size,
-                              first_position=totals.num_valid - num_valid,
-                              first_shard=self.num_shards)
+        sizes = self.plan.cut(self.num_shards, num_valid)
+        assign_shards(rows, batch_id=batch.id, sizes=sizes,
+                      first_position=totals.num_valid - num_valid, first_shard=self.num_shards)
         shard_ids = [ids.shard_id(batch.id, self.num_shards + k) for k in range(len(sizes))]
         cursor = rows[-1]["line_no"] if rows else self.cursor
         values = {"prepared_lines": cursor, **totals.values(),

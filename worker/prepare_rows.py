@@ -89,17 +89,20 @@ def _row(tenant_id: str, batch_id: str, line_no: int, endpoint: str, status: str
             "enqueued_tokens": tokens}
 
 
-def assign_shards(rows: list[dict], *, batch_id: str, shard_size: int, first_position: int,
-                  first_shard: int) -> list[int]:
+def assign_shards(rows: list[dict], *, batch_id: str, sizes: list[int], first_position: int,
+                  first_shard: int) -> None:
     """Give the valid rows their run position and shard, in prompt-prefix order (lines sharing
     a prefix land in one shard and run together), positions from ``first_position`` and shards
-    from index ``first_shard``; returns the new shards' sizes."""
+    from index ``first_shard`` on, ``sizes`` lines each (``worker.shard_plan``; they add up to
+    the valid rows)."""
     valid = sorted((r for r in rows if r["status"] == LINE_PENDING),
                    key=lambda r: (r["sort_key"], r["line_no"]))
+    if sum(sizes) != len(valid):
+        raise ValueError(f"shard sizes add up to {sum(sizes)}, not the {len(valid)} valid rows")
+    shard_of = [k for k, size in enumerate(sizes) for _ in range(size)]
     for k, row in enumerate(valid):
         row["position"] = first_position + k
-        row["shard_id"] = ids.shard_id(batch_id, first_shard + k // shard_size)
-    return [min(shard_size, len(valid) - start) for start in range(0, len(valid), shard_size)]
+        row["shard_id"] = ids.shard_id(batch_id, first_shard + shard_of[k])
 
 
 # The columns prepare fills (``line_rows`` gives every row all of them).
