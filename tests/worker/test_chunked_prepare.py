@@ -58,6 +58,15 @@ def layout(db, batch_id: str) -> dict:
     }
 
 
+def prepared_whole(stack, *, shard_size: int) -> tuple[str, dict]:
+    """A 60-line batch (``lines``) prepared in one run that never stopped: its id and
+    ``layout``, what a resumed prepare must match."""
+    whole = stack.create_batch(lines(60))["id"]
+    assert prepare_batch(stack.ctx.db, stack.ctx.storage, whole, worker_id="prep",
+                         shard_size=shard_size)
+    return whole, layout(stack.ctx.db, whole)
+
+
 def test_chunks_double_from_a_few_shards_up_to_the_cap():
     assert [chunk_shards(n) for n in (0, 4, 8, 16, 32, 64, 1000)] == [4, 4, 8, 16, 32, 32, 32]
 
@@ -139,9 +148,7 @@ def test_a_prepare_stopped_half_way_resumes_each_line_exactly_once(
         make_stack, any_db_url, monkeypatch, crash):
     stack = make_stack(any_db_url)
     db, storage = stack.ctx.db, stack.ctx.storage
-    whole = stack.create_batch(lines(60))["id"]
-    assert prepare_batch(db, storage, whole, worker_id="prep", shard_size=2)
-    expected = layout(db, whole)
+    _, expected = prepared_whole(stack, shard_size=2)
 
     batch_id = stack.create_batch(lines(60))["id"]
     # Chunks of 8, 8, 16 valid lines end at lines 10, 20, 40: stop in the third chunk.
@@ -183,9 +190,7 @@ def test_a_prepare_whose_lease_was_taken_over_commits_nothing_more(make_stack, a
     batch to the end; the first's commit then finds the cursor moved and rolls back."""
     stack = make_stack(any_db_url)
     db, storage = stack.ctx.db, stack.ctx.storage
-    whole = stack.create_batch(lines(60))["id"]
-    assert prepare_batch(db, storage, whole, worker_id="prep", shard_size=2)
-    expected = layout(db, whole)
+    _, expected = prepared_whole(stack, shard_size=2)
     batch_id = stack.create_batch(lines(60))["id"]
     real = prepare_rows.iter_lines
 

@@ -7,7 +7,14 @@ import math
 
 import pytest
 
-from tests.worker.test_chunked_prepare import Killed, _expire_lease, _stopping_at, layout, lines
+from tests.worker.test_chunked_prepare import (
+    Killed,
+    _expire_lease,
+    _stopping_at,
+    layout,
+    lines,
+    prepared_whole,
+)
 from worker import prepare_rows, shard_plan
 from worker.prepare import prepare_batch
 from worker.shard_plan import MIN_TAIL_LINES, TAIL_SPREAD, ShardPlan
@@ -58,9 +65,7 @@ def test_prepare_cuts_the_plans_shards_and_a_resumed_prepare_cuts_the_same(
         make_stack, any_db_url, monkeypatch, tight_tail):
     stack = make_stack(any_db_url)
     db, storage = stack.ctx.db, stack.ctx.storage
-    whole = stack.create_batch(lines(60))["id"]
-    assert prepare_batch(db, storage, whole, worker_id="prep", shard_size=4)
-    expected = layout(db, whole)
+    whole, expected = prepared_whole(stack, shard_size=4)
     # The plan is for the file's lines without an upload error: the 47 valid ones.
     file = stack.client.get(f"/v1/files/{stack.batch(whole)['input_file_id']}").json()
     assert file["line_count"] - file["error_count"] == 47
