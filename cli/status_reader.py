@@ -78,6 +78,10 @@ class StatusReader:
     def read(self, conn: psycopg.Connection[Any], *, now: dt.datetime,
              interval: float) -> StatusRows:
         """Every statement in one pipeline: one round trip. Raises ``SchemaNotAtHead``."""
+        # A statement that fails (an empty database: no such table) aborts the pipeline, and
+        # psycopg logs its "error ignored terminating" warning to stderr beside the fallback's
+        # one-line answer; the error itself reaches the caller, which falls back.
+        logging.getLogger("psycopg").setLevel(logging.ERROR)
         with conn.pipeline():
             cursors = [conn.execute(sql, params)
                        for sql, params in self.sql(now=now, interval=interval)]
