@@ -63,6 +63,11 @@ class StatusReader:
         self._timeout: dict[str, Any] = (
             {} if "connect_timeout" in given else {"connect_timeout": CONNECT_TIMEOUT_S})
         self.connect_s = 0.0
+        # A statement that fails (an empty database: no such table) aborts the pipeline, and
+        # psycopg logs its "error ignored terminating" warning to stderr beside the fallback's
+        # one-line answer; the error itself reaches the caller, which falls back. Once a
+        # reader, not once a read (``--watch`` reads every interval).
+        logging.getLogger("psycopg").setLevel(logging.ERROR)
 
     def connect(self) -> psycopg.Connection[Any]:
         # Autocommit: no BEGIN before the reads; the pipeline's one Sync ends its implicit
@@ -78,10 +83,6 @@ class StatusReader:
     def read(self, conn: psycopg.Connection[Any], *, now: dt.datetime,
              interval: float) -> StatusRows:
         """Every statement in one pipeline: one round trip. Raises ``SchemaNotAtHead``."""
-        # A statement that fails (an empty database: no such table) aborts the pipeline, and
-        # psycopg logs its "error ignored terminating" warning to stderr beside the fallback's
-        # one-line answer; the error itself reaches the caller, which falls back.
-        logging.getLogger("psycopg").setLevel(logging.ERROR)
         with conn.pipeline():
             cursors = [conn.execute(sql, params)
                        for sql, params in self.sql(now=now, interval=interval)]
