@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import ColumnElement, func, select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from service.db import utcnow
@@ -50,12 +50,3 @@ def live_workers(session: Session, *, interval: float,
     return list(session.scalars(
         select(WorkerStatus).where(is_live(interval, now=now)).order_by(WorkerStatus.started_at)
     ).all())
-
-
-def num_live_workers(session: Session, *, interval: float, model: str | None = None,
-                     now: dt.datetime | None = None) -> int:
-    """How many workers (of ``model``, when given) have a recent heartbeat."""
-    query = select(func.count()).select_from(WorkerStatus).where(is_live(interval, now=now))
-    if model is not None:
-        query = query.where(WorkerStatus.model == model)
-    return session.scalar(query) or 0

@@ -18,9 +18,6 @@ log = logging.getLogger(__name__)
 
 TASK_BATCH_CHANGED = "boxcar.batch_changed"
 TASK_RUN_SHARD = "boxcar.run_shard"
-# A Celery remote-control command (a fanout every worker hears at once): "bulk shards of this
-# model are claimable", sent once per chunk a prepare commits (and per reap), not per shard.
-CONTROL_BULK_READY = "boxcar_bulk_ready"
 
 
 def queue_names(namespace: str, model: str) -> dict[str, str]:
@@ -93,21 +90,9 @@ class CeleryQueue:
 
     def shards_ready(self, shard_ids: Iterable[str], *, model: str | None,
                      jobs: bool = False) -> None:
-        """A job's shard goes to one worker of its model (its queue). Bulk shards ring every
-        worker of the model at once (``CONTROL_BULK_READY``), and each with room claims its
-        share: a message per shard woke one worker each, often a busy one, while idle ones
-        slept out their back-off (at 32 workers on 2 cores, half the fleet started 10 s into
-        a batch)."""
         if model is None:  # a shard from before routing: workers find it by polling
             return
-        if not jobs:
-            try:
-                self._app.control.broadcast(CONTROL_BULK_READY, arguments={
-                    "namespace": self._namespace, "model": model})
-            except Exception:  # the rows are committed: polling picks the work up anyway
-                log.exception("could not ring the workers of %s", model)
-            return
-        queue = queue_names(self._namespace, model)["jobs"]
+        queue = queue_names(self._namespace, model)["jobs" if jobs else "bulk"]
         for shard_id in shard_ids:
             self._send(TASK_RUN_SHARD, shard_id, queue)
 

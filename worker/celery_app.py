@@ -12,11 +12,10 @@ import logging
 from typing import Annotated, Any
 
 from celery import Celery, signals
-from celery.worker.control import control_command
 from kombu import Queue
 from pydantic import StringConstraints, TypeAdapter
 
-from service.queue import CONTROL_BULK_READY, TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
+from service.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
 from service.served_models import model_id
 from service.settings import Settings, get_settings
 from worker.process import WorkerService, exit_process
@@ -28,9 +27,7 @@ ObjectId = TypeAdapter(Annotated[str, StringConstraints(
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
-    # This worker's model's queues, and the shared control queue. Bulk shards ring through a
-    # broadcast now (CONTROL_BULK_READY); their queue is still consumed for the doorbells an
-    # older API process sends during a rolling upgrade.
+    # This worker's model's queues, and the shared control queue.
     queues = queue_names(settings.queue_namespace,
                          model_id(settings.model, settings.served_model_name))
     return {
@@ -54,17 +51,6 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     }
 
 
-@control_command(name=CONTROL_BULK_READY, args=[("namespace", str), ("model", str)],
-                 signature="<namespace> <model>")
-def bulk_ready(state: Any, namespace: str, model: str, **_kwargs: Any) -> None:
-    """``CONTROL_BULK_READY``, run on the worker's consumer thread, so it only rings the bell
-    (``WorkerService.bulk_ready``) of the app's service, when the message is for its
-    namespace and model."""
-    on_bulk_ready = getattr(state.app, "boxcar_on_bulk_ready", None)
-    if on_bulk_ready is not None:
-        on_bulk_ready(namespace, model)
-
-
 def make_celery(settings: Settings) -> Celery:
     app = Celery("boxcar", set_as_current=True)
     app.conf.update(celery_config(settings))
@@ -84,14 +70,6 @@ def build_app(settings: Settings | None = None) -> Celery:
             # A broken engine ends the process (status 70) for the supervisor to restart.
             service = WorkerService(settings, on_fatal=exit_process).start()
         return service
-
-    this_model = model_id(settings.model, settings.served_model_name)
-
-    def on_bulk_ready(namespace: str, model: str) -> None:
-        if namespace == settings.queue_namespace and model == this_model and service:
-            service.bulk_ready()
-
-    app.boxcar_on_bulk_ready = on_bulk_ready
 
     def start_service(**_kwargs: Any) -> None:
         get_service()

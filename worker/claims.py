@@ -66,7 +66,6 @@ class Candidate:
     is_job: bool
     deadline: float | None = None
     batch_id: str | None = None
-    num_lines: int = 0
 
 
 def find_candidates(
@@ -83,7 +82,7 @@ def find_candidates(
     further down. Which shard of a batch goes first changes no order the queue promises."""
     base = (
         select(Shard.id, Shard.tenant_id, Shard.priority, Shard.job_id, Batch.expires_at,
-               Shard.batch_id, Shard.num_lines)
+               Shard.batch_id)
         .outerjoin(Batch, Batch.id == Shard.batch_id)
         .where(_claimable(now), or_(Shard.job_id.is_not(None), Batch.status == IN_PROGRESS),
                _of_model(model))
@@ -109,7 +108,7 @@ def find_candidates(
     for row in bulk_rows:
         by_tenant.setdefault(row.tenant_id, []).append(Candidate(
             row.id, row.tenant_id, row.priority, False, unix_seconds(row.expires_at),
-            row.batch_id, row.num_lines))
+            row.batch_id))
     for tenant, shards in by_tenant.items():
         shards.sort(key=lambda c: bulk_rank(c.deadline, c.priority))  # stable: batch order kept
         by_tenant[tenant] = rotated(shards, spread)
@@ -123,20 +122,6 @@ def find_candidates(
         running[tenant] += 1
         bulk.append(candidate)
     return [Candidate(r.id, r.tenant_id, r.priority, True) for r in jobs] + bulk
-
-
-def claimable_bulk_lines(session: Session, *, now: dt.datetime, model: str | None,
-                         max_shards: int) -> int | None:
-    """The lines of the bulk shards a worker serving ``model`` could claim now (those
-    ``find_candidates`` reads from), or None when there are ``max_shards`` or more of them: a
-    queue that deep leaves every worker its fill (``LeaseKeeper``'s fair share)."""
-    head = (select(Shard.num_lines).join(Batch, Batch.id == Shard.batch_id)
-            .where(Shard.job_id.is_(None), _claimable(now), Batch.status == IN_PROGRESS,
-                   _of_model(model))
-            .limit(max_shards).subquery())
-    num_shards, num_lines = session.execute(
-        select(func.count(), func.coalesce(func.sum(head.c.num_lines), 0))).one()
-    return None if num_shards >= max_shards else int(num_lines)
 
 
 def rotated(shards: list[Candidate], spread: int) -> list[Candidate]:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session
 
 from metrics.counters import BACKLOG_LINES, SHARDS_CLAIMED
-from service import ids, liveness, served_models
+from service import ids, served_models
 from service.db import Database, utcnow
 from service.loop import RoundLoop
 from service.models import IN_PROGRESS
@@ -38,11 +38,6 @@ BUSY_CLAIM_POLL_S = 2.0
 # drawn anew each claim, from more places than a batch's candidates (so every start is as
 # likely), from a generator seeded by the worker's id (a rerun draws the same).
 SPREAD_SPAN = 1 << 20
-# A fleet's size changes when a worker starts or stops: counted again at most this often.
-FLEET_COUNT_S = 5.0
-# The fair share's look at the queue stops at this many claimable shards a worker: deeper, it
-# leaves every worker its fill and there is nothing to share out.
-SHARE_SHARDS_PER_WORKER = 8
 
 
 class LeaseKeeper(RoundLoop):
@@ -95,8 +90,6 @@ class LeaseKeeper(RoundLoop):
         self._dry_until = 0.0
         self._asked = True  # a wake since the last claim poll (the first round claims)
         self._last_claim_poll = 0.0
-        self._num_workers = 1  # live workers of this model (``_fleet_size``)
-        self._fleet_counted = -FLEET_COUNT_S
 
     def wake(self, *, check: bool = False) -> None:
         self._asked = True
@@ -227,65 +220,16 @@ class LeaseKeeper(RoundLoop):
                 session, now=utcnow(), model=self.model, max_bulk=max_bulk * CANDIDATES_PER_WANT,
                 max_jobs=max_jobs, spread=self._spread.randrange(SPREAD_SPAN))
             shard_ids = [c.id for c in candidates if c.id not in self.held]
-            # Its share held, a worker leaves the rest to others (and, like a dry queue, stops
-            # claiming at each engine step until the next poll or wake).
-            shared_out = False
-            if max_bulk > 0:
-                max_bulk = self._fair_bulk(session, candidates, max_bulk)
-                shared_out = max_bulk == 0
             if one:
                 claimed = self._claim_in(session, shard_ids, max_bulk=max_bulk,
                                          max_jobs=max_jobs, fill=True)
         if reap:
             self._reaped(reaped)
         self._found_work = bool(shard_ids)
-        self._dry_until = (0.0 if shard_ids and not shared_out
-                           else time.monotonic() + self.interval)
+        self._dry_until = 0.0 if shard_ids else time.monotonic() + self.interval
         if one:
             return self._load(claimed)
         return self.claim(shard_ids, max_bulk=max_bulk, max_jobs=max_jobs, fill=True)
-
-    def _fair_bulk(self, session: Session, candidates: list[claims.Candidate],
-                   max_bulk: int) -> int:
-        """The bulk shards this claim may take when the claimable queue is short for the fleet
-        (a batch's head, while its prepare still commits chunks; its tail): guided
-        self-scheduling, as the shard plan cuts the tail. A worker takes the shards that bring
-        its backlog (lines held, queued or in its engine) up to its fair share of the queue,
-        ceil(claimable lines / live workers of its model), at least one shard when it holds
-        nothing, none when its backlog already reaches its share. Without it the first
-        workers a chunk wakes (every worker with room hears it: ``CONTROL_BULK_READY``) fill
-        their queues to their low water from it while the others find nothing, and a claim
-        that finds nothing still costs a transaction."""
-        bulk = [c for c in candidates if not c.is_job and c.id not in self.held]
-        if not bulk:
-            return max_bulk
-        num_workers = self._fleet_size(session)
-        if num_workers <= 1:
-            return max_bulk
-        visible = claims.claimable_bulk_lines(
-            session, now=utcnow(), model=self.model,
-            max_shards=SHARE_SHARDS_PER_WORKER * num_workers)
-        if visible is None:
-            return max_bulk
-        backlog = self.drainer.num_backlog
-        wanted = -(-visible // num_workers) - backlog
-        if wanted <= 0 and backlog > 0:
-            return 0
-        num_shards, lines = 0, 0
-        for candidate in bulk[:max_bulk]:
-            num_shards += 1
-            lines += candidate.num_lines
-            if lines >= wanted:
-                break
-        return num_shards
-
-    def _fleet_size(self, session: Session) -> int:
-        """Live workers of this model, counted at most every ``FLEET_COUNT_S``."""
-        if time.monotonic() - self._fleet_counted >= FLEET_COUNT_S:
-            self._num_workers = liveness.num_live_workers(
-                session, interval=self.settings.worker_metrics_interval, model=self.model)
-            self._fleet_counted = time.monotonic()
-        return self._num_workers
 
     def _reap(self) -> None:
         with self.db.session() as session:

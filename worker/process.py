@@ -376,14 +376,6 @@ class WorkerService:
         self.leases.wake()
         return room
 
-    def bulk_ready(self) -> None:
-        """Bulk shards of this worker's model became claimable (a fanout to every worker of
-        the model): claim now if there is room, whatever the back-off of an idle claim loop.
-        Called on the broker consumer's thread: it only rings the bell."""
-        if self._started.is_set() and not self._stop.is_set() and self.leases.has_room(
-                is_job=False):
-            self.leases.wake()
-
     def handle_batch(self, batch_id: str) -> str | None:
         """Prepare or finalize ``batch_id`` as its state asks; notice a cancel at once."""
         self.wait_started()

@@ -136,11 +136,14 @@ def test_two_models_in_one_deployment(deployment, two_models):
 
 def test_two_models_on_celery_with_a_restarting_worker(production, two_models):
     """Production (PostgreSQL, Redis + Celery, S3): per-model queues. A model whose only worker
-    died is still served (its TTL): its batch is accepted and its shards wait in the database,
-    untouched by the other model's worker, until a worker of it starts again (its first claim
-    round looks, whatever rang while it was down)."""
+    died is still served (its TTL): its batch is accepted and its shards wait in its own queue,
+    untouched by the other model's worker, until a worker of it starts again."""
     import httpx
+    import redis
 
+    from tests.conftest_services import REDIS_URL
+
+    namespace = production.env["BOXCAR_QUEUE_NAMESPACE"]
     client = httpx.Client(base_url=production.base_url, timeout=30,
                           headers={"Authorization": f"Bearer {production.api_key}"})
     production.start_worker("wa", env={"BOXCAR_MODEL": two_models["tiny-a"]})
@@ -172,15 +175,8 @@ def test_two_models_on_celery_with_a_restarting_worker(production, two_models):
     queued_b = batch(batch_b)
     assert queued_b["status"] == "in_progress"  # prepared by wa, but not run by it
     assert queued_b["request_counts"]["completed"] == 0
-    # Its shards wait in the database, never leased: the ring of every tiny-b worker
-    # (CONTROL_BULK_READY) reached none, and wa's claims never look at another model's shards.
-    engine = create_engine(production.db_url)
-    with engine.connect() as conn:
-        waiting = conn.execute(text(
-            "SELECT status, attempts, lease_owner FROM shards WHERE batch_id = :b"),
-            {"b": batch_b}).all()
-    engine.dispose()
-    assert waiting and {(s, a, o) for s, a, o in waiting} == {("pending", 0, None)}
+    bell = redis.Redis.from_url(REDIS_URL)
+    assert bell.llen(f"{namespace}.bulk.tiny-b") >= 1  # its doorbells wait in tiny-b's queue
 
     production.start_worker("wb2", env={"BOXCAR_MODEL": two_models["tiny-b"]})
     wait_for(lambda: batch(batch_b)["status"] == "completed", 120, 0.2, "tiny-b's batch")

@@ -133,7 +133,7 @@ def test_claims_filter_by_model(make_stack, any_db_url):
 def test_celery_doorbells_go_to_the_model_queues():
     """The API rings a shard's model's queue; a worker consumes its model's queues and the
     shared control queue only."""
-    from service.queue import CONTROL_BULK_READY, CeleryQueue
+    from service.queue import CeleryQueue
     from service.settings import Settings
     from worker.celery_app import celery_config
 
@@ -146,15 +146,8 @@ def test_celery_doorbells_go_to_the_model_queues():
         "ns.bulk.org_model_v1", "ns.control", "ns.jobs.org_model_v1"]
 
     sent: list[tuple[str, list, str]] = []
-    rung: list[tuple[str, dict]] = []
-
-    class Control:
-        def broadcast(self, command, arguments):
-            rung.append((command, arguments))
 
     class App:
-        control = Control()
-
         def send_task(self, name, args, queue):
             sent.append((name, args, queue))
 
@@ -164,56 +157,6 @@ def test_celery_doorbells_go_to_the_model_queues():
     queue.shards_ready(["job_1:0"], model="org/model:v1", jobs=True)
     queue.shards_ready(["old:0"], model=None)  # from before routing: polling finds it
     queue.batch_changed("b")
-    # Bulk shards ring the model's workers once, whatever their number; a job's shard goes to
-    # one worker of its model.
-    assert rung == [(CONTROL_BULK_READY, {"namespace": "ns", "model": "q"})]
     assert [(args[0], q) for _, args, q in sent] == [
-        ("job_1:0", "ns.jobs.org_model_v1"), ("b", "ns.control")]
-
-
-def test_bulk_shards_ring_every_worker_of_their_model_through_redis(redis_url):
-    """The fanout on the wire: ``CeleryQueue.shards_ready`` through a real Redis reaches two
-    listeners of Celery's control mailbox (as two workers' consumers listen), each dispatching
-    to ``CONTROL_BULK_READY``'s handler, which hands the namespace and model to its app's
-    ``boxcar_on_bulk_ready`` (``build_app``'s, which rings the worker's service)."""
-    from celery import Celery
-    from celery.worker.control import Panel
-
-    import worker.celery_app  # noqa: F401  (registers the command)
-    from service.queue import CeleryQueue
-
-    rang: list[tuple[str, str, str]] = []
-    apps, nodes = [], []
-    for name in ("w1", "w2"):
-        app = Celery(f"test-{name}", broker=redis_url, set_as_current=False)
-        app.boxcar_on_bulk_ready = lambda ns, model, name=name: rang.append((name, ns, model))
-        apps.append(app)
-    conn = apps[0].connection_for_write()
-    try:
-        for name, app in zip(("w1", "w2"), apps, strict=True):
-            node = app.control.mailbox.Node(f"{name}@test", state=type("State", (), {"app": app}),
-                                            handlers=Panel.data,
-                                            channel=conn.channel())
-            node.listen()
-            nodes.append(node)
-        # Redis subscribes at the first poll; a fanout keeps nothing for a late subscriber.
-        drain(conn, until=lambda: False, seconds=0.3)
-        queue = CeleryQueue(redis_url, namespace="bxtest-wake")
-        try:
-            queue.shards_ready(["b:0", "b:1", "b:2"], model="m")
-        finally:
-            queue.close()
-        drain(conn, until=lambda: len(rang) >= 2, seconds=5)
-    finally:
-        conn.release()
-    assert sorted(rang) == [("w1", "bxtest-wake", "m"), ("w2", "bxtest-wake", "m")]
-
-
-def drain(conn, *, until, seconds: float) -> None:
-    """Deliver ``conn``'s messages until ``until()`` or ``seconds`` have passed."""
-    deadline = time.monotonic() + seconds
-    while not until() and time.monotonic() < deadline:
-        try:
-            conn.drain_events(timeout=0.1)
-        except TimeoutError:
-            pass
+        ("b:0", "ns.bulk.q"), ("b:1", "ns.bulk.q"), ("job_1:0", "ns.jobs.org_model_v1"),
+        ("b", "ns.control")]
