@@ -2,7 +2,7 @@
 
 The fp32 engine generates the benchmark workload greedily (``bench.offline``'s seeded chat
 requests, EOS ignored); its outputs are then teacher-forced through both engines
-(``engine.quality.teacher_forced_agreement``). Prints the share of output positions where the
+(``engine.runner.quality.teacher_forced_agreement``). Prints the share of output positions where the
 bf16 engine's top-1 token is the fp32 engine's, and the mean |delta logprob| of those tokens.
 The gate holds at >= 98% agreement.
 
@@ -21,8 +21,8 @@ import torch
 
 from bench.offline import make_workload
 from engine import LLM, SamplingParams
-from engine.model_cache import DEFAULT_MODEL
-from engine.quality import teacher_forced_agreement
+from engine.checkpoint.model_cache import DEFAULT_MODEL
+from engine.runner.quality import teacher_forced_agreement
 
 GATE = 0.98
 

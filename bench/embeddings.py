@@ -74,7 +74,7 @@ class Side:
 
 
 def model_dir() -> str:
-    from engine import model_cache
+    from engine.checkpoint import model_cache
 
     return str(model_cache.pull(model_cache.EMBEDDING_MODEL, quiet=True))
 

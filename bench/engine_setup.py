@@ -8,7 +8,7 @@ import argparse
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from engine.model_cache import DEFAULT_MODEL
+from engine.checkpoint.model_cache import DEFAULT_MODEL
 
 
 def add_engine_args(parser: argparse.ArgumentParser, *, rounds: int = 1,

@@ -38,7 +38,7 @@ def _run(db_url: str, *, num_lines: int, repeats: int,
     from sqlalchemy import select
 
     from api.app import build_context, create_app
-    from engine.fake_engine import FakeEngine
+    from engine.testing.fake_engine import FakeEngine
     from service import counters
     from service.db import Database
     from service.keys import create_key

@@ -18,12 +18,12 @@ import argparse
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import plan_kv_cache
+from engine.core.request import Request
+from engine.core.scheduler import Scheduler
+from engine.core.window_kv import NULL_BLOCK, WindowBlocks
 from engine.outputs import ModelRunnerOutput, RequestMetrics
-from engine.request import Request
+from engine.runner.kv_cache import plan_kv_cache
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.window_kv import NULL_BLOCK, WindowBlocks
 
 
 def peak_bytes(windows: list[int | None], context: int, *, prompt: int, num_kv_heads: int,

@@ -101,7 +101,7 @@ class LoRATimer:
     """Seconds spent in the LoRA deltas (both paths), by wrapping LoRALinear's methods."""
 
     def __init__(self) -> None:
-        from engine.layers.lora import LoRALinear
+        from engine.lora.layers import LoRALinear
 
         self.seconds = 0.0
         self._originals = {}
@@ -119,7 +119,7 @@ class LoRATimer:
             setattr(LoRALinear, name, timed)
 
     def close(self) -> None:
-        from engine.layers.lora import LoRALinear
+        from engine.lora.layers import LoRALinear
 
         for name, original in self._originals.items():
             setattr(LoRALinear, name, original)
@@ -187,8 +187,8 @@ def measure(model: str, *, lines: int = 64, adapters: int = 8, min_rank: int = 8
     import torch
 
     from engine import LLM
-    from engine.model_runner import resolve_dtype
-    from engine.models.loader import load_checkpoint
+    from engine.checkpoint.loader import load_checkpoint
+    from engine.runner.model_runner import resolve_dtype
 
     checkpoint = load_checkpoint(model, None, convert_gguf=True)
     config = checkpoint.config
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="rounds of new lines for each variant; the median counts")
     args = parser.parse_args(argv)
 
-    from engine.model_cache import DEFAULT_MODEL
+    from engine.checkpoint.model_cache import DEFAULT_MODEL
 
     result = measure(args.model or DEFAULT_MODEL, lines=args.lines, adapters=args.adapters,
                      min_rank=args.min_rank, max_rank=args.max_rank,

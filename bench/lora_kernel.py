@@ -39,7 +39,7 @@ def _timed(repeats: int, fn, *args) -> float:
 
 def _library_delta(x, out, modules) -> None:
     """What ``LoRALinear`` runs on a long segment without the kernel (``onednn_delta``)."""
-    from engine.layers.lora import onednn_delta
+    from engine.lora.layers import onednn_delta
 
     for start, end, module in modules:
         onednn_delta(x, out, slice(start, end), module)
@@ -50,7 +50,7 @@ def _linear_inputs(g, dtype, in_features, slices, per, kernel):
     adapters' bytes."""
     import torch
 
-    from engine.layers.lora import LoRAPiece, ModuleLoRA
+    from engine.lora.layers import LoRAPiece, ModuleLoRA
 
     rows = per * len(RANKS)
     x = torch.randn(rows, in_features, generator=g).to(dtype)

@@ -45,7 +45,7 @@ from bench.roofline import (
     record_steps,
 )
 from bench.workload import Result, Workload, compare, make_workload
-from engine.model_cache import DEFAULT_MODEL
+from engine.checkpoint.model_cache import DEFAULT_MODEL
 
 # Targets from the engine's issue; printed beside the ratios they apply to.
 TARGETS = {("boxcar bfloat16", "boxcar float32"): 1.8, ("boxcar float32", "HF static"): 3.0}
@@ -178,7 +178,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from engine import LLM
-    from engine.models.loader import load_checkpoint
+    from engine.checkpoint.loader import load_checkpoint
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from dataclasses import replace
 
-    from engine.scheduler import Scheduler
+    from engine.core.scheduler import Scheduler
 
     # One model and KV cache; each run gets a fresh scheduler (the only part the prefix-cache
     # switch reaches), so every run starts cold and the variants share the same weights.

@@ -34,8 +34,8 @@ FAMILIES = {
 def write_random_model(out: Path, family: str = "gemma2", seed: int = 0) -> Path:
     import transformers
 
-    from engine.model_cache import DEFAULT_MODEL
-    from engine.models.loader import load_checkpoint
+    from engine.checkpoint.loader import load_checkpoint
+    from engine.checkpoint.model_cache import DEFAULT_MODEL
 
     tokenizer = load_checkpoint(DEFAULT_MODEL).load_tokenizer()
     config_name, model_name, extra = FAMILIES[family]

@@ -9,7 +9,7 @@ the KV context each request attends over). Each step costs at least:
   copy bandwidth;
 - the output layer on the rows that sample, the same way, at the cheaper of the run's dtype and
   bf16: on a CPU with bf16 units a greedy fp32 run screens it in bf16 and computes exact logits
-  for a few candidates only (``engine/layers/greedy_screen.py``); elsewhere bf16 is emulated and
+  for a few candidates only (``engine/runner/greedy_screen.py``); elsewhere bf16 is emulated and
   the run's own dtype is the cheaper;
 - attention: the longer of its KV bytes (every context token's keys and values read once, every
   new token's written once, in the run's dtype) at the copy bandwidth and its QK^T and AV FLOPs

@@ -1,6 +1,6 @@
 """Scale-out benchmark: the real control plane (``boxcar api``, ``boxcar worker`` processes on
 Celery/Redis, PostgreSQL, leases, result writer, finalize, output files) with the engine replaced
-by a fake one (``engine.fake_engine``), for N workers at a time.
+by a fake one (``engine.testing.fake_engine``), for N workers at a time.
 
     python -m bench.scale --workers 8,16,32 --lines 40000 --engine paced --lines-per-s 100 \
         --repeat 3

@@ -1,4 +1,5 @@
-"""``boxcar`` with the scale benchmark's fake engine (``engine.fake_engine``) in place of the model:
+"""``boxcar`` with the scale benchmark's fake engine (``engine.testing.fake_engine``) in place of
+the model:
 ``python -m bench.scale_worker worker ...`` runs the normal worker entry point (Celery, leases,
 result writer, finalize) on an engine that costs nothing but the pace it is given.
 
@@ -14,7 +15,7 @@ import sys
 from typing import Any
 
 from bench.cpu_profile import start_from_env
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 
 ENGINES = ("instant", "paced")
 

@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write every figure here")
     args = parser.parse_args(argv)
 
-    from engine import model_cache  # light: no torch
+    from engine.checkpoint import model_cache  # light: no torch
 
     source = Path(args.model).expanduser()
     if not source.is_file():

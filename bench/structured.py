@@ -28,7 +28,7 @@ import time
 import jsonschema
 
 from engine import LLM, SamplingParams
-from engine.model_cache import pull
+from engine.checkpoint.model_cache import pull
 from engine.sampling_params import StructuredOutputParams
 
 SCHEMA = {

@@ -15,8 +15,8 @@ import re
 from dataclasses import fields
 from typing import Any
 
+from engine.checkpoint.model_cache import DEFAULT_MODEL
 from engine.config import EngineConfig
-from engine.model_cache import DEFAULT_MODEL
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 

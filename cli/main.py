@@ -25,7 +25,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from cli.kv_sizing import kv_blocks_needed
     from cli.offline import IN_FLIGHT_PER_SEQ, run_batch_file, write_metrics_json
     from engine import EngineConfig, LLMEngine
-    from engine.lora.errors import LoRAError
+    from engine.errors import LoRAError
     from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
 
     kwargs = engine_config_kwargs(args)
@@ -77,7 +77,7 @@ def _cmd_model_pull(args: argparse.Namespace) -> int:
     """Everything a first start would do, done now: fetch the model into the cache, convert a
     GGUF file to its cached HF folder, build the CPU decode-attention kernel (optional: without
     a compiler the engine uses its PyTorch path, so that is a warning)."""
-    from engine import model_cache
+    from engine.checkpoint import model_cache
 
     name = args.name or model_cache.DEFAULT_MODEL
     print(f"[1/3] fetching {name} into {model_cache.cache_dir()}", flush=True)
@@ -91,8 +91,8 @@ def _cmd_model_pull(args: argparse.Namespace) -> int:
           flush=True)
     import time
 
+    from engine.checkpoint.loader import prepare_model
     from engine.kernels import cpu_decode_attention
-    from engine.models.loader import prepare_model
 
     start = time.monotonic()
     try:

@@ -1,9 +1,9 @@
 """LLMEngine: add_request / abort_request / step, the loop the worker drives.
 
 It satisfies ``engine.protocol.Engine``, the contract every caller sees. Its parts, one job a
-file: ``engine.startup`` builds it (and times the start-up), ``engine.parallel_sampling`` fans a
-request out to its n sequences and assembles their output, ``engine.stop_strings`` finds stop
-strings; the scheduler, the model runner and the sampler do a step.
+file: ``engine.startup`` builds it (and times the start-up), ``engine.core.parallel_sampling``
+fans a request out to its n sequences and assembles their output, ``engine.core.stop_strings``
+finds stop strings; the scheduler, the model runner and the sampler do a step.
 """
 
 from __future__ import annotations
@@ -14,26 +14,26 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from engine.allocator import keep_step_buffers_on_heap
+from engine.checkpoint.tokenizer import special_token_id
 from engine.config import EngineConfig
-from engine.embedding_inputs import check_dimensions, encode_inputs, pooling_runner
-from engine.lora.errors import LoRAError
+from engine.core.parallel_sampling import ParentRequest
+from engine.core.request import RequestStatus
+from engine.core.scheduler import Scheduler
+from engine.core.stop_strings import match_stop_string
+from engine.core.structured_output import StructuredOutputManager, accept_token
+from engine.core.window_kv import WindowBlocks
+from engine.errors import LoRAError
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
-from engine.parallel_sampling import ParentRequest
+from engine.pooling.inputs import check_dimensions, encode_inputs, pooling_runner
 from engine.pooling_params import PoolingParams
 from engine.protocol import ChatTemplate, Prompt
-from engine.request import RequestStatus
+from engine.runner.allocator import keep_step_buffers_on_heap
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 from engine.startup import start
-from engine.stop_strings import match_stop_string
-from engine.structured_output import StructuredOutputManager, accept_token
-from engine.tokenizer import special_token_id
-from engine.window_kv import WindowBlocks
 
 if TYPE_CHECKING:
     from engine.protocol import Engine
-    from engine.quality import EmbeddingAgreement
+    from engine.runner.quality import EmbeddingAgreement
 
 
 class LLMEngine:
@@ -53,10 +53,10 @@ class LLMEngine:
         # embedding engine keeps no cache: its inputs are bounded by the model alone).
         self.max_model_len = (started.model_len if self.is_embedding
                               else min(started.model_len, num_blocks * config.block_size))
-        # The bf16 embedding quality gate (``engine.embedding``): its report, when it ran.
+        # The bf16 embedding quality gate (``engine.pooling.embedding``): its report, when it ran.
         self.dtype_gate: EmbeddingAgreement | None = None
         if self.is_embedding:
-            from engine.embedding import gate_embedding_dtype
+            from engine.pooling.embedding import gate_embedding_dtype
 
             self.dtype_gate = gate_embedding_dtype(self, started.checkpoint, started.model_len)
         window = None
@@ -147,7 +147,7 @@ class LLMEngine:
 
         ``PoolingParams`` (an embedding engine): ``prompt`` is one input (a text or token ids)
         or a list of them; the request finishes with one vector per input
-        (``RequestOutput.embeddings``, ``engine/embedding.py``).
+        (``RequestOutput.embeddings``, ``engine/pooling/embedding.py``).
         """
         for name, value in (("priority", priority), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
@@ -157,7 +157,7 @@ class LLMEngine:
         if isinstance(params, PoolingParams) or self.is_embedding:
             if lora_name is not None:
                 raise ValueError("lora_name: an embedding request runs no LoRA adapter")
-            from engine.embedding import add_pooling_request
+            from engine.pooling.embedding import add_pooling_request
 
             add_pooling_request(self, request_id, prompt, params, arrival_time=arrival_time,
                                 priority=priority, rank=rank)
@@ -189,7 +189,7 @@ class LLMEngine:
             self.scheduler.add_request(child)
 
     def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Each embedding input's checked token ids (``engine.embedding_inputs``)."""
+        """Each embedding input's checked token ids (``engine.pooling.inputs``)."""
         pooling_runner(self)  # NotAnEmbeddingModel on a generation engine
         return encode_inputs(self, inputs)
 
@@ -304,7 +304,7 @@ class LLMEngine:
         for child in parent.children:
             del self._child_to_parent[child.request_id]
         if parent.children and parent.children[0].is_pooling:
-            from engine.embedding import finish_pooling_request
+            from engine.pooling.embedding import finish_pooling_request
 
             return finish_pooling_request(self, parent)
         return parent.output(self.decode)

@@ -3,8 +3,8 @@
 The request pipeline (``pipeline.engine_adapter``), the worker's drain loop and process, the
 metrics wrapper (``metrics.recorder.MeteredEngine``) and ``boxcar run`` see an engine only
 through this Protocol. ``LLMEngine``, ``MeteredEngine`` and the one fake
-(``engine.fake_engine.FakeEngine``) satisfy it, and mypy checks all three where they cross: a
-caller never probes an engine with ``getattr(engine, name, default)`` and never invents a
+(``engine.testing.fake_engine.FakeEngine``) satisfy it, and mypy checks all three where they cross:
+a caller never probes an engine with ``getattr(engine, name, default)`` and never invents a
 default its ``EngineConfig`` already declares (STYLE rule 17).
 
 A request goes in through ``add_request`` and comes out of ``step`` (or ``abort_request``) as a

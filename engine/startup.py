@@ -9,11 +9,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from engine.checkpoint.loader import Checkpoint, load_checkpoint
 from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
-from engine.model_runner import ModelRunner
-from engine.models.loader import Checkpoint, load_checkpoint
-from engine.pooling_runner import PoolingModelRunner
+from engine.pooling.runner import PoolingModelRunner
+from engine.runner.model_runner import ModelRunner
 
 if TYPE_CHECKING:  # transformers is imported on the tokenizer's thread (see ``start``)
     from transformers import PreTrainedTokenizerBase

@@ -22,13 +22,17 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from engine.embedding_inputs import EmbeddingInputError, InputTooLong, NotAnEmbeddingModel
-from engine.lora.errors import LoRAError
+from engine.errors import (
+    EmbeddingInputError,
+    InputTooLong,
+    LoRAError,
+    NotAnEmbeddingModel,
+    StructuredOutputError,
+)
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.pooling_params import PoolingParams
 from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
-from engine.structured_output import StructuredOutputError
 from openai_format.embeddings import embedding_body
 from openai_format.parse import (
     BODY_TYPES,

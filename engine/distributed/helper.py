@@ -116,11 +116,11 @@ def helper_main(config: EngineConfig, rank: int, world_size: int, port: int,
         import torch
         import torch.distributed as dist
 
+        from engine.checkpoint.loader import load_checkpoint
         from engine.distributed.group import TPGroup
         from engine.distributed.runner import TPModelRunner
         from engine.distributed.sharding import ShardPlan
-        from engine.model_runner import resolve_device
-        from engine.models.loader import load_checkpoint
+        from engine.runner.model_runner import resolve_device
 
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)

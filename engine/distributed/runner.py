@@ -19,8 +19,9 @@ from multiprocessing.connection import Connection
 import torch
 import torch.distributed as dist
 
+from engine.checkpoint.loader import Checkpoint
 from engine.config import EngineConfig
-from engine.cuda_graphs import CUDAGraphRunner
+from engine.core.request import Request
 from engine.distributed.group import RankFailure, TPGroup
 from engine.distributed.helper import (
     STORE_TIMEOUT,
@@ -37,19 +38,18 @@ from engine.distributed.step_message import (
     StepMessages,
 )
 from engine.distributed.weights import iter_shard_weights
-from engine.input_batch import InputBatch, build_input_batch
 from engine.layers.linear import (
     pack_linear_weights,
     packing_gemm,
 )
-from engine.model_runner import ModelRunner, resolve_device
 from engine.models.causal_lm import CausalLM
 from engine.models.llama import LlamaForCausalLM
-from engine.models.loader import Checkpoint
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.request import Request
+from engine.runner.cuda_graphs import CUDAGraphRunner
+from engine.runner.input_batch import InputBatch, build_input_batch
+from engine.runner.model_runner import ModelRunner, resolve_device
 
 # How long the driver waits for a dead helper's exit code after a failed collective.
 _REAP_SECONDS = 2.0

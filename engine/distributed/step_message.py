@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.input_batch import StepRow
+from engine.core.request import Request
 from engine.outputs import SchedulerOutput
-from engine.request import Request
+from engine.runner.input_batch import StepRow
 
 
 @dataclass

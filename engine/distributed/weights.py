@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from engine.checkpoint.loader import Checkpoint, safetensors_files
 from engine.distributed.sharding import ShardPlan
-from engine.models.loader import Checkpoint, safetensors_files
 
 
 def iter_shard_weights(checkpoint: Checkpoint, plan: ShardPlan,

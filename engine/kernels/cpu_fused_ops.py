@@ -113,7 +113,7 @@ def rotary_neox_ref(x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.T
 
 def screen_candidates(approx: torch.Tensor, row_bounds: torch.Tensor, weight_norms: torch.Tensor,
                       output_rounding: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The greedy screen's candidates (``engine/layers/greedy_screen.py``): ``(row_ids,
+    """The greedy screen's candidates (``engine/runner/greedy_screen.py``): ``(row_ids,
     token_ids)``, int64, by row then token, where ``approx + bound`` reaches the row's best
     ``approx - bound``, ``bound = row_bounds[:, None] * weight_norms + |approx| *
     output_rounding``. ``approx``: [rows, vocab] bf16; ``row_bounds``: [rows] float32;

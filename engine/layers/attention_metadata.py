@@ -38,8 +38,8 @@ class AttentionMetadata:
     decode_context_lens_list: list[int] = field(default_factory=list)
     # Backend-private precomputed state (e.g. gather indices), filled by ``prepare``.
     extra: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Where the sliding-window layers keep their own blocks (engine/window_kv.py): the same step
-    # with their slot mapping and block tables; None when every layer shares one table.
+    # Where the sliding-window layers keep their own blocks (engine/core/window_kv.py): the same
+    # step with their slot mapping and block tables; None when every layer shares one table.
     window: AttentionMetadata | None = None
 
     @property

@@ -3,7 +3,7 @@
 Per layer: write the step's new K/V into the cache, run the decode kernel on the first
 ``num_decodes`` tokens and the prefill kernel on the chunks after them. The decode half reads
 only tensors from the metadata and never syncs with the host, so it can be captured in a CUDA
-graph (see ``engine/cuda_graphs.py``).
+graph (see ``engine/runner/cuda_graphs.py``).
 """
 
 from __future__ import annotations

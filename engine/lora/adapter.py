@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from engine.layers.lora import LoRALinear, LoRAPiece, LoRATarget, ModuleLoRA
-from engine.lora.errors import LoRAError
+from engine.errors import LoRAError
+from engine.lora.layers import LoRALinear, LoRAPiece, LoRATarget, ModuleLoRA
 
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"

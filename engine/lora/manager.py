@@ -20,9 +20,9 @@ from types import ModuleType
 import torch
 
 from engine.config import EngineConfig
-from engine.layers.lora import LoRABatch, LoRALinear, LoRASegment, LoRATarget
+from engine.errors import LoRAError
 from engine.lora.adapter import LoRAAdapter, load_adapter
-from engine.lora.errors import LoRAError
+from engine.lora.layers import LoRABatch, LoRALinear, LoRASegment, LoRATarget
 
 
 class LoRAManager:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from tests.conftest_services import chat_line, jsonl, make_key, wait_for
 from tests.figures import record
 from worker.process import WorkerService

@@ -132,7 +132,7 @@ def test_gguf_file(tmp_path: Path) -> None:
 @pytest.mark.skipif(not llamacpp.is_ready(llamacpp.DEFAULT_VENV),
                     reason="no llama.cpp venv (python -m bench.offline --llamacpp builds it)")
 def test_real_llamacpp_on_the_default_model_is_deterministic() -> None:
-    from engine.model_cache import DEFAULT_MODEL, resolve
+    from engine.checkpoint.model_cache import DEFAULT_MODEL, resolve
 
     model = resolve(DEFAULT_MODEL)
     if model is None:

@@ -92,9 +92,8 @@ def test_parse_size_rejects(text: str) -> None:
 def test_model_pull(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Pull, convert and build the kernel, with a line per phase; a kernel that cannot be
     built (no compiler) is a warning, not a failure."""
-    from engine import model_cache
+    from engine.checkpoint import loader, model_cache
     from engine.kernels import cpu_decode_attention
-    from engine.models import loader
 
     pulled, prepared, built = [], [], []
 
@@ -238,7 +237,7 @@ def test_every_engine_config_field_is_an_option() -> None:
 
 
 def test_the_service_default_model_is_the_engines() -> None:
-    from engine import model_cache
+    from engine.checkpoint import model_cache
     from service.settings import Settings
 
     assert Settings.model_fields["model"].default == model_cache.DEFAULT_MODEL == cli.DEFAULT_MODEL

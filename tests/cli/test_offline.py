@@ -10,9 +10,9 @@ from openai.types import Completion
 from openai.types.chat import ChatCompletion
 
 from cli.offline import count_lines, run_batch_file, sample_percentiles, write_metrics_json
-from engine.fake_engine import FakeEngine
 from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
+from engine.testing.fake_engine import FakeEngine
 
 
 class OfflineEngine(FakeEngine):

@@ -1,4 +1,4 @@
-"""engine/allocator.py: step-sized buffers stay on the heap (glibc's malloc thresholds)."""
+"""engine/runner/allocator.py: step-sized buffers stay on the heap (glibc's malloc thresholds)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,13 @@ import textwrap
 
 import pytest
 
-from engine import allocator
+from engine.runner import allocator
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
 
 _STEPS = textwrap.dedent("""
     import random, resource, sys, torch
-    from engine.allocator import keep_step_buffers_on_heap
+    from engine.runner.allocator import keep_step_buffers_on_heap
     if sys.argv[1] == "1":
         assert keep_step_buffers_on_heap() and keep_step_buffers_on_heap()
     rng = random.Random(0)

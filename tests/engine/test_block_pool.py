@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from engine.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
+from engine.core.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block_tokens
 
 
 def test_free_queue_is_fifo_with_o1_removal():

@@ -15,7 +15,8 @@ torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from engine.cuda_graphs import (  # noqa: E402
+from engine.layers.attention_metadata import AttentionMetadata  # noqa: E402
+from engine.runner.cuda_graphs import (  # noqa: E402
     CUDAGraphRunner,
     DecodeInputs,
     Replay,
@@ -23,7 +24,6 @@ from engine.cuda_graphs import (  # noqa: E402
     decode_metadata,
     select_bucket,
 )
-from engine.layers.attention_metadata import AttentionMetadata  # noqa: E402
 
 
 def test_bucket_sizes() -> None:

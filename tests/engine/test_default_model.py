@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from engine import LLM, SamplingParams
-from engine.model_cache import pull
+from engine.checkpoint.model_cache import pull
 
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],

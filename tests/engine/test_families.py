@@ -216,10 +216,10 @@ def test_sharded_safetensors_folder(reference, tmp_path):
 def test_sinks_on_self_attention_match_the_reference_softmax():
     """``SelfAttention(use_sinks=True)``: the parameter is ``sinks`` (gpt-oss's HF name) and the
     torch and CPU-kernel paths give ``softmax([scores, sink])`` without the sink's column."""
-    from engine.input_batch import StepRow, build_input_batch
     from engine.layers.attention import SelfAttention
     from engine.layers.rotary import RotaryEmbedding
     from engine.layers.torch_attention import TorchAttentionBackend, attend_ref
+    from engine.runner.input_batch import StepRow, build_input_batch
 
     torch.manual_seed(0)
     rotary = RotaryEmbedding(16, 64, {"rope_theta": 10000.0})

@@ -21,9 +21,9 @@ from transformers import (
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from engine import model_cache
-from engine.models.gguf_config import _llama3_rope_parameters
-from engine.models.loader import load_checkpoint
+from engine.checkpoint import model_cache
+from engine.checkpoint.gguf_config import _llama3_rope_parameters
+from engine.checkpoint.loader import load_checkpoint
 from tests.engine.test_loader import (
     CHAT_TEMPLATE,
     SAMPLE_TEXTS,

@@ -11,11 +11,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from engine.checkpoint import gguf_cache
+from engine.checkpoint.loader import load_checkpoint, prepare_model
+from engine.checkpoint.model_config import ENGINE_FIELDS, ModelConfig
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.models import gguf_cache
-from engine.models.loader import load_checkpoint, prepare_model
-from engine.models.model_config import ENGINE_FIELDS, ModelConfig
 from engine.sampling_params import SamplingParams
 from tests.engine.test_gguf import make_gguf, write_gguf
 from tests.engine.test_loader import SAMPLE_TEXTS, random_model, tiny_config

@@ -13,7 +13,7 @@ import transformers
 from gguf import GGMLQuantizationType as Q
 
 from engine import LLM, SamplingParams
-from engine.models.loader import load_checkpoint, prepare_model
+from engine.checkpoint.loader import load_checkpoint, prepare_model
 from tests.engine.test_gguf import write_gguf
 from tests.engine.test_loader import expected_weights, tiny_tokenizer
 
@@ -126,7 +126,7 @@ def test_family_gguf_loads_as_its_checkpoint(tmp_path, arch):
 
 def test_gguf_name_maps_cover_the_families():
     # gguf's own maps (what llama.cpp writes) must land on names the engine's models have.
-    from engine.models.gguf_loader import hf_tensor_name
+    from engine.checkpoint.gguf_loader import hf_tensor_name
 
     for arch, model_arch in (("gemma2", gguf.MODEL_ARCH.GEMMA2),
                              ("gemma3", gguf.MODEL_ARCH.GEMMA3), ("phi3", gguf.MODEL_ARCH.PHI3)):

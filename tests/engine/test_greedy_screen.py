@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
+from engine.runner.greedy_screen import GreedyScreen, bf16_is_native
 
 
 def dot_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -82,7 +82,7 @@ def test_no_segments_is_a_no_op():
 
 def test_lora_linear_stacked_path_equals_segmented_path_and_base_rows_pay_nothing():
     from engine.layers.linear import Linear
-    from engine.layers.lora import (
+    from engine.lora.layers import (
         LoRABatch,
         LoRALinear,
         LoRAPiece,
@@ -136,7 +136,7 @@ def test_long_segments_on_onednn_equal_the_plain_formula():
     """Where oneDNN multiplies the base weight, a segment of ONEDNN_MIN_ROWS rows or more runs
     on oneDNN's packed A and B, a shorter one on matmul: both the plain formula."""
     from engine.layers.linear import Linear, onednn_packing_available
-    from engine.layers.lora import (
+    from engine.lora.layers import (
         ONEDNN_MIN_ROWS,
         LoRABatch,
         LoRALinear,

@@ -19,8 +19,8 @@ from transformers import (
     Qwen3Config,
 )
 
-from engine.models.loader import SUPPORTED_ARCHITECTURES, Checkpoint, load_checkpoint
-from engine.models.model_config import ENGINE_FIELDS
+from engine.checkpoint.loader import SUPPORTED_ARCHITECTURES, Checkpoint, load_checkpoint
+from engine.checkpoint.model_config import ENGINE_FIELDS
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"

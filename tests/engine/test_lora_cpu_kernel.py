@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.kernels import cpu_decode_attention
-from engine.layers.lora import KERNEL_MAX_ROWS, LoRAPiece, ModuleLoRA
+from engine.lora.layers import KERNEL_MAX_ROWS, LoRAPiece, ModuleLoRA
 
 kernel = cpu_decode_attention.load()
 pytestmark = pytest.mark.skipif(kernel is None, reason="the CPU kernels cannot be built here")
@@ -89,7 +89,7 @@ def test_bf16_segments_of_any_length_run_in_the_kernel():
     sends a prompt chunk's long segment to the kernel as well (never to oneDNN's packed
     copies), and the delta is the torch ops' within bf16."""
     from engine.layers.linear import Linear
-    from engine.layers.lora import LoRABatch, LoRALinear, LoRASegment, lora_batch
+    from engine.lora.layers import LoRABatch, LoRALinear, LoRASegment, lora_batch
 
     if kernel is None or not kernel.lora_bf16_pairs:
         pytest.skip("no bf16 dot products on this CPU (lora_bf16_pairs false): long segments "

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
-from engine.lora.errors import LoRAError
+from engine.errors import LoRAError
 from engine.outputs import ModelRunnerOutput
 from tests.conftest import make_checkpoint
 from tests.engine.test_lora import save_adapter

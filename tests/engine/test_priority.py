@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import RequestStatus
+from engine.core.request import RequestStatus
 from tests.engine.test_scheduler import check_invariants, make_request, make_scheduler, step
 
 

@@ -1,4 +1,4 @@
-"""The bf16 quality gate (engine/quality.py) and teacher-forced scoring (score_tokens)."""
+"""The bf16 quality gate (engine/runner/quality.py) and teacher-forced scoring (score_tokens)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.quality import teacher_forced_agreement
+from engine.runner.quality import teacher_forced_agreement
 
 
 def greedy_sequences(llm: LLM, num: int, seed: int) -> list[tuple[list[int], list[int]]]:
@@ -56,7 +56,7 @@ def test_bf16_kernel_path_keeps_stock_bf16_quality(tiny_model_dir):
 @pytest.mark.slow
 def test_bf16_gate_holds_on_the_default_model():
     """>= 98% top-1 agreement with fp32 on chat prompts (``python -m bench.bf16_quality``)."""
-    from engine.model_cache import pull
+    from engine.checkpoint.model_cache import pull
 
     path = str(pull())
     fp32 = LLM(path, dtype="float32", device="cpu")

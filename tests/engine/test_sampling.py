@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.core.request import Request
 from engine.outputs import RequestMetrics
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.runner.sampler import Sampler
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import random
 
 from engine.config import EngineConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput, RequestMetrics
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 
 def make_scheduler(num_blocks=64, **kw) -> Scheduler:

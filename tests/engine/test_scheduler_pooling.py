@@ -12,11 +12,11 @@ import random
 import torch
 
 from engine.config import EngineConfig
+from engine.core.request import Request, RequestStatus
+from engine.core.scheduler import Scheduler
 from engine.outputs import ModelRunnerOutput, RequestMetrics
 from engine.pooling_params import PoolingParams
-from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
 
 
 def make_scheduler(**kw) -> Scheduler:

@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from engine.checkpoint.loader import read_safetensors
 from engine.kernels import cpu_decode_attention as kernel
 from engine.llm import LLM
-from engine.model_runner import _zeroed_kv_cache
-from engine.models.loader import read_safetensors
+from engine.runner.model_runner import _zeroed_kv_cache
 from engine.sampling_params import SamplingParams
 
 
@@ -143,7 +143,7 @@ def test_small_kv_cache_rejects_what_cannot_fit_and_bounds_the_rest(tiny_model_d
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_weights_are_read_straight_into_the_parameters(tmp_path: Path, kind: str) -> None:
-    from engine.models.loader import load_checkpoint
+    from engine.checkpoint.loader import load_checkpoint
     from engine.models.no_init import no_init_weights
     from engine.models.registry import get_model_class
     from tests.engine.test_loader import save_checkpoint

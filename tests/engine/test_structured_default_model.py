@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.model_cache import pull
+from engine.checkpoint.model_cache import pull
 from engine.sampling_params import StructuredOutputParams
 
 WEATHER = {"type": "object",

@@ -14,11 +14,11 @@ import torch
 import xgrammar as xgr
 
 from engine import LLM, SamplingParams
+from engine.core.request import Request
+from engine.errors import StructuredOutputError
 from engine.outputs import RequestMetrics
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.runner.sampler import Sampler
 from engine.sampling_params import StructuredOutputParams
-from engine.structured_output import StructuredOutputError
 
 SCHEMAS: list[dict] = [
     {"type": "string", "enum": ["red", "green", "blue"]},
@@ -176,7 +176,7 @@ def test_compiled_grammars_are_cached_by_canonical_text(llm):
 
 
 def test_cache_is_bounded_lru(llm):
-    from engine.structured_output import StructuredOutputManager
+    from engine.core.structured_output import StructuredOutputManager
 
     manager = StructuredOutputManager(llm.tokenizer, llm.engine.model_runner.vocab_size,
                                       llm.engine.eos_token_ids, max_cached=2)
@@ -252,7 +252,7 @@ def test_batched_mask_matches_each_matcher_exactly(llm):
         assert r.grammar.accept_string(prefix)
     logits = torch.randn(3, vocab)
     masked = logits.clone()
-    from engine.structured_output import apply_grammar_masks
+    from engine.core.structured_output import apply_grammar_masks
 
     apply_grammar_masks(masked, rows)
     assert torch.equal(masked[1], logits[1])

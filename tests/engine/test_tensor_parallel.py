@@ -141,8 +141,8 @@ def test_sizes_that_do_not_split_are_refused(tmp_path):
 def test_a_rank_reads_only_its_slices(tmp_path):
     """Each rank's tensors have the local shapes; the ranks' split tensors add up to the
     checkpoint's, so a rank holds ~1/N of the model (the norms are replicated)."""
+    from engine.checkpoint.loader import load_checkpoint
     from engine.distributed.weights import iter_shard_weights
-    from engine.models.loader import load_checkpoint
 
     path = make_checkpoint(tmp_path / "phi3", "phi3")  # q/k/v and gate/up stored fused
     checkpoint = load_checkpoint(str(path))

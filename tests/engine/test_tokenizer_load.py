@@ -13,8 +13,8 @@ from gguf import GGMLQuantizationType as Q
 from transformers import AutoTokenizer
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING_NAMES
 
-from engine.models.loader import load_checkpoint
-from engine.tokenizer import (
+from engine.checkpoint.loader import load_checkpoint
+from engine.checkpoint.tokenizer import (
     PLAIN_BACKEND_CLASSES,
     PLAIN_BACKEND_MODEL_TYPES,
     load_tokenizer,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_cache import plan_kv_cache, window_blocks_per_request
-from engine.scheduler import Scheduler
-from engine.window_kv import NULL_BLOCK, WindowBlocks
+from engine.core.scheduler import Scheduler
+from engine.core.window_kv import NULL_BLOCK, WindowBlocks
+from engine.runner.kv_cache import plan_kv_cache, window_blocks_per_request
 from tests.engine.test_scheduler import make_request, step
 
 BS, WINDOW = 4, 6

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from openai.types.chat import ChatCompletion
 
+from engine.checkpoint.tokenizer import special_token_id
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.tokenizer import special_token_id
 from openai_format.reasoning import harmony_tokens, split_harmony
 from openai_format.types import CHAT_URL, COMPLETIONS_URL
 from pipeline.engine_adapter import response_body

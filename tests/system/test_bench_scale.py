@@ -26,8 +26,8 @@ from bench.scale_report import (
     targets,
 )
 from bench.scale_worker import engine_from_env
-from engine.fake_engine import FakeEngine
 from engine.sampling_params import SamplingParams
+from engine.testing.fake_engine import FakeEngine
 from tests.conftest_services import REPO, _pg_reachable, _redis_reachable
 
 

@@ -9,7 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.app import build_context, create_app
-from engine.fake_engine import FakeEngine, StepGate
+from engine.testing.fake_engine import FakeEngine, StepGate
 from service.queue import EmbeddedQueue
 from service.settings import Settings
 from tests.conftest_services import *  # noqa: F403

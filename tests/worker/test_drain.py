@@ -9,7 +9,7 @@ import threading
 from fastapi.testclient import TestClient
 from openai.types import Batch
 
-from engine.fake_engine import FakeEngine, StepGate
+from engine.testing.fake_engine import FakeEngine, StepGate
 from tests.conftest_services import chat_line, make_key, wait_for
 from tests.openai_shapes import check_line, error_of, strict
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import base64
 import struct
 
-from engine.fake_engine import EMBEDDING_SIZE, FakeEngine
+from engine.testing.fake_engine import EMBEDDING_SIZE, FakeEngine
 from tests.conftest_services import chat_line, wait_for
 
 EMB = "/v1/embeddings"

@@ -9,7 +9,7 @@ import threading
 
 from sqlalchemy import select
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service.models import LINE_PENDING, RequestLine, Shard
 from tests.conftest_services import chat_line
 from tests.openai_shapes import error_of

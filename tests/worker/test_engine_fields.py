@@ -9,7 +9,7 @@ import json
 import pytest
 from sqlalchemy import select
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from openai_format.sampling import engine_fields
 from pipeline import engine_adapter
 from pipeline.engine_adapter import parse_body, prepare, prepare_fields

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from tests.conftest_services import chat_line
 from worker import process as service_module
 from worker.process import WorkerService

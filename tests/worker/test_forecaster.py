@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from metrics.forecast import StepCost
 from worker.drain import Drainer
 from worker.forecaster import Forecaster, line_max_tokens

@@ -9,7 +9,7 @@ import socket
 from sqlalchemy import update
 
 from cli.main import main
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service.models import WorkerStatus
 from tests.conftest_services import wait_for
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from sqlalchemy import select, update
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service.models import LINE_COMPLETED, RequestLine, Shard
 from tests.conftest_services import chat_line, wait_for
 from tests.openai_shapes import error_of

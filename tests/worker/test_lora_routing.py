@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service.models import RequestLine, Shard
 from service.storage import LocalStorage, put_bytes
 from tests.conftest_services import chat_line, wait_for

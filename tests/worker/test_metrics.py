@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from cli.doctor_commands import parse_exposition, window_snapshot
-from engine.fake_engine import FakeEngine
 from engine.outputs import CompletionOutput, EngineStats, RequestMetrics, RequestOutput
+from engine.testing.fake_engine import FakeEngine
 from metrics.catalog import ENGINE_METRICS, empty_snapshot, families_from_snapshots
 from metrics.recorder import EngineRecorder, MeteredEngine, engine_config
 from metrics.snapshot import delta_snapshot, merge_snapshots, quantile

@@ -8,7 +8,7 @@ import time
 
 from sqlalchemy import select, update
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service.db import utcnow
 from service.models import RequestLine, Shard
 from tests.conftest_services import chat_line, completion_line, wait_for

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from tests.conftest_services import chat_line, wait_for
 from tests.openai_shapes import error_of
 

@@ -3,7 +3,7 @@ deadline, then batch priority, then tenants round-robin; and what the engine is 
 
 from __future__ import annotations
 
-from engine.fake_engine import FakeEngine, StepGate
+from engine.testing.fake_engine import FakeEngine, StepGate
 from service.queue_order import (
     AT_RISK_PRIORITY,
     DEADLINE_BUCKET_S,

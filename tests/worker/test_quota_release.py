@@ -7,7 +7,7 @@ import datetime as dt
 
 from sqlalchemy import func, select, update
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service import quotas
 from service.models import Batch, BatchCounter, RequestLine
 from tests.conftest_services import chat_line, wait_for

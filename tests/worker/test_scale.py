@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from sqlalchemy import event, select, text
 
 from api.poll_reads import FIRST_PAGE_STATEMENT, POLL_STATEMENT, Compiled
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service import counters
 from service.models import LINE_COMPLETED, LINE_FAILED, BatchCounter, RequestLine, Shard
 from tests.conftest_services import chat_line

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from engine.fake_engine import FakeEngine
+from engine.testing.fake_engine import FakeEngine
 from service.webhook_verify import ReplayGuard, Webhook, WebhookVerificationError, verify
 from service.webhooks import check_url_literal, check_url_target
 from tests.conftest_services import chat_line, wait_for

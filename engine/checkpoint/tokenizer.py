@@ -24,7 +24,7 @@ def plain_backend_folder(path: Path) -> bool:
     (~0.4 s: it scans every model folder of transformers): a tokenizer.json, a
     tokenizer_config.json naming that class and no ``auto_map``, and a config.json of a model
     type transformers gives no tokenizer class of its own. What ``boxcar`` converts a Llama
-    GGUF file to (``engine.models.gguf_cache``) is such a folder."""
+    GGUF file to (``engine.checkpoint.gguf_cache``) is such a folder."""
     if not (path / "tokenizer.json").is_file():
         return False
     try:

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from engine.layers.greedy_screen import GreedyScreen
+from engine.core.request import Request
 from engine.models.causal_lm import CausalLM
 from engine.outputs import TokenLogprob
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.runner.greedy_screen import GreedyScreen
+from engine.runner.sampler import Sampler
 
 
 def sample_tokens(

@@ -17,8 +17,8 @@ blocks is a hit only where the windowed group still holds the blocks its last wi
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, KVBlock
-from engine.request import Request
+from engine.core.block_pool import BlockPool, KVBlock
+from engine.core.request import Request
 
 NULL_BLOCK = 0
 

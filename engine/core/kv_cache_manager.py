@@ -6,16 +6,16 @@ request will compute each prompt block not yet cached (``in_flight``), so that a
 sharing that prefix can wait for it instead of computing it a second time.
 
 A model that mixes sliding-window and full-attention layers gives its windowed layers their own
-pool (``window``, ``engine/window_kv.py``): their blocks behind the window are freed as the
+pool (``window``, ``engine/core/window_kv.py``): their blocks behind the window are freed as the
 request moves on, and every allocation asks both pools, so admission and preemption count what
 a request really holds.
 """
 
 from __future__ import annotations
 
-from engine.block_pool import BlockPool, KVBlock, hash_block_tokens
-from engine.request import Request
-from engine.window_kv import ComputedBlocks, WindowBlocks
+from engine.core.block_pool import BlockPool, KVBlock, hash_block_tokens
+from engine.core.request import Request
+from engine.core.window_kv import ComputedBlocks, WindowBlocks
 
 
 class KVCacheManager:

@@ -12,28 +12,28 @@ import time
 import torch
 
 from engine.config import EngineConfig
-from engine.cuda_graphs import CUDAGraphRunner
-from engine.greedy_dispatch import sample_tokens
-from engine.input_batch import InputBatch, StepRow, build_input_batch
+from engine.core.request import Request
 from engine.kernels import cpu_decode_attention
-from engine.kv_cache import KVCache, plan_kv_cache, zeroed_kv_cache
 from engine.layers.attention_metadata import AttentionBackend
-from engine.layers.greedy_screen import GreedyScreen, bf16_is_native
 from engine.layers.linear import (
     bf16_packing_available,
     pack_linear_weights,
     packing_gemm,
 )
-from engine.layers.lora import lora_batch, wrap_lora_linears
 from engine.layers.moe import pack_experts
 from engine.layers.torch_attention import TorchAttentionBackend
+from engine.lora.layers import lora_batch, wrap_lora_linears
 from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.request import Request
-from engine.sampler import Sampler
+from engine.runner.cuda_graphs import CUDAGraphRunner
+from engine.runner.greedy_dispatch import sample_tokens
+from engine.runner.greedy_screen import GreedyScreen, bf16_is_native
+from engine.runner.input_batch import InputBatch, StepRow, build_input_batch
+from engine.runner.kv_cache import KVCache, plan_kv_cache, zeroed_kv_cache
+from engine.runner.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,7 +135,7 @@ class ModelRunner:
                               ) -> None:
         """Decode-only steps replay CUDA graphs captured at bucketed batch sizes (a test's
         ``runner_cls`` stands in for capture on the CPU)."""
-        from engine.cuda_graphs import bucket_sizes
+        from engine.runner.cuda_graphs import bucket_sizes
 
         def forward(input_ids, positions, metadata):
             return self.model(input_ids, positions, self.kv_caches, self.attn, metadata)

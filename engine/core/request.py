@@ -77,7 +77,7 @@ class Request:
     status: RequestStatus = field(default=RequestStatus.WAITING, init=False)
     num_computed_tokens: int = field(default=0, init=False)
     block_ids: list[int] = field(default_factory=list, init=False)
-    # The sliding-window layers' block table, where they have their own (engine/window_kv.py).
+    # The sliding-window layers' block table, where they have their own (engine/core/window_kv.py).
     window_block_ids: list[int] = field(default_factory=list, init=False)
     # Chained hashes of this request's full blocks, computed as blocks fill.
     block_hashes: list[bytes] = field(default_factory=list, init=False)

@@ -8,42 +8,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from engine.errors import (
+    DimensionsNotSupported,
+    EmbeddingInputError,
+    EmptyInput,
+    InputTooLong,
+    NotAnEmbeddingModel,
+    TokenOutOfVocabulary,
+)
+
 if TYPE_CHECKING:
     from engine.llm_engine import LLMEngine
-    from engine.pooling_runner import PoolingModelRunner
-
-
-class EmbeddingInputError(ValueError):
-    """An embedding request the engine cannot take; ``index`` is the input at fault (None: the
-    request as a whole)."""
-
-    def __init__(self, message: str, index: int | None = None) -> None:
-        super().__init__(message)
-        self.index = index
-
-
-class EmptyInput(EmbeddingInputError):
-    pass
-
-
-class InputTooLong(EmbeddingInputError):
-    pass
-
-
-class TokenOutOfVocabulary(EmbeddingInputError):
-    pass
-
-
-class DimensionsNotSupported(EmbeddingInputError):
-    pass
-
-
-class NotAnEmbeddingModel(ValueError):
-    """Embedding asked of a generation engine, or generation of an embedding one."""
+    from engine.pooling.runner import PoolingModelRunner
 
 
 def pooling_runner(engine: LLMEngine) -> PoolingModelRunner:
-    from engine.pooling_runner import PoolingModelRunner
+    from engine.pooling.runner import PoolingModelRunner
 
     runner = engine.model_runner
     if not isinstance(runner, PoolingModelRunner):

@@ -18,7 +18,7 @@ from typing import Protocol
 import torch
 
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ModelRunner
+from engine.runner.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)

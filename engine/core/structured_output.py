@@ -16,6 +16,7 @@ import re
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from engine.errors import StructuredOutputError
 from engine.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:
@@ -25,16 +26,12 @@ if TYPE_CHECKING:
     import torch
     import xgrammar as xgr
 
-    from engine.request import Request
+    from engine.core.request import Request
 
 # Whitespace runs the JSON grammar allows between tokens: a small model can otherwise loop on
 # newlines until max_tokens. 16 fits a few levels of pretty-printing indentation.
 MAX_JSON_WHITESPACE = 16
 DEFAULT_MAX_CACHED_GRAMMARS = 128
-
-
-class StructuredOutputError(ValueError):
-    """The requested format cannot be compiled: a bad or unsupported schema or grammar."""
 
 
 def canonical_key(params: StructuredOutputParams) -> tuple[str, str]:

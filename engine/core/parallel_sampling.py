@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
+from engine.core.request import Request
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from engine.request import Request
 from engine.sampling_params import SamplingParams
 
 

@@ -36,15 +36,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.config import EngineConfig
-from engine.embedding_inputs import (
+from engine.errors import (
     DimensionsNotSupported,
     EmptyInput,
     InputTooLong,
+    LoRAError,
     NotAnEmbeddingModel,
     TokenOutOfVocabulary,
-    split_inputs,
 )
-from engine.lora.errors import LoRAError
 from engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -53,6 +52,7 @@ from engine.outputs import (
     RequestProgress,
     TokenLogprob,
 )
+from engine.pooling.inputs import split_inputs
 from engine.pooling_params import PoolingParams
 from engine.protocol import ChatTemplate, Prompt
 from engine.sampling_params import SamplingParams

@@ -15,11 +15,10 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 
-from engine import model_cache
-from engine.models import gguf_cache
-from engine.models.model_config import read_model_config
+from engine.checkpoint import gguf_cache, model_cache
+from engine.checkpoint.model_config import read_model_config
+from engine.checkpoint.tokenizer import TOKENIZER_FILES, load_tokenizer
 from engine.models.registry import ARCHITECTURE_OF_MODEL_TYPE, MODEL_REGISTRY
-from engine.tokenizer import TOKENIZER_FILES, load_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -51,7 +50,7 @@ _SAFETENSORS_DTYPES = {
 class Checkpoint:
     """A model on disk: its HF config, where it lives, and where its tokenizer lives.
 
-    ``config`` has the Hugging Face field names: an ``engine.models.model_config.ModelConfig``
+    ``config`` has the Hugging Face field names: an ``engine.checkpoint.model_config.ModelConfig``
     for a folder of a known family, else a transformers config (a GGUF file read directly, or a
     config.json ``read_model_config`` leaves to transformers)."""
 
@@ -72,7 +71,7 @@ class Checkpoint:
         ``destination``: see ``read_safetensors``; a tensor stored in ``dtype`` already is read
         straight into the memory it names (the model's own parameter), and yielded as that."""
         if self.is_gguf:
-            from engine.models.gguf_loader import iter_gguf_weights
+            from engine.checkpoint.gguf_loader import iter_gguf_weights
 
             yield from iter_gguf_weights(self.path, self.config, dtype)
             return
@@ -115,7 +114,7 @@ def load_checkpoint(
 
     ``tokenizer`` optionally names a different tokenizer the same ways. Problems that can be found
     without reading the weights (missing files, no config, unsupported architecture) raise here.
-    A GGUF file with a fresh converted folder (``engine.models.gguf_cache``) is read from that
+    A GGUF file with a fresh converted folder (``engine.checkpoint.gguf_cache``) is read from that
     folder; with ``convert_gguf`` one without is converted first (it reads all the weights), so
     the next start is fast.
     """
@@ -128,7 +127,7 @@ def load_checkpoint(
         if converted is not None:
             path, source = converted, path
     if path.is_file():
-        from engine.models.gguf_loader import load_gguf_config
+        from engine.checkpoint.gguf_loader import load_gguf_config
 
         config = load_gguf_config(path)
     else:

@@ -9,10 +9,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
+from engine.core.kv_cache_manager import KVCacheManager
+from engine.core.request import Request, RequestStatus
+from engine.core.window_kv import WindowBlocks
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
-from engine.request import Request, RequestStatus
-from engine.window_kv import WindowBlocks
 
 
 class Scheduler:

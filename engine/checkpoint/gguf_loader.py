@@ -20,7 +20,7 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 from transformers import PretrainedConfig
 
-from engine.models.gguf_config import config_from_gguf, gguf_architecture
+from engine.checkpoint.gguf_config import config_from_gguf, gguf_architecture
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -94,7 +94,7 @@ def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFReader:
 
 
 def load_gguf_config(path: Path) -> PretrainedConfig:
-    """The HF config of a GGUF file (see ``engine.models.gguf_config``)."""
+    """The HF config of a GGUF file (see ``engine.checkpoint.gguf_config``)."""
     return config_from_gguf(open_gguf(path))
 
 
@@ -109,7 +109,7 @@ def iter_gguf_weights(
 def iter_gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, tensor)`` for each weight, dequantized, in gguf's own output dtype.
 
-    The converted cache (``engine.models.gguf_cache``) stores these uncast, so a cast of its
+    The converted cache (``engine.checkpoint.gguf_cache``) stores these uncast, so a cast of its
     tensors equals a cast of these, bit for bit.
     """
     reader = open_gguf(path)

@@ -96,8 +96,8 @@ def convert(gguf: Path, *, quiet: bool = False) -> Path | None:
     None when no candidate can be written (the caller reads the GGUF file directly). Errors in the
     file itself (unsupported architecture, unknown tensors) raise ValueError as the GGUF path does.
     """
-    from engine.models.gguf_loader import iter_gguf_tensors, load_gguf_config
-    from engine.tokenizer import load_tokenizer
+    from engine.checkpoint.gguf_loader import iter_gguf_tensors, load_gguf_config
+    from engine.checkpoint.tokenizer import load_tokenizer
 
     start = time.monotonic()
     key = cache_key(gguf)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.core.request import Request
+from engine.core.structured_output import apply_grammar_masks
 from engine.outputs import TokenLogprob
-from engine.request import Request
-from engine.structured_output import apply_grammar_masks
 
 
 class Sampler:

@@ -20,20 +20,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from engine.embedding_inputs import (
-    NotAnEmbeddingModel,
-    check_dimensions,
-    encode_inputs,
-    pooling_runner,
-    split_inputs,
-)
+from engine.core.parallel_sampling import ParentRequest
+from engine.core.request import Request
+from engine.errors import NotAnEmbeddingModel
 from engine.layers.pooling import finish_embedding
 from engine.outputs import RequestMetrics, RequestOutput
-from engine.parallel_sampling import ParentRequest
+from engine.pooling.inputs import check_dimensions, encode_inputs, pooling_runner, split_inputs
+from engine.pooling.runner import PoolingModelRunner
 from engine.pooling_params import PoolingParams
-from engine.pooling_runner import PoolingModelRunner
-from engine.quality import EmbeddingAgreement, embedding_agreement
-from engine.request import Request
+from engine.runner.quality import EmbeddingAgreement, embedding_agreement
 from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -2,9 +2,9 @@
 
 Every layer's cache is two tensors ``[num_blocks, block_size, num_kv_heads, head_dim]``. Layers
 share one block table, except in a model that mixes sliding-window and full-attention layers:
-there the windowed layers form a second group with its own, smaller pool (``engine/window_kv.py``),
-sized for what a windowed layer holds per request, ``(window - 1 + max_num_batched_tokens) /
-block_size + 1`` blocks, instead of the whole context.
+there the windowed layers form a second group with its own, smaller pool
+(``engine/core/window_kv.py``), sized for what a windowed layer holds per request,
+``(window - 1 + max_num_batched_tokens) / block_size + 1`` blocks, instead of the whole context.
 """
 
 from __future__ import annotations

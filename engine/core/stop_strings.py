@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.request import Request
+from engine.core.request import Request
 
 
 def match_stop_string(request: Request, decode: Callable[[list[int], bool], str]) -> str | None:

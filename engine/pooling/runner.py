@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import EngineConfig
+from engine.core.request import Request
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.layers.linear import (
     pack_linear_weights,
@@ -25,12 +26,11 @@ from engine.layers.linear import (
 from engine.layers.packed_attention import PackedAttentionBackend
 from engine.layers.pooling import PoolerConfig, PoolingType, pool, read_pooler_config
 from engine.lora.manager import LoRAManager
-from engine.model_runner import resolve_device, resolve_dtype
 from engine.models.decoder_embedding import DecoderEmbeddingModel
 from engine.models.no_init import no_init_weights
 from engine.models.pooling_registry import build_embedding_model
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.request import Request
+from engine.runner.model_runner import resolve_device, resolve_dtype
 
 
 class PoolingModelRunner:

@@ -1,0 +1,1 @@
+"""The embedding path: packed pooling forward passes, embedding requests and their inputs."""
