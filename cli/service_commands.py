@@ -18,34 +18,7 @@ from collections.abc import Callable
 from contextlib import ExitStack, closing
 from functools import partial
 
-
-class Refused(Exception):
-    """A command cannot run; its message is the one line the user sees."""
-
-
-def open_database(url: str, *, check: bool = True):
-    """The database at ``url``, its schema checked (``ensure_schema``), or ``Refused``."""
-    from sqlalchemy import exc as sa_exc
-    from sqlalchemy.engine import make_url
-
-    from service.db import Database
-    from service.migrate import SchemaNotCurrent, ensure_schema
-
-    db = Database(url)
-    try:
-        if check:
-            ensure_schema(db)
-        else:
-            db.ping()
-    except SchemaNotCurrent as exc:
-        db.dispose()
-        raise Refused(str(exc)) from exc
-    except (sa_exc.OperationalError, sa_exc.InterfaceError) as exc:
-        db.dispose()
-        where = make_url(url).render_as_string(hide_password=True)
-        reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
-        raise Refused(f"cannot use the database {where}: {reason}") from exc
-    return db
+from cli.database import Refused, open_database
 
 
 def _refusing(name: str, handler):

@@ -16,7 +16,7 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
-from cli.service_commands import Refused
+from cli.database import Refused
 
 STATUS_PATH = "/v1/status"
 TIMEOUT_S = 30.0

@@ -130,7 +130,7 @@ class StatusCommand:
                 self._reader = None
         self.fast = False
         if self._db is None:
-            from cli.service_commands import open_database
+            from cli.database import open_database
 
             start = time.perf_counter()
             self._db = open_database(self._url)

@@ -13,7 +13,7 @@ import pytest
 
 from api.app import build_context, create_app
 from api.status import collect
-from cli.service_commands import Refused
+from cli.database import Refused
 from cli.status_client import ApiStatus
 from service.settings import Settings
 from tests.api.conftest import RecordingQueue

@@ -19,7 +19,7 @@ from alembic.script import ScriptDirectory
 from psycopg import pq
 
 from api.status import collect, read, report
-from cli.service_commands import Refused
+from cli.database import Refused
 from cli.status_reader import StatusCommand, StatusReader
 from service.db import Database, utcnow
 from service.migrate import alembic_config, head, upgrade
