@@ -15,9 +15,15 @@ from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
 from engine.distributed.group import RankFailure
+
+if TYPE_CHECKING:
+    from engine.checkpoint.loader import Checkpoint
+    from engine.distributed.group import TPGroup
+    from engine.distributed.sharding import ShardPlan
 
 # How long a helper may take to load its share before the driver gives up on it.
 READY_TIMEOUT_SECONDS = 1800.0
@@ -72,14 +78,27 @@ def wait_joined(store, helpers: list[HelperHandle]) -> None:
             waited += 0.05
 
 
-def start_helpers(config: EngineConfig, world_size: int, port: int,
-                  max_position: int) -> list[HelperHandle]:
+class HelperRunner(Protocol):
+    """What a helper rank builds and serves: the driver's runner class passes itself in
+    (``start_helpers``), so this module never imports the runner that imports it."""
+
+    num_kv_blocks: int
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_position: int,
+                 group: TPGroup, plan: ShardPlan, helpers: list[HelperHandle]) -> None: ...
+
+    def serve(self, conn: Connection) -> None: ...
+
+
+def start_helpers(config: EngineConfig, world_size: int, port: int, max_position: int,
+                  runner_class: type[HelperRunner]) -> list[HelperHandle]:
     context = multiprocessing.get_context("spawn")
     helpers = []
     for rank in range(1, world_size):
         parent_end, child_end = context.Pipe()
         process = context.Process(
-            target=helper_main, args=(config, rank, world_size, port, max_position, child_end),
+            target=helper_main,
+            args=(config, rank, world_size, port, max_position, runner_class, child_end),
             name=f"boxcar-tp-rank{rank}", daemon=True)
         process.start()
         child_end.close()
@@ -110,7 +129,7 @@ def stop_helpers(helpers: list[HelperHandle], *, kill: bool = False) -> None:
 
 
 def helper_main(config: EngineConfig, rank: int, world_size: int, port: int,
-                max_position: int, conn: Connection) -> None:
+                max_position: int, runner_class: type[HelperRunner], conn: Connection) -> None:
     """The helper process: join, build this rank's share, serve the driver's steps."""
     try:
         import torch
@@ -118,7 +137,6 @@ def helper_main(config: EngineConfig, rank: int, world_size: int, port: int,
 
         from engine.checkpoint.loader import load_checkpoint
         from engine.distributed.group import TPGroup
-        from engine.distributed.runner import TPModelRunner
         from engine.distributed.sharding import ShardPlan
         from engine.runner.model_runner import resolve_device
 
@@ -134,7 +152,7 @@ def helper_main(config: EngineConfig, rank: int, world_size: int, port: int,
         # the driver has converted a GGUF file already: this finds its folder
         checkpoint = load_checkpoint(config.model, config.tokenizer)
         plan = ShardPlan.of(checkpoint.config, rank, world_size)
-        runner = TPModelRunner(config, checkpoint, max_position, group, plan, [])
+        runner = runner_class(config, checkpoint, max_position, group, plan, [])
         conn.send(("ready", runner.num_kv_blocks))
     except BaseException:
         try:

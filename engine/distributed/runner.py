@@ -89,7 +89,7 @@ class TPModelRunner(ModelRunner):
                              f"{torch.cuda.device_count()} are visible")
         store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=STORE_TIMEOUT,
                               wait_for_workers=False)
-        helpers = start_helpers(config, world_size, store.port, max_position)
+        helpers = start_helpers(config, world_size, store.port, max_position, cls)
         try:
             wait_joined(store, helpers)
             group = TPGroup(store, 0, world_size, device)
