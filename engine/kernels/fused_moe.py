@@ -177,13 +177,3 @@ def fused_moe(
           top_k, gather=False)
     return out.view(num_tokens, top_k, -1).sum(dim=1)
 
-
-def fused_moe_ref(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                  topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  w13_bias: torch.Tensor | None, w2_bias: torch.Tensor | None,
-                  activation: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """Pure PyTorch ``fused_moe``: the layer's grouped torch path."""
-    from engine.layers.moe import experts_grouped
-
-    _check(x, w13, w2, topk_weights, topk_ids)
-    return experts_grouped(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)

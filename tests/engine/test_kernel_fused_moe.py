@@ -15,14 +15,15 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from engine.kernels.fused_moe import (  # noqa: E402
-    align_by_expert,
-    fused_moe,
-    fused_moe_ref,
-)
-from engine.layers.moe import swiglu_clamped  # noqa: E402
+from engine.kernels.fused_moe import align_by_expert, fused_moe  # noqa: E402
+from engine.layers.moe import experts_grouped, swiglu_clamped  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def fused_moe_ref(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation):
+    """The kernel's reference: the MoE layer's grouped torch path, on the same arguments."""
+    return experts_grouped(x, w13, w2, topk_weights, topk_ids, w13_bias, w2_bias, activation)
 
 
 def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
