@@ -31,7 +31,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     num_preempted: int = 0
-    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -21,8 +21,8 @@ from engine.checkpoint.mxfp4 import pair_mxfp4
 from engine.layers.attention import SelfAttention
 from engine.layers.moe import MoeConfig, SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import head_dim_of
-from engine.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM, Slot
+from engine.models.llama import DecoderLayer, head_dim_of
+from engine.models.moe_decoder import MoeForCausalLM, Slot
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -56,7 +56,7 @@ _STACKED = {  # checkpoint name -> (engine parameter, conversion)
 
 class GptOssForCausalLM(MoeForCausalLM):
     def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding,
-                   window: int | None) -> MoeDecoderLayer:
+                   window: int | None) -> DecoderLayer:
         moe = MoeConfig(
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -74,7 +74,7 @@ class GptOssForCausalLM(MoeForCausalLM):
                                   config.num_key_value_heads, head_dim_of(config), rotary,
                                   qkv_bias=bias, o_bias=bias, sliding_window=window,
                                   use_sinks=True)
-        return MoeDecoderLayer(attention, SparseMoeBlock(moe), config.hidden_size,
+        return DecoderLayer(attention, SparseMoeBlock(moe), config.hidden_size,
                                config.rms_norm_eps)
 
     def checkpoint_name(self, name: str) -> str:

@@ -8,8 +8,8 @@ from __future__ import annotations
 from engine.layers.attention import SelfAttention
 from engine.layers.moe import MoeConfig, SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import head_dim_of
-from engine.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM
+from engine.models.llama import DecoderLayer, head_dim_of
+from engine.models.moe_decoder import MoeForCausalLM
 from engine.models.qwen3_moe import check_silu
 
 
@@ -20,7 +20,7 @@ class MixtralForCausalLM(MoeForCausalLM):
         return name.replace(".block_sparse_moe.", ".mlp.")
 
     def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding,
-                   window: int | None) -> MoeDecoderLayer:
+                   window: int | None) -> DecoderLayer:
         check_silu(config)
         moe = MoeConfig(
             hidden_size=config.hidden_size,
@@ -34,5 +34,5 @@ class MixtralForCausalLM(MoeForCausalLM):
         attention = SelfAttention(config.hidden_size, config.num_attention_heads,
                                   config.num_key_value_heads, head_dim_of(config), rotary,
                                   sliding_window=window)
-        return MoeDecoderLayer(attention, SparseMoeBlock(moe), config.hidden_size,
+        return DecoderLayer(attention, SparseMoeBlock(moe), config.hidden_size,
                                config.rms_norm_eps)

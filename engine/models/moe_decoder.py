@@ -31,10 +31,6 @@ from engine.layers.rotary import RotaryEmbedding, rope_parameters_of
 from engine.models.causal_lm import CausalLM, check_window, layer_windows
 from engine.models.llama import DecoderLayer, DecoderModel, head_dim_of
 
-# A mixture of experts is the dense pre-norm decoder with a ``SparseMoeBlock`` as its MLP.
-MoeDecoderLayer = DecoderLayer
-MoeModel = DecoderModel
-
 
 @dataclass(frozen=True)
 class Slot:
@@ -82,13 +78,13 @@ class MoeForCausalLM(CausalLM):
         rotary = RotaryEmbedding(head_dim_of(config), max_position, rope_parameters_of(config),
                                  config.max_position_embeddings)
         windows = [check_window(window) for window in layer_windows(config)]
-        self.model = MoeModel(config, rotary, [
+        self.model = DecoderModel(config, rotary, [
             self.make_layer(config, i, rotary, window) for i, window in enumerate(windows)])
         self._finish(config, config.intermediate_size)
 
     # --- what a family defines -------------------------------------------------------------
     def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding,
-                   window: int | None) -> MoeDecoderLayer:
+                   window: int | None) -> DecoderLayer:
         raise NotImplementedError
 
     def checkpoint_name(self, name: str) -> str:

@@ -14,8 +14,8 @@ from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.moe import MoeConfig, SparseMoeBlock
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import head_dim_of
-from engine.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM
+from engine.models.llama import DecoderLayer, head_dim_of
+from engine.models.moe_decoder import MoeForCausalLM
 from engine.models.qwen3_moe import check_silu
 
 
@@ -51,7 +51,7 @@ class OlmoeAttention(SelfAttention):
 
 class OlmoeForCausalLM(MoeForCausalLM):
     def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding,
-                   window: int | None) -> MoeDecoderLayer:
+                   window: int | None) -> DecoderLayer:
         check_silu(config)
         moe = MoeConfig(
             hidden_size=config.hidden_size,
@@ -61,5 +61,5 @@ class OlmoeForCausalLM(MoeForCausalLM):
             scoring="softmax_topk",
             renormalize=bool(config.norm_topk_prob),
         )
-        return MoeDecoderLayer(OlmoeAttention(config, rotary, window), SparseMoeBlock(moe),
+        return DecoderLayer(OlmoeAttention(config, rotary, window), SparseMoeBlock(moe),
                                config.hidden_size, config.rms_norm_eps)

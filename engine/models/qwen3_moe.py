@@ -13,8 +13,8 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import MoeConfig, SparseMoeBlock
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
-from engine.models.llama import head_dim_of
-from engine.models.moe_decoder import MoeDecoderLayer, MoeForCausalLM
+from engine.models.llama import DecoderLayer, head_dim_of
+from engine.models.moe_decoder import MoeForCausalLM
 
 
 def is_sparse_layer(config, layer_idx: int) -> bool:
@@ -53,7 +53,7 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
         return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
 
     def make_layer(self, config, layer_idx: int, rotary: RotaryEmbedding,
-                   window: int | None) -> MoeDecoderLayer:
+                   window: int | None) -> DecoderLayer:
         check_silu(config)
         eps = config.rms_norm_eps
         attention = SelfAttention(
@@ -63,5 +63,5 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
             qk_norm=(lambda dim: RMSNorm(dim, eps)) if self.qk_norm else None,
             sliding_window=window,
         )
-        return MoeDecoderLayer(attention, self.make_mlp(config, layer_idx), config.hidden_size,
+        return DecoderLayer(attention, self.make_mlp(config, layer_idx), config.hidden_size,
                                eps)

@@ -32,7 +32,7 @@ from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.greedy_dispatch import sample_tokens
 from engine.runner.greedy_screen import GreedyScreen, bf16_is_native
 from engine.runner.input_batch import InputBatch, StepRow, build_input_batch
-from engine.runner.kv_cache import KVCache, plan_kv_cache, zeroed_kv_cache
+from engine.runner.kv_cache import KVCache, plan_kv_cache
 from engine.runner.sampler import Sampler
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,9 +44,6 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA device is available")
     return torch.device(name)
-
-
-_zeroed_kv_cache = zeroed_kv_cache  # its old name, for the tests that import it
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

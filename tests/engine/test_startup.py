@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from engine.checkpoint.loader import read_safetensors
 from engine.kernels import cpu_decode_attention as kernel
 from engine.llm import LLM
-from engine.runner.model_runner import _zeroed_kv_cache
+from engine.runner.kv_cache import zeroed_kv_cache
 from engine.sampling_params import SamplingParams
 
 
@@ -95,13 +95,13 @@ def _rss_kib() -> int:
 def test_kv_cache_is_zero_and_committed_only_where_written() -> None:
     shape = (4, 2, 1024, 16, 8, 64)  # 1 GiB of float32
     before = _rss_kib()
-    cache = _zeroed_kv_cache(shape, torch.float32, torch.device("cpu"))
+    cache = zeroed_kv_cache(shape, torch.float32, torch.device("cpu"))
     assert cache.shape == shape and cache.is_contiguous() and cache.dtype == torch.float32
     assert _rss_kib() - before < 64 << 10  # not the whole GiB
     cache[1, 0, 7].fill_(2.0)
     assert cache[1, 0, 7].eq(2.0).all() and cache[1, 0, 8].eq(0).all()
     assert cache[3, 1, 1023].eq(0).all()
-    bf16 = _zeroed_kv_cache((2, 2, 3, 4, 1, 8), torch.bfloat16, torch.device("cpu"))
+    bf16 = zeroed_kv_cache((2, 2, 3, 4, 1, 8), torch.bfloat16, torch.device("cpu"))
     assert bf16.dtype == torch.bfloat16 and bf16.eq(0).all()
 
 
