@@ -1,4 +1,6 @@
-"""boxcar's inference engine: continuous batching over a paged KV cache for Llama-family models.
+"""boxcar's inference engine: continuous batching over a paged KV cache for decoder LLMs (Llama,
+Gemma 2/3, Phi-3, gpt-oss and the MoE families Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) and
+embedding models (BERT and decoder embedders); ``engine/models/`` registers each family.
 
     from engine import LLM, SamplingParams
     llm = LLM(model="SmolLM2-135M-Instruct")          # a folder, a .gguf file or a cached name

@@ -1,7 +1,11 @@
-"""ModelRunner: the only code that touches device tensors.
+"""ModelRunner: a generating engine's device side, one step from scheduler output to tokens.
 
-It owns the model weights and the paged KV cache (``kv_cache.py``), turns a SchedulerOutput into
-one flat batch (``input_batch.py``), runs the forward pass and samples (``greedy_dispatch.py``).
+It builds the model and loads its weights, owns the paged KV cache (``kv_cache.py``), turns a
+SchedulerOutput into one flat batch (``input_batch.py``), runs the forward pass (eager, or a
+captured CUDA graph for decode-only steps, ``cuda_graphs.py``) and samples
+(``greedy_dispatch.py``). The math itself lives in the model, its layers and the kernels; an
+embedding engine's step runs in ``engine/pooling/runner.py`` instead, and a tensor-parallel one
+in ``engine/distributed/runner.py``, which subclasses this one.
 """
 
 from __future__ import annotations
