@@ -55,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
               for m in workload.max_tokens]
     outputs = reference.generate(workload.prompts, params)
     sequences = [(p, list(o.token_ids)) for p, o in zip(workload.prompts, outputs, strict=True)]
-    report = teacher_forced_agreement(reference.engine, candidate.engine, sequences)
+    report = teacher_forced_agreement(reference.engine.model_runner,
+                                      candidate.engine.model_runner, sequences)
     seconds = time.perf_counter() - start
     verdict = "holds" if report.agreement >= GATE else "FAILS"
     print(f"workload: {args.num_requests} requests, {report.num_positions} fp32 greedy output "

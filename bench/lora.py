@@ -188,7 +188,7 @@ def measure(model: str, *, lines: int = 64, adapters: int = 8, min_rank: int = 8
 
     from engine import LLM
     from engine.checkpoint.loader import load_checkpoint
-    from engine.runner.model_runner import resolve_dtype
+    from engine.runner.device import resolve_dtype
 
     checkpoint = load_checkpoint(model, None, convert_gguf=True)
     config = checkpoint.config

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from engine.checkpoint.tokenizer import special_token_id
+from engine.checkpoint.tokenizer import special_token_id, tokenize
 from engine.config import EngineConfig
 from engine.core.parallel_sampling import ParentRequest
 from engine.core.request import RequestStatus
@@ -22,9 +22,10 @@ from engine.core.scheduler import Scheduler
 from engine.core.stop_strings import match_stop_string
 from engine.core.structured_output import StructuredOutputManager, accept_token
 from engine.core.window_kv import WindowBlocks
-from engine.errors import LoRAError
+from engine.errors import LoRAError, NotAnEmbeddingModel
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
-from engine.pooling.inputs import check_dimensions, encode_inputs, pooling_runner
+from engine.pooling.embedding import finish_pooling_request, pooling_request
+from engine.pooling.inputs import EmbeddingSpec, check_dimensions, encode_inputs, split_inputs
 from engine.pooling_params import PoolingParams
 from engine.protocol import ChatTemplate, Prompt
 from engine.runner.allocator import keep_step_buffers_on_heap
@@ -48,17 +49,16 @@ class LLMEngine:
         # where start-up time went (bench/startup.py prints it; a worker logs it)
         self.startup_seconds = started.startup_seconds
         num_blocks = self.model_runner.num_kv_blocks
-        self.is_embedding = started.is_embedding
+        # An embedding model's limits, None for a generation model.
+        self.embedding: EmbeddingSpec | None = started.embedding
+        self.is_embedding = self.embedding is not None
         # A request must always fit in the cache on its own, or it could never run (an
         # embedding engine keeps no cache: its inputs are bounded by the model alone).
         self.max_model_len = (started.model_len if self.is_embedding
                               else min(started.model_len, num_blocks * config.block_size))
-        # The bf16 embedding quality gate (``engine.pooling.embedding``): its report, when it ran.
-        self.dtype_gate: EmbeddingAgreement | None = None
-        if self.is_embedding:
-            from engine.pooling.embedding import gate_embedding_dtype
-
-            self.dtype_gate = gate_embedding_dtype(self, started.checkpoint, started.model_len)
+        # The bf16 embedding quality gate (``engine.pooling.dtype_gate``): its report, when it
+        # ran at start-up.
+        self.dtype_gate: EmbeddingAgreement | None = started.dtype_gate
         window = None
         if self.model_runner.kv_window is not None:
             size, num_window_blocks = self.model_runner.kv_window
@@ -90,7 +90,7 @@ class LLMEngine:
     # ---- tokenization -------------------------------------------------------------------------
 
     def encode(self, prompt: str) -> list[int]:
-        return list(self.tokenizer(prompt).input_ids)
+        return tokenize(self.tokenizer, prompt)
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
         text = self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
@@ -154,13 +154,18 @@ class LLMEngine:
                 raise ValueError(f"{name} must be an integer, got {value!r}")
         if request_id in self._parents:
             raise ValueError(f"request_id {request_id!r} is already in the engine")
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         if isinstance(params, PoolingParams) or self.is_embedding:
             if lora_name is not None:
                 raise ValueError("lora_name: an embedding request runs no LoRA adapter")
-            from engine.pooling.embedding import add_pooling_request
-
-            add_pooling_request(self, request_id, prompt, params, arrival_time=arrival_time,
-                                priority=priority, rank=rank)
+            if not isinstance(params, PoolingParams):
+                raise NotAnEmbeddingModel(f"model {self.model_name} is an embedding model; it "
+                                          "does not generate text")
+            spec = self._embedding_spec()
+            check_dimensions(spec, params.dimensions)
+            token_ids = encode_inputs(split_inputs(prompt), self._tokenize, spec)
+            self._admit(pooling_request(request_id, token_ids, params, arrival_time=arrival,
+                                        priority=priority, rank=rank))
             return
         if lora_name is not None:
             self._check_lora(lora_name)
@@ -177,24 +182,34 @@ class LLMEngine:
             matchers = self.structured_output.matchers(params.structured_output, params.n)
         room = self.max_model_len - len(prompt_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        parent = ParentRequest.fan_out(
+        self._admit(ParentRequest.fan_out(
             request_id, text, prompt_ids, params, max_tokens=max_tokens,
-            eos_token_ids=self.eos_token_ids,
-            arrival_time=time.monotonic() if arrival_time is None else arrival_time,
-            priority=priority, rank=rank, lora_name=lora_name, grammars=matchers)
-        self._parents[request_id] = parent
+            eos_token_ids=self.eos_token_ids, arrival_time=arrival,
+            priority=priority, rank=rank, lora_name=lora_name, grammars=matchers))
+
+    def _admit(self, parent: ParentRequest) -> None:
+        """The one way in: register a checked request and queue its sequences."""
+        self._parents[parent.request_id] = parent
         for child in parent.children:
-            self._child_to_parent[child.request_id] = request_id
+            self._child_to_parent[child.request_id] = parent.request_id
         for child in parent.children:
             self.scheduler.add_request(child)
 
+    def _embedding_spec(self) -> EmbeddingSpec:
+        if self.embedding is None:
+            raise NotAnEmbeddingModel(f"model {self.model_name} generates text; it does not "
+                                      "embed")
+        return self.embedding
+
+    def _tokenize(self, text: str, max_length: int | None) -> list[int]:
+        return tokenize(self.tokenizer, text, max_length)
+
     def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
         """Each embedding input's checked token ids (``engine.pooling.inputs``)."""
-        pooling_runner(self)  # NotAnEmbeddingModel on a generation engine
-        return encode_inputs(self, inputs)
+        return encode_inputs(inputs, self._tokenize, self._embedding_spec())
 
     def check_embedding_dimensions(self, dimensions: int | None) -> None:
-        check_dimensions(self, dimensions)
+        check_dimensions(self._embedding_spec(), dimensions)
 
     @property
     def lora_names(self) -> list[str]:
@@ -303,10 +318,8 @@ class LLMEngine:
         del self._parents[parent.request_id]
         for child in parent.children:
             del self._child_to_parent[child.request_id]
-        if parent.children and parent.children[0].is_pooling:
-            from engine.pooling.embedding import finish_pooling_request
-
-            return finish_pooling_request(self, parent)
+        if self.embedding is not None:
+            return finish_pooling_request(parent, normalize=self.embedding.normalize)
         return parent.output(self.decode)
 
     # ---- stats --------------------------------------------------------------------------------

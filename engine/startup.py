@@ -1,5 +1,6 @@
-"""An engine's start-up: the checkpoint, the tokenizer and the model runner built, and where the
-seconds went (``startup_seconds``: bench/startup.py prints it, a worker logs it)."""
+"""An engine's start-up: the checkpoint, the tokenizer and the model runner built (an embedding
+model's through its bf16 quality gate, ``engine.pooling.dtype_gate``), and where the seconds went
+(``startup_seconds``: bench/startup.py prints it, a worker logs it)."""
 
 from __future__ import annotations
 
@@ -7,16 +8,24 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from engine.checkpoint.loader import Checkpoint, load_checkpoint
+from engine.checkpoint.tokenizer import tokenize
 from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
+from engine.pooling.dtype_gate import gate_embedding_dtype
+from engine.pooling.inputs import EmbeddingSpec
 from engine.pooling.runner import PoolingModelRunner
+from engine.runner.base import Runner
 from engine.runner.model_runner import ModelRunner
+from engine.runner.quality import EmbeddingAgreement
 
 if TYPE_CHECKING:  # transformers is imported on the tokenizer's thread (see ``start``)
     from transformers import PreTrainedTokenizerBase
+
+    from engine.distributed.runner import TPModelRunner
 
 T = TypeVar("T")
 
@@ -28,13 +37,14 @@ class Started:
     model_name: str
     hf_config: Any  # the checkpoint's transformers config
     tokenizer: PreTrainedTokenizerBase
-    # a PoolingModelRunner for an embedding model (``is_embedding``), else a ModelRunner
-    model_runner: ModelRunner | PoolingModelRunner
+    model_runner: Runner
     model_len: int  # the model's context, capped by the config's (not yet by the KV cache)
     startup_seconds: dict[str, float]
     eos_token_ids: tuple[int, ...]  # every id that ends a sequence
-    is_embedding: bool  # the engine pools (``EngineConfig.task``, ``is_embedding_model``)
-    checkpoint: Checkpoint  # what the bf16 embedding gate builds its fp32 reference from
+    # An embedding model's limits (``EngineConfig.task``, ``is_embedding_model``); None: the
+    # engine generates.
+    embedding: EmbeddingSpec | None
+    dtype_gate: EmbeddingAgreement | None  # the bf16 gate's report, where it ran
 
 
 def start(config: EngineConfig) -> Started:
@@ -66,14 +76,22 @@ def start(config: EngineConfig) -> Started:
         "total": time.perf_counter() - start_at,
     }
     eos = eos_token_ids(checkpoint.config, tokenizer, checkpoint.generation_eos_token_ids())
-    return Started(_model_name(config.model, checkpoint), checkpoint.config, tokenizer,
-                   model_runner, model_len, startup_seconds, eos,
-                   isinstance(model_runner, PoolingModelRunner), checkpoint)
+    model_name = _model_name(config.model, checkpoint)
+    embedding = dtype_gate = None
+    if isinstance(model_runner, PoolingModelRunner):
+        model_runner, dtype_gate = gate_embedding_dtype(
+            config, checkpoint, model_runner, partial(tokenize, tokenizer), model_len)
+        embedding = EmbeddingSpec(
+            model_name, model_runner.max_len, model_runner.vocab_size, model_runner.hidden_size,
+            model_runner.pooler.matryoshka_dimensions, model_runner.pooler.normalize,
+            config.truncate_embedding_inputs)
+    return Started(model_name, checkpoint.config, tokenizer, model_runner, model_len,
+                   startup_seconds, eos, embedding, dtype_gate)
 
 
 def _build_runner(
     config: EngineConfig, checkpoint: Checkpoint,
-) -> tuple[ModelRunner | PoolingModelRunner, int, float, float]:
+) -> tuple[ModelRunner | PoolingModelRunner | TPModelRunner, int, float, float]:
     """Build the model runner (weights, KV cache, kernel): a PoolingModelRunner (no KV cache)
     for an embedding model, else a ModelRunner; returns it, the model's context length, the
     seconds spent loading the kernel and the seconds of the whole build."""
@@ -87,7 +105,7 @@ def _build_runner(
             )
         model_len = config.max_model_len
     kernel_seconds = cpu_decode_attention.load_seconds
-    model_runner: ModelRunner | PoolingModelRunner
+    model_runner: ModelRunner | PoolingModelRunner | TPModelRunner
     if is_embedding_model(config, checkpoint):
         if config.tensor_parallel_size > 1:
             raise ValueError("tensor_parallel_size > 1 is for generation models; an embedding "

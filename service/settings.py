@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     s3_create_bucket: bool = True
 
     # The model the workers serve.
-    # engine.model_cache.DEFAULT_MODEL, which this package may not import;
+    # engine.checkpoint.model_cache.DEFAULT_MODEL, which this package may not import;
     # tests/cli/test_cli.py checks the two agree.
     model: str = "SmolLM2-135M-Instruct"
     served_model_name: str | None = None  # the model's id; default: the setting's last part

@@ -83,3 +83,11 @@ def special_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int | No
     if not isinstance(token_id, int) or tokenizer.convert_ids_to_tokens(token_id) != token:
         return None
     return token_id
+
+
+def tokenize(tokenizer: PreTrainedTokenizerBase, text: str,
+             max_length: int | None = None) -> list[int]:
+    """``text``'s token ids with the tokenizer's own special tokens; ``max_length``: cut there."""
+    if max_length is None:
+        return list(tokenizer(text).input_ids)
+    return list(tokenizer(text, truncation=True, max_length=max_length).input_ids)

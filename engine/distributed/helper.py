@@ -138,7 +138,7 @@ def helper_main(config: EngineConfig, rank: int, world_size: int, port: int,
         from engine.checkpoint.loader import load_checkpoint
         from engine.distributed.group import TPGroup
         from engine.distributed.sharding import ShardPlan
-        from engine.runner.model_runner import resolve_device
+        from engine.runner.device import resolve_device
 
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 import weakref
 from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -47,9 +48,11 @@ from engine.models.llama import LlamaForCausalLM
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.runner.base import Runner
 from engine.runner.cuda_graphs import CUDAGraphRunner
+from engine.runner.device import resolve_device
 from engine.runner.input_batch import InputBatch, build_input_batch
-from engine.runner.model_runner import ModelRunner, resolve_device
+from engine.runner.model_runner import ModelRunner
 
 # How long the driver waits for a dead helper's exit code after a failed collective.
 _REAP_SECONDS = 2.0
@@ -239,3 +242,8 @@ def _check_family(checkpoint: Checkpoint) -> type[CausalLM]:
         raise ValueError(f"tensor_parallel_size > 1 is implemented for the Llama family "
                          f"(Llama, Mistral, Qwen2, Qwen3, Phi-3), not {model_cls.__name__}")
     return model_cls
+
+
+if TYPE_CHECKING:
+    def _is_a_runner(runner: TPModelRunner) -> Runner:
+        return runner  # mypy: TPModelRunner satisfies the Protocol

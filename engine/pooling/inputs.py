@@ -1,60 +1,54 @@
 """An embedding request's inputs, checked against the model: one text or token-id list, or a
-list of them; typed errors (``EmbeddingInputError`` and its kinds, with the input's ``index``)
-a caller maps to its own codes. No torch here: the worker's pipeline imports this before its
-engine is built."""
+list of them; typed errors (``engine.errors.EmbeddingInputError`` and its kinds, with the input's
+``index``) a caller maps to its own codes. No torch here, and no engine: the checks take the
+model's limits (``EmbeddingSpec``, fixed at start-up) and a tokenize function."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from engine.errors import (
     DimensionsNotSupported,
     EmbeddingInputError,
     EmptyInput,
     InputTooLong,
-    NotAnEmbeddingModel,
     TokenOutOfVocabulary,
 )
 
-if TYPE_CHECKING:
-    from engine.llm_engine import LLMEngine
-    from engine.pooling.runner import PoolingModelRunner
+# text, max_length (None: no truncation) -> token ids
+Tokenize = Callable[[str, int | None], list[int]]
 
 
-def pooling_runner(engine: LLMEngine) -> PoolingModelRunner:
-    from engine.pooling.runner import PoolingModelRunner
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """What an embedding engine admits and returns, fixed when its runner is built."""
 
-    runner = engine.model_runner
-    if not isinstance(runner, PoolingModelRunner):
-        raise NotAnEmbeddingModel(f"model {engine.model_name} generates text; it does not "
-                                  "embed")
-    return runner
-
-
-def embedding_size(engine: LLMEngine) -> int:
-    return pooling_runner(engine).hidden_size
-
-
-def matryoshka_dimensions(engine: LLMEngine) -> tuple[int, ...] | None:
-    return pooling_runner(engine).pooler.matryoshka_dimensions
+    model_name: str
+    max_len: int  # the longest input, in tokens
+    vocab_size: int
+    hidden_size: int  # the vector's size
+    matryoshka_dimensions: tuple[int, ...] | None  # the sizes it may be cut to, if any
+    normalize: bool  # vectors are L2-normalized (again after a cut)
+    truncate: bool  # an input past max_len is cut (``EngineConfig.truncate_embedding_inputs``)
 
 
-def check_dimensions(engine: LLMEngine, dimensions: int | None) -> None:
+def check_dimensions(spec: EmbeddingSpec, dimensions: int | None) -> None:
     if dimensions is None:
         return
-    dims = matryoshka_dimensions(engine)
+    dims = spec.matryoshka_dimensions
     if dims is None:
         raise DimensionsNotSupported(
-            f"model {engine.model_name} does not support dimensions (it declares no "
+            f"model {spec.model_name} does not support dimensions (it declares no "
             "Matryoshka dimensions); leave it out")
-    size = embedding_size(engine)
+    size = spec.hidden_size
     if dimensions > size:
         raise DimensionsNotSupported(f"dimensions must be at most {size} for model "
-                                     f"{engine.model_name}, got {dimensions}")
+                                     f"{spec.model_name}, got {dimensions}")
     if dimensions not in dims and dimensions != size:
         raise DimensionsNotSupported(f"dimensions must be one of {[*dims]} for model "
-                                     f"{engine.model_name}, got {dimensions}")
+                                     f"{spec.model_name}, got {dimensions}")
 
 
 def split_inputs(prompt: Any) -> list[str | list[int]]:
@@ -71,28 +65,24 @@ def split_inputs(prompt: Any) -> list[str | list[int]]:
     return list(prompt)
 
 
-def encode_inputs(engine: LLMEngine, inputs: Sequence[str | list[int]]) -> list[list[int]]:
+def encode_inputs(inputs: Sequence[str | list[int]], tokenize: Tokenize,
+                  spec: EmbeddingSpec) -> list[list[int]]:
     """Each input's token ids, checked (module docstring); typed errors name the input."""
     if not inputs:
         raise EmptyInput("input is empty")
-    max_len = engine.max_model_len
-    vocab = engine.model_runner.vocab_size
-    truncate = engine.config.truncate_embedding_inputs
+    max_len, vocab = spec.max_len, spec.vocab_size
     token_ids: list[list[int]] = []
     for index, item in enumerate(inputs):
         if isinstance(item, str):
             if not item:
                 raise EmptyInput("input is an empty string", index)
-            if truncate:
-                ids = list(engine.tokenizer(item, truncation=True, max_length=max_len).input_ids)
-            else:
-                ids = list(engine.tokenizer(item).input_ids)
+            ids = tokenize(item, max_len if spec.truncate else None)
         elif isinstance(item, list | tuple):
             if not item:
                 raise EmptyInput("input is an empty list of token ids", index)
             if not all(isinstance(t, int) and not isinstance(t, bool) for t in item):
                 raise EmbeddingInputError("token ids must be integers", index)
-            ids = list(item[:max_len] if truncate else item)
+            ids = list(item[:max_len] if spec.truncate else item)
             low, high = min(ids), max(ids)
             if low < 0 or high >= vocab:
                 bad = low if low < 0 else high

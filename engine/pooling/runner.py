@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +31,8 @@ from engine.models.decoder_embedding import DecoderEmbeddingModel
 from engine.models.no_init import no_init_weights
 from engine.models.pooling_registry import build_embedding_model
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
-from engine.runner.model_runner import resolve_device, resolve_dtype
+from engine.runner.base import Runner
+from engine.runner.device import resolve_device, resolve_dtype
 
 
 class PoolingModelRunner:
@@ -126,3 +128,8 @@ def _with_options(pooler: PoolerConfig, config: EngineConfig) -> PoolerConfig:
     normalize = pooler.normalize if config.normalize is None else config.normalize
     return PoolerConfig(pooling_type, normalize, pooler.max_seq_len,
                         pooler.matryoshka_dimensions)
+
+
+if TYPE_CHECKING:
+    def _is_a_runner(runner: PoolingModelRunner) -> Runner:
+        return runner  # mypy: PoolingModelRunner satisfies the Protocol

@@ -35,13 +35,6 @@ _U = 2.0**-8  # unit roundoff of bf16 (round to nearest even)
 _SAFETY = 1.25
 
 
-def bf16_is_native() -> bool:
-    """True where the CPU multiplies bf16 in hardware (else the screen would be slower)."""
-    cpu = torch.cpu
-    return bool(getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-                or getattr(cpu, "_is_avx512_bf16_supported", lambda: False)())
-
-
 class GreedyScreen:
     """``argmax(hidden @ weight.T)`` per row, exactly, from a bf16 screen (module docstring)."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,11 +20,7 @@ from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.kernels import cpu_decode_attention
 from engine.layers.attention_metadata import AttentionBackend
-from engine.layers.linear import (
-    bf16_packing_available,
-    pack_linear_weights,
-    packing_gemm,
-)
+from engine.layers.linear import pack_linear_weights, packing_gemm
 from engine.layers.moe import pack_experts
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.lora.layers import lora_batch, wrap_lora_linears
@@ -32,45 +29,14 @@ from engine.models.causal_lm import CausalLM
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from engine.runner.base import Runner
 from engine.runner.cuda_graphs import CUDAGraphRunner
+from engine.runner.device import bf16_is_native, resolve_device, resolve_dtype
 from engine.runner.greedy_dispatch import sample_tokens
-from engine.runner.greedy_screen import GreedyScreen, bf16_is_native
+from engine.runner.greedy_screen import GreedyScreen
 from engine.runner.input_batch import InputBatch, StepRow, build_input_batch
 from engine.runner.kv_cache import KVCache, plan_kv_cache
 from engine.runner.sampler import Sampler
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but no CUDA device is available")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """``auto``: bf16 on a GPU; on a CPU, bf16 where it multiplies bf16 in hardware (AMX or
-    AVX512-BF16, ``greedy_screen.bf16_is_native``) and oneDNN packs bf16 weights, fp32
-    elsewhere. ``float32`` is the exact mode, token for token transformers' fp32 (the tests that
-    compare with transformers pin it).
-
-    Why, measured on an AMX Xeon (2 cores, shared with other jobs; the default model, 32
-    requests of the benchmark workload, ``bench.offline``): bf16 runs 1.75x fp32's output
-    tokens at 2 threads (143 against 251 out tok/s, taken while the machine was quiet) and 1.82x
-    at 1 thread; the quality gate holds (``python -m bench.bf16_quality``: 98.8% top-1 agreement
-    with fp32's greedy tokens, mean |delta logprob| 0.016). The bound is the weight bytes a
-    decode step streams: half in bf16, except the output layer, which both screen in bf16. On a
-    CPU without bf16 units bf16 is emulated, 0.44x fp32 (AVX2 EPYC), so ``auto`` is fp32 there.
-    With the cores oversubscribed, 2-thread wall time swings (each OpenMP region waits about a
-    time slice for a descheduled peer; bf16's regions are short, so it loses most, down to
-    0.17x in one shared run); that is the machine, not the dtype, and at 1 thread bf16 leads."""
-    if name == "auto":
-        if device.type == "cuda":
-            return torch.bfloat16
-        return torch.bfloat16 if bf16_is_native() and bf16_packing_available() else torch.float32
-    return _DTYPES[name]
 
 
 class ModelRunner:
@@ -340,3 +306,8 @@ def base_model_names(model: str, checkpoint) -> set[str]:
     if saved:
         names |= {saved, os.path.basename(saved.rstrip("/"))}
     return {n for n in names if n}
+
+
+if TYPE_CHECKING:
+    def _is_a_runner(runner: ModelRunner) -> Runner:
+        return runner  # mypy: ModelRunner satisfies the Protocol

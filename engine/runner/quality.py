@@ -1,10 +1,10 @@
-"""The bf16 quality gates: how often a lower-precision engine picks a reference engine's tokens,
+"""The bf16 quality gates: how often a lower-precision runner picks a reference runner's tokens,
 and how close its embeddings are to the reference's.
 
-Teacher forcing: the reference (fp32) engine's greedy outputs are fed, token by token, through
-both engines (``ModelRunner.score_tokens``, one prefill pass per sequence); at each output
+Teacher forcing: the reference (fp32) runner's greedy outputs are fed, token by token, through
+both runners (``ModelRunner.score_tokens``, one prefill pass per sequence); at each output
 position the candidate's top-1 token is compared with the token the reference chose, and the
-two engines' log-probabilities of that token are compared. Free-running generation would
+two runners' log-probabilities of that token are compared. Free-running generation would
 diverge after the first differing token and count every later position against the candidate;
 teacher forcing counts each position once, on the same context.
 """
@@ -16,9 +16,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-
-from engine.llm_engine import LLMEngine
-from engine.runner.model_runner import ModelRunner
 
 
 @dataclass(frozen=True)
@@ -34,9 +31,13 @@ class AgreementReport:
         return self.num_agreeing / self.num_positions if self.num_positions else 1.0
 
 
+class _Scorer(Protocol):
+    def score_tokens(self, token_ids: list[int]) -> torch.Tensor: ...
+
+
 def teacher_forced_agreement(
-    reference: LLMEngine,
-    candidate: LLMEngine,
+    reference: _Scorer,
+    candidate: _Scorer,
     sequences: Sequence[tuple[list[int], list[int]]],
 ) -> AgreementReport:
     """``sequences``: (prompt token ids, the reference's greedy output token ids) pairs."""
@@ -48,13 +49,10 @@ def teacher_forced_agreement(
         token_ids = [*prompt_ids, *output_ids]
         # row i predicts token i + 1: the outputs are predicted by rows len(prompt) - 1 onwards
         first = len(prompt_ids) - 1
-        ref_runner, cand_runner = reference.model_runner, candidate.model_runner
-        if not isinstance(ref_runner, ModelRunner) or not isinstance(cand_runner, ModelRunner):
-            raise ValueError("teacher forcing compares generation engines")
-        ref = ref_runner.score_tokens(token_ids)[first:]
-        cand = cand_runner.score_tokens(token_ids)[first:]
+        ref = reference.score_tokens(token_ids)[first:]
+        cand = candidate.score_tokens(token_ids)[first:]
         if ref.shape != cand.shape:
-            raise ValueError("the engines' vocabularies differ: "
+            raise ValueError("the runners' vocabularies differ: "
                              f"{ref.shape[-1]} against {cand.shape[-1]}")
         rows = torch.arange(len(output_ids))
         chosen = torch.tensor(output_ids, dtype=torch.int64)

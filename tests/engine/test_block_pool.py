@@ -31,7 +31,7 @@ def test_hash_is_chained_and_deterministic_across_processes():
     assert hash_block_tokens(h1, [5, 6]) != hash_block_tokens(None, [5, 6])
     assert hash_block_tokens(h1, [5, 6], ("lora-a",)) != hash_block_tokens(h1, [5, 6])
     code = (
-        "from engine.block_pool import hash_block_tokens;"
+        "from engine.core.block_pool import hash_block_tokens;"
         "print(hash_block_tokens(None, [1, 2, 3, 4]).hex())"
     )
     other = subprocess.run(

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-import engine.runner.model_runner as model_runner
+import engine.runner.device as device
 from engine import LLM
 from engine.layers.linear import bf16_packing_available
-from engine.runner.greedy_screen import bf16_is_native
-from engine.runner.model_runner import resolve_dtype
+from engine.runner.device import bf16_is_native, resolve_dtype
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
 
@@ -20,8 +19,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
     (False, False, torch.float32),
 ])
 def test_auto_on_a_cpu_is_bf16_only_where_it_is_native(monkeypatch, native, packs, want):
-    monkeypatch.setattr(model_runner, "bf16_is_native", lambda: native)
-    monkeypatch.setattr(model_runner, "bf16_packing_available", lambda: packs)
+    monkeypatch.setattr(device, "bf16_is_native", lambda: native)
+    monkeypatch.setattr(device, "bf16_packing_available", lambda: packs)
     assert resolve_dtype("auto", CPU) == want
     assert resolve_dtype("auto", CUDA) == torch.bfloat16  # the GPU's choice is unchanged
     # an explicit dtype is taken as given: float32 is the exact mode everywhere

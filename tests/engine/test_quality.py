@@ -26,7 +26,8 @@ def test_scores_are_the_engines_own_greedy_choices(tiny_model_dir):
         assert logprobs.shape == (len(prompt) + len(output) - 1, llm.engine.model_runner.vocab_size)
         assert logprobs[len(prompt) - 1:].argmax(dim=-1).tolist() == output
         torch.testing.assert_close(logprobs.exp().sum(dim=-1), torch.ones(len(logprobs)))
-    report = teacher_forced_agreement(llm.engine, llm.engine, greedy_sequences(llm, 3, seed=1))
+    runner = llm.engine.model_runner
+    report = teacher_forced_agreement(runner, runner, greedy_sequences(llm, 3, seed=1))
     assert report.agreement == 1.0 and report.mean_abs_delta_logprob == 0.0
 
 
@@ -44,7 +45,8 @@ def test_bf16_kernel_path_keeps_stock_bf16_quality(tiny_model_dir):
         bf16 = LLM(str(tiny_model_dir), dtype="bfloat16", device="cpu",
                    attention_backend=backend)
         assert bf16.engine.model_runner.kv_cache.dtype == torch.bfloat16
-        reports[backend] = teacher_forced_agreement(fp32.engine, bf16.engine, sequences)
+        reports[backend] = teacher_forced_agreement(fp32.engine.model_runner,
+                                                    bf16.engine.model_runner, sequences)
     kernel, stock = reports["cpu"], reports["torch"]
     assert kernel.num_positions == 12 * 24
     assert kernel.agreement >= 0.9, kernel
@@ -68,7 +70,7 @@ def test_bf16_gate_holds_on_the_default_model():
     outs = fp32.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=48,
                                                     ignore_eos=True))
     sequences = [(p, list(o.token_ids)) for p, o in zip(prompt_ids, outs, strict=True)]
-    report = teacher_forced_agreement(fp32.engine, bf16.engine, sequences)
+    report = teacher_forced_agreement(fp32.engine.model_runner, bf16.engine.model_runner, sequences)
     assert report.agreement >= 0.98, report
     assert report.mean_abs_delta_logprob < 0.1, report
 
@@ -76,6 +78,6 @@ def test_bf16_gate_holds_on_the_default_model():
 def test_bad_sequences_are_rejected(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), dtype="float32", device="cpu")
     with pytest.raises(ValueError, match="output token"):
-        teacher_forced_agreement(llm.engine, llm.engine, [([1, 2], [])])
+        teacher_forced_agreement(llm.engine.model_runner, llm.engine.model_runner, [([1, 2], [])])
     with pytest.raises(ValueError, match="at least 2"):
         llm.engine.model_runner.score_tokens([5])
