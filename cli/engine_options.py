@@ -11,12 +11,13 @@ at ``BOXCAR_ENGINE_OPTIONS``). The service's settings keep the same fields as a 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from dataclasses import fields
 from typing import Any
 
 from engine.checkpoint.model_cache import DEFAULT_MODEL
-from engine.config import EngineConfig
+from engine.config import EngineConfig, parse_lora_module
 
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -31,6 +32,55 @@ def parse_size(text: str) -> int:
     if size <= 0:
         raise argparse.ArgumentTypeError(f"size must be > 0, got {text!r}")
     return size
+
+
+def parse_lora_module_arg(text: str) -> str:
+    """One ``--lora-modules`` item as ``NAME=PATH``, from that form or vLLM's JSON object
+    ``{"name", "path", "base_model_name"}``. ``base_model_name`` is accepted and not used: an
+    adapter always runs on the engine's one model, and the engine checks it was trained on it."""
+    if text.lstrip().startswith("{"):
+        try:
+            item = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"bad item {text!r}: not valid JSON ({exc})") from exc
+        unknown = sorted(set(item) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise argparse.ArgumentTypeError(
+                f"bad item {text!r}: unknown keys {unknown} (name, path, base_model_name)")
+        name, path = item.get("name"), item.get("path")
+        if (not isinstance(name, str) or not isinstance(path, str) or "=" in name
+                or not name.strip() or not path.strip()):
+            raise argparse.ArgumentTypeError(
+                f"bad item {text!r}: needs \"name\" and \"path\", non-empty strings, and a "
+                "name without '='")
+        return f"{name.strip()}={path.strip()}"
+    try:
+        name, path = parse_lora_module(text)
+    except ValueError:
+        # The list runs to the next option: a positional typed after it lands here.
+        hint = "" if "=" in text else " (a file argument goes before --lora-modules)"
+        raise argparse.ArgumentTypeError(
+            f"bad item {text!r}: an adapter is NAME=PATH, both non-empty{hint}") from None
+    return f"{name}={path}"
+
+
+class _LoRAModulesAction(argparse.Action):
+    """Adds one flag's adapters to the earlier flags': ``--lora-modules a=P b=Q`` (vLLM's form)
+    and ``--lora-modules a=P --lora-modules b=Q`` give the same list. A name twice is an error
+    here, at the flag, rather than when the engine starts."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        modules: list[str] = list(getattr(namespace, self.dest) or [])
+        names = {parse_lora_module(m)[0] for m in modules}
+        for item in values:
+            name = parse_lora_module(item)[0]
+            if name in names:
+                raise argparse.ArgumentError(self, f"bad item {item!r}: adapter name {name!r} "
+                                                   "is given twice")
+            names.add(name)
+            modules.append(item)
+        setattr(namespace, self.dest, modules)
 
 
 # What the command line adds to a field: its help, and where it differs from the rule above, its
@@ -63,9 +113,12 @@ _HELP: dict[str, dict[str, Any]] = {
                  "help": "library for fp32 matrix products on a CPU (default: MKL on Intel, "
                          "oneDNN elsewhere)"},
     "enforce_eager": {"help": "no CUDA graphs"},
-    "lora_modules": {"action": "append", "type": str, "metavar": "NAME=PATH",
-                     "help": "a LoRA adapter (a PEFT folder; for serve and worker also an "
-                             "object-storage key) lines may name as their model; repeatable"},
+    "lora_modules": {"action": _LoRAModulesAction, "nargs": "+", "type": parse_lora_module_arg,
+                     "metavar": "NAME=PATH",
+                     "help": "LoRA adapters (PEFT folders; for serve and worker also "
+                             "object-storage keys) lines may name as their model: NAME=PATH or "
+                             "vLLM's JSON {\"name\": ..., \"path\": ...}; several after one "
+                             "flag (up to the next option), and the flag repeatable"},
     "max_loras": {"help": "most LoRA adapters in one step"},
     "max_lora_rank": {"help": "largest LoRA rank accepted"},
     "max_cpu_loras": {"help": "LoRA adapters kept loaded (default: --max-loras)"},

@@ -29,7 +29,8 @@ def adapters(tiny_model_dir, tmp_path_factory) -> dict[str, str]:
 
 
 def lora_args(adapters: dict[str, str]) -> list[str]:
-    return [arg for name, path in adapters.items() for arg in ("--lora-modules", f"{name}={path}")]
+    """vLLM's form: one flag, every adapter after it."""
+    return ["--lora-modules", *(f"{name}={path}" for name, path in adapters.items())]
 
 
 def test_run_mixes_base_and_adapters(tiny_model_dir, adapters, tmp_path):
@@ -76,9 +77,10 @@ def test_run_refuses_a_bad_adapter_at_start(tiny_model_dir, tmp_path, capsys):
                        f"broken={tmp_path}"])
     assert status == 2
     assert "LoRA adapter 'broken'" in capsys.readouterr().err
-    bad = cli.main(["run", str(source), "-o", str(tmp_path / "out.jsonl"), "--model",
-                    str(tiny_model_dir), "--lora-modules", "no-path"])
-    assert bad == 2 and "NAME=PATH" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:  # argparse refuses the item itself
+        cli.main(["run", str(source), "-o", str(tmp_path / "out.jsonl"), "--model",
+                  str(tiny_model_dir), "--lora-modules", "no-path"])
+    assert bad.value.code == 2 and "NAME=PATH" in capsys.readouterr().err
 
 
 def test_lora_options_come_from_the_config_fields():
@@ -90,6 +92,56 @@ def test_lora_options_come_from_the_config_fields():
         "max_lora_rank": 32, "max_cpu_loras": 6}
 
 
+JSON_C = '{"name": "c", "path": "/z", "base_model_name": "SmolLM2-135M-Instruct"}'
+
+
+@pytest.mark.parametrize("argv", [
+    ["in.jsonl", "-o", "o", "--lora-modules", "a=/x", "b=/y", "c=/z"],
+    ["in.jsonl", "-o", "o", "--lora-modules", "a=/x", "--lora-modules", "b=/y",
+     "--lora-modules", "c=/z"],
+    ["in.jsonl", "--lora-modules", "a=/x", "b=/y", "-o", "o", "--lora-modules", JSON_C],
+    ["--lora-modules", "a=/x", "b=/y", JSON_C, "-o", "o", "in.jsonl"],
+    ["-o", "o", "--lora-modules", '{"name": "a", "path": "/x"}', "b = /y", "c=/z", "--",
+     "in.jsonl"],
+], ids=["one-flag", "repeated", "mixed", "file-last", "json-and-dashdash"])
+def test_run_takes_vllms_lora_modules_forms(argv):
+    args = cli.build_parser().parse_args(["run", *argv])
+    assert args.input == "in.jsonl" and args.output == "o"
+    assert cli.engine_config_kwargs(args)["lora_modules"] == ["a=/x", "b=/y", "c=/z"]
+
+
+@pytest.mark.parametrize("items, words", [
+    (["no-path"], ["'no-path'", "NAME=PATH"]),
+    (["=/p"], ["'=/p'", "NAME=PATH"]),
+    (["a="], ["'a='", "NAME=PATH"]),
+    (["a=/x", "a=/y"], ["'a=/y'", "'a' is given twice"]),
+    (["a=/x", "--lora-modules", '{"name": "a", "path": "/y"}'], ["'a' is given twice"]),
+    (['{"name": "a"}'], ['"path"']),
+    (['{"name": "a=b", "path": "/p"}'], ["without '='"]),
+    (['{"name": "a", "path": "/p", "rank": 8}'], ["unknown keys ['rank']"]),
+    (['{"name": "a", '], ["not valid JSON"]),
+])
+def test_a_bad_lora_item_is_an_argparse_error_naming_it(items, words, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["run", "in.jsonl", "-o", "o", "--lora-modules", *items])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "argument --lora-modules: bad item" in err
+    for word in words:
+        assert word in err
+
+
+def test_a_file_after_the_adapter_list_is_named_as_the_bad_item(capsys):
+    """The list runs to the next option, as in vLLM: a positional typed after it is taken as an
+    adapter, and the error says where the file goes."""
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "--lora-modules", "a=/x", "in.jsonl", "-o", "o"])
+    assert ("bad item 'in.jsonl'" in (err := capsys.readouterr().err)
+            and "a file argument goes before --lora-modules" in err)
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["run", "-o", "o", "--lora-modules", "a=/x"])
+    assert "required: input" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("command", ["serve", "worker"])
 def test_serve_and_worker_take_lora_modules_into_the_settings(command, monkeypatch):
     from cli.service_commands import _settings_from
@@ -98,10 +150,11 @@ def test_serve_and_worker_take_lora_modules_into_the_settings(command, monkeypat
     for name in ("BOXCAR_ENGINE_OPTIONS", "BOXCAR_MODEL", "BOXCAR_SERVED_MODEL_NAME"):
         monkeypatch.delenv(name, raising=False)
     args = cli.build_parser().parse_args([
-        command, "--lora-modules", "fr=adapters/fr", "--lora-modules", "legal=/srv/legal",
-        "--max-loras", "2"])
+        command, "--lora-modules", "fr=adapters/fr", "legal=/srv/legal", "--max-loras", "2",
+        "--lora-modules", '{"name": "de", "path": "adapters/de"}'])
     settings = _settings_from(args)
-    assert settings.engine_options == {"lora_modules": ["fr=adapters/fr", "legal=/srv/legal"],
-                                       "max_loras": 2}
+    assert settings.engine_options == {
+        "lora_modules": ["fr=adapters/fr", "legal=/srv/legal", "de=adapters/de"], "max_loras": 2}
     assert configured_adapters(settings) == {"fr": "SmolLM2-135M-Instruct",
-                                             "legal": "SmolLM2-135M-Instruct"}
+                                             "legal": "SmolLM2-135M-Instruct",
+                                             "de": "SmolLM2-135M-Instruct"}
