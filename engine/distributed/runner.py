@@ -108,7 +108,7 @@ class TPModelRunner(ModelRunner):
         runner._store = store  # kept as long as the group
         return runner
 
-    def _build_model(self, checkpoint, max_position: int) -> CausalLM:
+    def _build_model(self, checkpoint: Checkpoint, max_position: int) -> CausalLM:
         """This rank's share: the family class at the local sizes, its row-parallel and
         vocabulary layers joined by collectives, its slices read from the checkpoint."""
         model_cls = _check_family(checkpoint)

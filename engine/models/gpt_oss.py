@@ -8,7 +8,7 @@ The checkpoint stores the experts stacked, transposed and with gate and up inter
 (``gate_up_proj [num_experts, hidden, 2 * intermediate]``, column ``2i`` gate, ``2i + 1`` up); they
 are reordered at load into the engine's ``w13`` (gate rows, then up rows). The released
 checkpoints quantise them to MXFP4 (``*_blocks`` / ``*_scales``): dequantised at load
-(``engine/checkpoint/mxfp4.py``), kept in the run's dtype.
+(``engine/models/mxfp4.py``), kept in the run's dtype.
 """
 
 from __future__ import annotations
@@ -17,12 +17,12 @@ from collections.abc import Iterable
 
 import torch
 
-from engine.checkpoint.mxfp4 import pair_mxfp4
 from engine.layers.attention import SelfAttention
 from engine.layers.moe import MoeConfig, SparseMoeBlock
 from engine.layers.rotary import RotaryEmbedding
 from engine.models.llama import DecoderLayer, head_dim_of
 from engine.models.moe_decoder import MoeForCausalLM, Slot
+from engine.models.mxfp4 import pair_mxfp4
 
 
 def _deinterleave(t: torch.Tensor, dim: int) -> torch.Tensor:

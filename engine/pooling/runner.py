@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from engine.checkpoint.loader import Checkpoint
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.layers.attention_metadata import AttentionMetadata
@@ -42,7 +43,7 @@ class PoolingModelRunner:
     kv_window: tuple[int, int] | None = None  # no sliding-window pool either
     lora: LoRAManager | None = None  # no LoRA adapters on a pooling model
 
-    def __init__(self, config: EngineConfig, checkpoint, max_position: int,
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_position: int,
                  dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.device = resolve_device(config.device)

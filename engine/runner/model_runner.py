@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.checkpoint.loader import Checkpoint
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.kernels import cpu_decode_attention
@@ -44,7 +45,7 @@ class ModelRunner:
     # ``compute_logits``, which gathers the shares.
     head_is_split = False
 
-    def __init__(self, config: EngineConfig, checkpoint, max_position: int) -> None:
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_position: int) -> None:
         self.max_position = max_position
         self.config = config
         self.block_size = config.block_size
@@ -71,7 +72,7 @@ class ModelRunner:
                 and self.kv_window is None and self.attn.name == "triton"):
             self.capture_decode_graphs()
 
-    def _enable_lora(self, checkpoint) -> None:
+    def _enable_lora(self, checkpoint: Checkpoint) -> None:
         """Wrap the projections in ``LoRALinear`` (before packing: packing finds the base
         linears inside) and read every registered adapter, so a bad one fails the start."""
         linears, targets = wrap_lora_linears(self.model)
@@ -84,7 +85,7 @@ class ModelRunner:
                                     self.config.model, checkpoint), stacked=stacked,
                                 kernel=kernel)
 
-    def _build_model(self, checkpoint, max_position: int) -> CausalLM:
+    def _build_model(self, checkpoint: Checkpoint, max_position: int) -> CausalLM:
         """The family's model with the checkpoint's weights (``engine.distributed.runner``
         builds a rank's share instead)."""
         hf_config = checkpoint.config
@@ -295,7 +296,7 @@ class ModelRunner:
         return torch.log_softmax(logits, dim=-1).cpu()
 
 
-def base_model_names(model: str, checkpoint) -> set[str]:
+def base_model_names(model: str, checkpoint: Checkpoint) -> set[str]:
     """The names an adapter's ``base_model_name_or_path`` may give for this model: the setting,
     its last part, the checkpoint folder's name and the name its config was saved under."""
     names = {model, os.path.basename(model.rstrip("/"))}

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from engine import LLM
-from engine.checkpoint.mxfp4 import FP4_VALUES, dequantize_mxfp4, pair_mxfp4
+from engine.models.mxfp4 import FP4_VALUES, dequantize_mxfp4, pair_mxfp4
 from tests.engine.moe_checkpoints import make_moe_checkpoint
 from tests.engine.test_correctness import greedy, hf_greedy, make_prompts
 
