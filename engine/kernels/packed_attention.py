@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from engine.kernels.cpu_packed_attention import check_packed
+from engine.kernels.online_softmax import online_softmax_tile
 
 _LOG2E = 1.4426950408889634
 
@@ -90,33 +91,15 @@ def _packed_attention_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
         k_tokens = (start + offs_n).to(tl.int64)
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_ptr + k_tokens[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        k_ptrs = k_ptr + k_tokens[:, None] * stride_kt + kv_head * stride_kh + offs_d[None, :]
+        v_ptrs = v_ptr + k_tokens[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :]
         visible = n_mask[None, :]
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None])
-        qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        # Rows past seq_len see nothing: keep their max finite (no NaN).
-        m_new = tl.maximum(tl.maximum(m_i, tl.max(qk, 1)), -1.0e30)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_ptr + k_tokens[:, None] * stride_vt + kv_head * stride_vh + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        # This kernel takes no soft cap (the 1.0 is unused).
+        m_i, l_i, acc = online_softmax_tile(
+            q, k_ptrs, v_ptrs, n_mask[:, None] & d_mask[None, :], visible, m_i, l_i, acc,
+            scale_log2, 1.0, DOT_PRECISION, UPCAST_DOT, False)
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(

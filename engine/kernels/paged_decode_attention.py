@@ -25,6 +25,7 @@ import triton.language as tl
 from engine.kernels import cpu_decode_attention
 from engine.kernels.checks import check_query_and_cache
 from engine.kernels.cpu_decode_attention import check_options
+from engine.kernels.online_softmax import online_softmax_tile, paged_kv_ptrs
 
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 16
@@ -118,35 +119,12 @@ def _paged_decode_kernel(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offsets = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_base + block_ids[:, None] * stride_kc_block + offsets[:, None] * stride_kc_off
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:
-            qk = _soft_cap_log2(qk, soft_cap)
-        qk = tl.where(n_mask[None, :], qk, float("-inf"))  # [BLOCK_G, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + block_ids[:, None] * stride_vc_block + offsets[:, None] * stride_vc_off
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k_ptrs, v_ptrs = paged_kv_ptrs(k_base, v_base, table, offs_n, n_mask, offs_d,
+                                       stride_kc_block, stride_kc_off, stride_vc_block,
+                                       stride_vc_off, BLOCK_SIZE)
+        m_i, l_i, acc = online_softmax_tile(
+            q, k_ptrs, v_ptrs, n_mask[:, None] & d_mask[None, :], n_mask[None, :], m_i, l_i, acc,
+            scale_log2, soft_cap, DOT_PRECISION, UPCAST_DOT, HAS_SOFT_CAP)
 
     out_mask = g_mask[:, None] & d_mask[None, :]
     if SINGLE_SPLIT:
@@ -167,15 +145,6 @@ def _paged_decode_kernel(
         tl.store(part_m_ptr + rows, m_i, mask=g_mask)
         tl.store(part_l_ptr + rows, l_i, mask=g_mask)
         tl.store(part_acc_ptr + rows[:, None] * head_dim + offs_d[None, :], acc, mask=out_mask)
-
-
-@triton.jit
-def _soft_cap_log2(qk, soft_cap):
-    """``cap * tanh(s / cap)`` for scores ``qk = s * log2(e)``, still in log2 units. tanh from
-    exp (no tanh in every Triton): ``tanh(x) = 1 - 2 / (exp(2x) + 1)``, exact at +-inf."""
-    x = qk / (soft_cap * 1.4426950408889634)
-    tanh = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-    return tanh * soft_cap * 1.4426950408889634
 
 
 @triton.jit

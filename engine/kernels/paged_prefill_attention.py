@@ -24,7 +24,7 @@ import triton.language as tl
 
 from engine.kernels.checks import check_query_and_cache
 from engine.kernels.cpu_decode_attention import check_options
-from engine.kernels.paged_decode_attention import _soft_cap_log2
+from engine.kernels.online_softmax import online_softmax_tile, paged_kv_ptrs
 
 _LOG2E = 1.4426950408889634
 
@@ -116,39 +116,15 @@ def _paged_prefill_kernel(
     for start_n in range(begin, end, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         n_mask = offs_n < end
-        block_ids = tl.load(table + offs_n // BLOCK_SIZE, mask=n_mask, other=0).to(tl.int64)
-        offsets = offs_n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_base + block_ids[:, None] * stride_kc_block + offsets[:, None] * stride_kc_off
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-        if HAS_SOFT_CAP:
-            qk = _soft_cap_log2(qk, soft_cap)
+        k_ptrs, v_ptrs = paged_kv_ptrs(k_base, v_base, table, offs_n, n_mask, offs_d,
+                                       stride_kc_block, stride_kc_off, stride_vc_block,
+                                       stride_vc_off, BLOCK_SIZE)
         visible = n_mask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (offs_n[None, :] > q_pos[:, None] - window)
-        qk = tl.where(visible, qk, float("-inf"))  # [BLOCK_M, BLOCK_N]
-        # Rows past query_len can see nothing in a tile; keep their max finite (no NaN).
-        m_new = tl.maximum(tl.maximum(m_i, tl.max(qk, 1)), -1.0e30)
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + block_ids[:, None] * stride_vc_block + offsets[:, None] * stride_vc_off
-            + offs_d[None, :],
-            mask=kv_mask,
-            other=0.0,
-        )  # [BLOCK_N, BLOCK_D]
-        if UPCAST_DOT:
-            v = v.to(tl.float32)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = online_softmax_tile(
+            q, k_ptrs, v_ptrs, n_mask[:, None] & d_mask[None, :], visible, m_i, l_i, acc,
+            scale_log2, soft_cap, DOT_PRECISION, UPCAST_DOT, HAS_SOFT_CAP)
 
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
