@@ -7,8 +7,10 @@ from bisect import insort
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from enum import Enum, auto
 
 from engine.config import EngineConfig
+from engine.core.block_pool import KVBlock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
 from engine.core.window_kv import WindowBlocks
@@ -153,93 +155,135 @@ class Scheduler:
         return most_urgent, cap
 
     def _admit_waiting(self, step: _Step, now: float) -> None:
-        config = self.config
+        """Waiting requests in queue order, each admitted, held (passed over) or stopping
+        admission for this step (``schedule`` says when); at most ``max_num_seqs`` are held."""
         preempted_by_running = step.num_preempted > 0
-        num_held = 0
         loras = {r.lora_name for r in self.running if r.lora_name is not None}
+        num_held = 0
         i = 0
         while i < len(self.waiting):
-            request = self.waiting[i]
-            if request.request_id in step.preempted_ids:
-                break  # taken out this step: it and everything after it wait for the next one
-            outranks = bool(self.running) and self.running[-1].priority > request.priority
-            if preempted_by_running and not outranks:
-                break
-            lora = request.lora_name
-            if lora is not None and lora not in loras and len(loras) >= config.max_loras:
-                self.num_lora_holds += 1  # its adapter would be one too many this step
+            outcome = self._try_admit(self.waiting[i], step, preempted_by_running, loras, now)
+            if outcome is _Admit.ADMITTED:
+                del self.waiting[i]
+            elif outcome is _Admit.HELD:
                 num_held += 1
-                if num_held >= config.max_num_seqs:
-                    break
+                if num_held >= self.config.max_num_seqs:
+                    break  # bound the scan of a long queue of held requests
                 i += 1
-                continue
-            if request.is_pooling:
-                fits = self._pooling_fits(request, step)
-                if fits is None:
-                    break
-                if fits:
-                    del self.waiting[i]
-                    self._start_pooling(request, step, now)
-                else:
-                    num_held += 1  # a smaller input behind it may still fill the budget
-                    if num_held >= config.max_num_seqs:
-                        break
-                    i += 1
-                continue
-            computed_blocks: list = []
-            num_hit = 0
-            if request.num_computed_tokens == 0:
-                computed_blocks, num_hit = self.kv.get_computed_blocks(request)
-                if self.kv.in_flight_owner(request, len(computed_blocks)) is not None:
-                    # Its next block is being computed: take it from the cache in a later step.
-                    self.num_prefix_holds += 1
-                    num_held += 1
-                    if num_held >= config.max_num_seqs:
-                        break  # bound the scan of a long queue of held requests
-                    i += 1
-                    continue
-            if step.budget <= 0 and not (outranks and self._take_budget(request, 1, step)):
+            elif outcome is _Admit.STOP:
                 break
-            if len(self.running) >= config.max_num_seqs:
-                if outranks:
-                    self._preempt(self.running.pop(), step)
-                    continue
-                break
-            num_new = request.num_tokens - request.num_computed_tokens - num_hit
-            capped = step.cap(request, num_new)
-            if capped < num_new and not (capped and config.enable_chunked_prefill):
-                break  # the less urgent requests' budget is spent for this step
-            num_new = capped
-            if num_new > step.budget and outranks:
-                self._take_budget(request, num_new, step)
-            if num_new > step.budget:
-                if config.enable_chunked_prefill:
-                    num_new = step.budget
-                elif step.scheduled or step.budget < step.initial_budget:
-                    break
-                # Chunking off and the step is empty: a prompt over the budget runs alone.
-            # The watermark guards running requests; an idle engine admits what fits.
-            admit = bool(self.running)
-            if not self.kv.allocate_slots(request, num_new, computed_blocks, admit=admit):
-                if outranks:
-                    self._preempt(self.running.pop(), step)
-                    continue
-                break
-            del self.waiting[i]
-            if self.kv.enable_caching and request.num_computed_tokens == 0:
-                self.kv.record_lookup(request.num_tokens, num_hit)
-                self.kv.promise_blocks(request, len(computed_blocks))
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = num_hit
-                request.metrics.num_cached_tokens = num_hit
-            request.num_computed_tokens += num_hit
-            request.status = RequestStatus.RUNNING
-            if request.metrics.first_scheduled_time is None:
-                request.metrics.first_scheduled_time = now
-            insort(self.running, request, key=_sort_key)
-            if lora is not None:
-                loras.add(lora)
-            step.add(self._scheduled(request, num_new), request)
+            # RETRY: a running request made way for it; the same request is tried again.
+
+    def _try_admit(self, request: Request, step: _Step, preempted_by_running: bool,
+                   loras: set[str], now: float) -> _Admit:
+        """One waiting request through admission's checks, in order: preempted this step, or
+        not outranking a running request after a preemption (stop); its LoRA adapter one too
+        many (held); a pooling request whole or not at all; its next prefix block in flight
+        (held); budget and a seat; its tokens; its KV blocks. Then it runs."""
+        if request.request_id in step.preempted_ids:
+            return _Admit.STOP  # taken out this step: it and everything after it wait
+        outranks = bool(self.running) and self.running[-1].priority > request.priority
+        if preempted_by_running and not outranks:
+            return _Admit.STOP
+        lora = request.lora_name
+        if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
+            self.num_lora_holds += 1  # its adapter would be one too many this step
+            return _Admit.HELD
+        if request.is_pooling:
+            return self._admit_pooling(request, step, now)
+        prefix = self._cached_prefix(request)
+        if prefix is None:
+            return _Admit.HELD
+        computed_blocks, num_hit = prefix
+        room = self._make_room(request, step, outranks)
+        if room is not None:
+            return room
+        num_new = self._num_new_tokens(request, num_hit, step, outranks)
+        if num_new is None:
+            return _Admit.STOP
+        # The watermark guards running requests; an idle engine admits what fits.
+        if not self.kv.allocate_slots(request, num_new, computed_blocks,
+                                      admit=bool(self.running)):
+            return self._preempt_for(outranks, step)
+        self._start_running(request, num_new, len(computed_blocks), num_hit, step, now)
+        if lora is not None:
+            loras.add(lora)
+        return _Admit.ADMITTED
+
+    def _admit_pooling(self, request: Request, step: _Step, now: float) -> _Admit:
+        fits = self._pooling_fits(request, step)
+        if fits is None:
+            return _Admit.STOP
+        if not fits:
+            return _Admit.HELD  # a smaller input behind it may still fill the budget
+        self._start_pooling(request, step, now)
+        return _Admit.ADMITTED
+
+    def _cached_prefix(self, request: Request) -> tuple[list[KVBlock], int] | None:
+        """The blocks of the request's prompt found in the prefix cache and the tokens they
+        cover (none for a request that has computed some already); None when the block after
+        them is being computed by a running request: it is held, to hit it in a later step."""
+        if request.num_computed_tokens != 0:
+            return [], 0
+        computed_blocks, num_hit = self.kv.get_computed_blocks(request)
+        if self.kv.in_flight_owner(request, len(computed_blocks)) is not None:
+            self.num_prefix_holds += 1
+            return None
+        return computed_blocks, num_hit
+
+    def _make_room(self, request: Request, step: _Step, outranks: bool) -> _Admit | None:
+        """None when the step has budget and a seat for the request (one that outranks the
+        last running request takes them from the less urgent ones); else what admission does."""
+        if step.budget <= 0 and not (outranks and self._take_budget(request, 1, step)):
+            return _Admit.STOP
+        if len(self.running) >= self.config.max_num_seqs:
+            return self._preempt_for(outranks, step)
+        return None
+
+    def _num_new_tokens(self, request: Request, num_hit: int, step: _Step,
+                        outranks: bool) -> int | None:
+        """The prompt tokens the request computes this step, past its cached ones, within the
+        budget (a chunk of them with chunked prefill); None stops admission."""
+        config = self.config
+        num_new = request.num_tokens - request.num_computed_tokens - num_hit
+        capped = step.cap(request, num_new)
+        if capped < num_new and not (capped and config.enable_chunked_prefill):
+            return None  # the less urgent requests' budget is spent for this step
+        num_new = capped
+        if num_new > step.budget and outranks:
+            self._take_budget(request, num_new, step)
+        if num_new > step.budget:
+            if config.enable_chunked_prefill:
+                return step.budget
+            if step.scheduled or step.budget < step.initial_budget:
+                return None
+            # Chunking off and the step is empty: a prompt over the budget runs alone.
+        return num_new
+
+    def _preempt_for(self, outranks: bool, step: _Step) -> _Admit:
+        """A request that outranks the last running one preempts it and is tried again; any
+        other stops admission."""
+        if not outranks:
+            return _Admit.STOP
+        self._preempt(self.running.pop(), step)
+        return _Admit.RETRY
+
+    def _start_running(self, request: Request, num_new: int, num_hit_blocks: int,
+                       num_hit: int, step: _Step, now: float) -> None:
+        """An admitted request: its prefix-cache hit counted and promised, its cached tokens
+        computed, running, and its first ``num_new`` tokens in the step."""
+        if self.kv.enable_caching and request.num_computed_tokens == 0:
+            self.kv.record_lookup(request.num_tokens, num_hit)
+            self.kv.promise_blocks(request, num_hit_blocks)
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = num_hit
+            request.metrics.num_cached_tokens = num_hit
+        request.num_computed_tokens += num_hit
+        request.status = RequestStatus.RUNNING
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = now
+        insort(self.running, request, key=_sort_key)
+        step.add(self._scheduled(request, num_new), request)
 
     def _pooling_fits(self, request: Request, step: _Step) -> bool | None:
         """Whether a pooling request runs this step: whole (it is never chunked, and keeps no
@@ -352,6 +396,15 @@ class Scheduler:
 
 def _sort_key(request: Request) -> tuple[int, int, int]:
     return request.sort_key
+
+
+class _Admit(Enum):
+    """What admission does with one waiting request."""
+
+    ADMITTED = auto()  # it left the waiting queue for the running one
+    HELD = auto()  # passed over this step; the requests behind it are still tried
+    RETRY = auto()  # a less urgent running request was preempted for it: try it again
+    STOP = auto()  # no more admissions this step
 
 
 @dataclass
