@@ -173,104 +173,162 @@ class WorkerService:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def start(self) -> WorkerService:
-        settings = self.settings
-        # The engine thread exists first: it builds the engine, then steps it (see _engine_call).
-        self._engine_thread = _EngineThread()
-        self._engine_thread.start()
-        if self.engine is None:
-            try:
-                self.engine = self._engine_thread.call(
-                    lambda: build_engine(settings, self.storage))
-            except BaseException:
-                self._engine_thread.finish()
-                raise
-        engine: Engine = self.engine
-        self.webhooks = WebhookSender(
-            self.db, allow_private=settings.webhook_allow_private,
-            retry_delays=settings.webhook_retry_delays, timeout=settings.webhook_timeout,
-            interval=min(settings.poll_interval, 1.0),
-            idle_interval=settings.idle_poll_interval,
-        )
-        self.housekeeper = Housekeeper(self.db, self.storage, settings, worker_id=self.worker_id,
-                                       on_prepared=self._announce_shards,
-                                       on_finalized=self.webhooks.wake)
-        self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
-                                   on_batches_drained=self.housekeeper.batches_touched,
-                                   on_jobs_settled=self.webhooks.wake)
+        """Build the engine on its own thread and the parts around it, then start them."""
+        engine_thread = self._start_engine_thread()
+        engine = self._engine_on(engine_thread)
         # Answers carry the model's id, the name /v1/models lists and requests are routed by.
         model_name = self.model_id
-        aliases = setting_aliases(settings.model, settings.served_model_name)
-        if engine.model_name != model_name:  # e.g. the GGUF file's stem
-            aliases.append(engine.model_name)
+        webhooks, housekeeper, writer = self._build_writer_and_housekeepers()
         self.recorder = EngineRecorder(engine_config(engine))
-        self.drainer = Drainer(
-            MeteredEngine(engine, self.recorder), submit=self.writer.submit,
-            model_name=model_name,
-            max_num_seqs=engine.config.max_num_seqs,
-            max_num_batched_tokens=engine.config.max_num_batched_tokens,
-            job_collect_window=settings.job_collect_window,
-            low_water=max(2 * engine.config.max_num_seqs, settings.shard_size),
-            on_hungry=lambda: self.leases.wake_hungry(),
-        )
-        # The forecast starts from this engine's own earlier steps (metrics.step_history).
-        self.step_history = StepHistoryStore(
-            self.storage, history_key(model_name=engine.model_name,
-                                      engine_config=dataclasses.asdict(engine.config)),
-            self.recorder.step_cost)
-        restored = self.step_history.load()
-        if restored:
-            log.info("step cost: %d steps of this engine's earlier runs restored", restored)
-        forecaster = Forecaster(self.drainer, self.recorder.step_cost,
-                                seats=self.drainer.max_num_seqs,
-                                max_model_len=engine.max_model_len,
-                                interval=min(settings.worker_metrics_interval / 2, 0.5))
-        self.drainer.on_step = forecaster.gather
-
-        def admitted() -> None:  # new lines in an idle engine: forecast and publish them now
-            forecaster.gather(force=True)
-            if self.publisher is not None:
-                self.publisher.wake()  # out of an idle heartbeat's back-off
-
-        self.drainer.on_admit = admitted
-        self.drainer.at_risk = forecaster.at_risk
-        self.publisher = MetricsPublisher(self.db, self.recorder, worker_id=self.worker_id,
-                                          model=model_name,
-                                          interval=settings.worker_metrics_interval,
-                                          forecast=forecaster.snapshot,
-                                          history=self.step_history)
-        self.leases = LeaseKeeper(self.db, settings, worker_id=self.worker_id, held=self.held,
-                                  drainer=self.drainer, announce_shards=self._announce_shards,
-                                  on_batches_touched=self.housekeeper.batches_touched,
-                                  model=model_name, aliases=aliases,
-                                  kind=EMBEDDING if self.engine.is_embedding else GENERATION,
-                                  engine_alive=self._engine_thread.is_alive,
-                                  on_engine_dead=self._engine_thread_died,
-                                  on_claims=self.recorder.observe_claims)
-        # Served from now on (before the first claim), and kept so by the lease thread (which
-        # retries at once if the database is not there yet).
-        try:
-            self.leases.announce()
-        except Exception:
-            log.exception("could not announce model %s; the lease thread will retry", model_name)
-        self.writer.start()
-        self.webhooks.start()
-        if settings.worker_metrics_port:
-            from prometheus_client import start_http_server
-
-            start_http_server(settings.worker_metrics_port,
-                              registry=worker_registry(self.recorder))
-        self._engine_thread.run_forever(self._drain)
-        self._spawn("leases", lambda: self.leases.run(self._stop))
-        self._spawn("housekeeping", lambda: self.housekeeper.run(self._stop))
-        self._spawn("metrics", lambda: self.publisher.run(self._stop))
-        if isinstance(self.queue, EmbeddedQueue):
-            self.queue.subscribe(self.wake)
+        self.drainer = self._build_drainer(engine, model_name, self.recorder, writer)
+        step_history = self._restore_step_history(engine, self.recorder)
+        forecaster = self._build_forecaster(engine, self.drainer, self.recorder)
+        self.publisher = self._build_publisher(model_name, self.recorder, forecaster,
+                                               step_history)
+        self.leases = self._build_lease_keeper(engine, model_name, self.drainer, housekeeper,
+                                               self.recorder, engine_thread)
+        self._announce_model(self.leases, model_name)
+        self._start_threads(writer, webhooks, self.recorder, engine_thread)
         self._started.set()
         log.info("worker %s started (model %s)", self.worker_id, model_name)
         if engine.startup_seconds:
             log.info("engine start-up: %s", ", ".join(
                 f"{phase} {seconds:.2f} s" for phase, seconds in engine.startup_seconds.items()))
         return self
+
+    def _start_engine_thread(self) -> _EngineThread:
+        """The engine thread exists first: it builds the engine, then steps it (see
+        ``_EngineThread``)."""
+        engine_thread = self._engine_thread = _EngineThread()
+        engine_thread.start()
+        return engine_thread
+
+    def _engine_on(self, engine_thread: _EngineThread) -> Engine:
+        """The engine given, or one the settings describe, built on the engine thread (which
+        ends if that fails)."""
+        if self.engine is None:
+            settings = self.settings
+            try:
+                self.engine = engine_thread.call(lambda: build_engine(settings, self.storage))
+            except BaseException:
+                engine_thread.finish()
+                raise
+        return self.engine
+
+    def _build_writer_and_housekeepers(
+        self,
+    ) -> tuple[WebhookSender, Housekeeper, ResultWriter]:
+        """The webhook sender, the housekeeper and the result writer (set on the service as
+        each is built), which hand each other their wake-ups."""
+        settings = self.settings
+        webhooks = self.webhooks = WebhookSender(
+            self.db, allow_private=settings.webhook_allow_private,
+            retry_delays=settings.webhook_retry_delays, timeout=settings.webhook_timeout,
+            interval=min(settings.poll_interval, 1.0),
+            idle_interval=settings.idle_poll_interval,
+        )
+        housekeeper = self.housekeeper = Housekeeper(
+            self.db, self.storage, settings, worker_id=self.worker_id,
+            on_prepared=self._announce_shards, on_finalized=webhooks.wake)
+        writer = self.writer = ResultWriter(self.db, self.held, worker_id=self.worker_id,
+                                            on_batches_drained=housekeeper.batches_touched,
+                                            on_jobs_settled=webhooks.wake)
+        return webhooks, housekeeper, writer
+
+    def _build_drainer(self, engine: Engine, model_name: str, recorder: EngineRecorder,
+                       writer: ResultWriter) -> Drainer:
+        """The drain loop over the engine, each step recorded (``MeteredEngine``); it asks the
+        lease thread (built after it) for more lines when it runs low."""
+        return Drainer(
+            MeteredEngine(engine, recorder), submit=writer.submit,
+            model_name=model_name,
+            max_num_seqs=engine.config.max_num_seqs,
+            max_num_batched_tokens=engine.config.max_num_batched_tokens,
+            job_collect_window=self.settings.job_collect_window,
+            low_water=max(2 * engine.config.max_num_seqs, self.settings.shard_size),
+            on_hungry=lambda: self.leases.wake_hungry(),
+        )
+
+    def _restore_step_history(self, engine: Engine,
+                              recorder: EngineRecorder) -> StepHistoryStore:
+        """The forecast starts from this engine's own earlier steps (metrics.step_history);
+        the store is set on the service before it is read, and saved at ``stop``."""
+        step_history = self.step_history = StepHistoryStore(
+            self.storage, history_key(model_name=engine.model_name,
+                                      engine_config=dataclasses.asdict(engine.config)),
+            recorder.step_cost)
+        restored = step_history.load()
+        if restored:
+            log.info("step cost: %d steps of this engine's earlier runs restored", restored)
+        return step_history
+
+    def _build_forecaster(self, engine: Engine, drainer: Drainer,
+                          recorder: EngineRecorder) -> Forecaster:
+        """The forecast, gathered after each step and at once when lines enter an idle engine;
+        the drainer asks it which batches' deadlines are at risk."""
+        forecaster = Forecaster(drainer, recorder.step_cost,
+                                seats=drainer.max_num_seqs,
+                                max_model_len=engine.max_model_len,
+                                interval=min(self.settings.worker_metrics_interval / 2, 0.5))
+        drainer.on_step = forecaster.gather
+
+        def admitted() -> None:  # new lines in an idle engine: forecast and publish them now
+            forecaster.gather(force=True)
+            if self.publisher is not None:
+                self.publisher.wake()  # out of an idle heartbeat's back-off
+
+        drainer.on_admit = admitted
+        drainer.at_risk = forecaster.at_risk
+        return forecaster
+
+    def _build_publisher(self, model_name: str, recorder: EngineRecorder,
+                         forecaster: Forecaster,
+                         step_history: StepHistoryStore) -> MetricsPublisher:
+        return MetricsPublisher(self.db, recorder, worker_id=self.worker_id, model=model_name,
+                                interval=self.settings.worker_metrics_interval,
+                                forecast=forecaster.snapshot, history=step_history)
+
+    def _build_lease_keeper(self, engine: Engine, model_name: str, drainer: Drainer,
+                            housekeeper: Housekeeper, recorder: EngineRecorder,
+                            engine_thread: _EngineThread) -> LeaseKeeper:
+        """The lease thread's keeper: it claims lines of the model by its id and its aliases."""
+        aliases = setting_aliases(self.settings.model, self.settings.served_model_name)
+        if engine.model_name != model_name:  # e.g. the GGUF file's stem
+            aliases.append(engine.model_name)
+        return LeaseKeeper(self.db, self.settings, worker_id=self.worker_id, held=self.held,
+                           drainer=drainer, announce_shards=self._announce_shards,
+                           on_batches_touched=housekeeper.batches_touched,
+                           model=model_name, aliases=aliases,
+                           kind=EMBEDDING if engine.is_embedding else GENERATION,
+                           engine_alive=engine_thread.is_alive,
+                           on_engine_dead=self._engine_thread_died,
+                           on_claims=recorder.observe_claims)
+
+    def _announce_model(self, leases: LeaseKeeper, model_name: str) -> None:
+        """Served from now on (before the first claim), and kept so by the lease thread (which
+        retries at once if the database is not there yet)."""
+        try:
+            leases.announce()
+        except Exception:
+            log.exception("could not announce model %s; the lease thread will retry", model_name)
+
+    def _start_threads(self, writer: ResultWriter, webhooks: WebhookSender,
+                       recorder: EngineRecorder, engine_thread: _EngineThread) -> None:
+        """The writer and webhook threads, the metrics endpoint, the drain loop on the engine
+        thread, then the lease, housekeeping and metrics threads."""
+        writer.start()
+        webhooks.start()
+        if self.settings.worker_metrics_port:
+            from prometheus_client import start_http_server
+
+            start_http_server(self.settings.worker_metrics_port,
+                              registry=worker_registry(recorder))
+        engine_thread.run_forever(self._drain)
+        self._spawn("leases", lambda: self.leases.run(self._stop))
+        self._spawn("housekeeping", lambda: self.housekeeper.run(self._stop))
+        self._spawn("metrics", lambda: self.publisher.run(self._stop))
+        if isinstance(self.queue, EmbeddedQueue):
+            self.queue.subscribe(self.wake)
 
     def _drain(self) -> None:
         """The engine thread's last job: the drain loop; however it ends short of ``stop()``,
