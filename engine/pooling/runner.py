@@ -1,5 +1,5 @@
-"""PoolingModelRunner: the model runner of an embedding engine (the only code of its step that
-touches device tensors).
+"""PoolingModelRunner: the model runner of an embedding engine (a ``Runner``, as the generating
+runners are).
 
 A step's sequences go in whole and back to back, as one flat token batch with per-sequence
 offsets and no padding (``engine/layers/packed_attention.py``); no KV cache exists, since a
