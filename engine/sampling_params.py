@@ -20,7 +20,10 @@ class StructuredOutputParams:
     ``strict=False`` the schema's own defaults apply. ``json_object``: any JSON object.
     ``grammar``: an EBNF grammar (xgrammar's GBNF dialect, start rule ``root``).
     ``structural_tag``: an xgrammar structural tag (dict or JSON text), e.g. free text with tool
-    calls between trigger tags.
+    calls between trigger tags. ``compact`` (json_schema, json_object): no whitespace between
+    JSON tokens, as ``json.dumps(separators=(",", ":"))`` writes; otherwise up to
+    ``MAX_JSON_WHITESPACE`` characters between them. A forced tool call is compact: a model
+    that pretty-prints spends max_tokens on indentation and its call is cut.
 
     The request stops ("stop") when the grammar is complete: the mask then allows only EOS.
     ``max_tokens`` can still cut it ("length"); stop strings still apply and can cut it too.
@@ -31,6 +34,7 @@ class StructuredOutputParams:
     grammar: str | None = None
     structural_tag: str | dict[str, Any] | None = None
     strict: bool = True
+    compact: bool = False
 
     def __post_init__(self) -> None:
         chosen = [
@@ -59,6 +63,11 @@ class StructuredOutputParams:
             raise ValueError("structured_output.grammar must be non-empty EBNF text")
         if not isinstance(self.strict, bool):
             raise ValueError(f"structured_output.strict must be a bool, got {self.strict!r}")
+        if not isinstance(self.compact, bool):
+            raise ValueError(f"structured_output.compact must be a bool, got {self.compact!r}")
+        if self.compact and self.json_schema is None and not self.json_object:
+            raise ValueError("structured_output.compact applies to json_schema and json_object "
+                             f"only, not {chosen[0]}")
 
 
 @dataclass

@@ -28,7 +28,8 @@ def to_sampling_kwargs(body: Body) -> dict[str, Any]:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         forced = forced_call(body)
         if forced is not None:
-            structured = {"json_schema": forced[0], "strict": forced[1]}
+            # Compact: a pretty-printing model would spend max_tokens on indentation.
+            structured = {"json_schema": forced[0], "strict": forced[1], "compact": True}
     else:
         logprobs = body.logprobs
     return {

@@ -3,10 +3,12 @@
 ``tool_choice`` "required" or a named function constrains the output (the engine's grammar) to
 one call: a named function's output is its arguments object; "required" produces
 ``{"name": ..., "arguments": {...}}`` with ``name`` one of the tools (an ``anyOf``, one branch
-per tool). ``tool_choice`` "auto" leaves the choice to the model: its chat template gets the
-tools, and a family's own call syntax is parsed from the text (``HERMES_TOOL_CALL``: Qwen2/2.5/3
-and Hermes models write ``<tool_call>{"name", "arguments"}</tool_call>``) or, for gpt-oss's
-harmony format (``HARMONY_TOOL_CALL``), from its messages to ``functions.{name}``
+per tool). The call is compact JSON, no whitespace between tokens: a model that pretty-prints
+would spend ``max_tokens`` on indentation and have its call cut. ``tool_choice`` "auto" leaves
+the choice to the model: its chat template gets the tools, and a family's own call syntax is
+parsed from the text (``HERMES_TOOL_CALL``: Qwen2/2.5/3 and Hermes models write
+``<tool_call>{"name", "arguments"}</tool_call>``) or, for gpt-oss's harmony format
+(``HARMONY_TOOL_CALL``), from its messages to ``functions.{name}``
 (``openai_format.reasoning.split_harmony``).
 """
 

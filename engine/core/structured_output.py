@@ -29,24 +29,28 @@ if TYPE_CHECKING:
     from engine.core.request import Request
 
 # Whitespace runs the JSON grammar allows between tokens: a small model can otherwise loop on
-# newlines until max_tokens. 16 fits a few levels of pretty-printing indentation.
+# newlines until max_tokens. 16 fits a few levels of pretty-printing indentation. A compact
+# format (a forced tool call) allows none: json.dumps(separators=(",", ":")).
 MAX_JSON_WHITESPACE = 16
+_COMPACT_SEPARATORS = (",", ":")
 DEFAULT_MAX_CACHED_GRAMMARS = 128
 
 
-def canonical_key(params: StructuredOutputParams) -> tuple[str, str]:
-    """(kind, canonical text): JSON re-serialized compactly, key order kept (it is the order
-    the properties are generated in)."""
+def canonical_key(params: StructuredOutputParams) -> tuple[str, str, bool]:
+    """(kind, canonical text, compact): JSON re-serialized compactly, key order kept (it is the
+    order the properties are generated in)."""
     if params.json_object:
-        return ("json_object", "")
+        return ("json_object", "", params.compact)
     if params.json_schema is not None:
         schema = _load_json(params.json_schema, "json_schema")
         _check_schema(schema)
-        return ("json_schema" if params.strict else "json_schema_loose", _dump(schema))
+        kind = "json_schema" if params.strict else "json_schema_loose"
+        return (kind, _dump(schema), params.compact)
     if params.structural_tag is not None:
-        return ("structural_tag", _dump(_load_json(params.structural_tag, "structural_tag")))
+        return ("structural_tag", _dump(_load_json(params.structural_tag, "structural_tag")),
+                False)
     assert params.grammar is not None
-    return ("grammar", params.grammar)
+    return ("grammar", params.grammar, False)
 
 
 class StructuredOutputManager:
@@ -70,7 +74,7 @@ class StructuredOutputManager:
         self.compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=2,
                                             cache_enabled=False)
         self.max_cached = max_cached
-        self._cache: OrderedDict[tuple[str, str], xgr.CompiledGrammar] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str, bool], xgr.CompiledGrammar] = OrderedDict()
         self.num_cache_hits = 0
         self.num_compiles = 0
 
@@ -99,13 +103,15 @@ class StructuredOutputManager:
     def num_cached(self) -> int:
         return len(self._cache)
 
-    def _compile(self, kind: str, text: str) -> xgr.CompiledGrammar:
+    def _compile(self, kind: str, text: str, compact: bool) -> xgr.CompiledGrammar:
         compiler = self.compiler
         try:
             if kind == "json_object":
-                return compiler.compile_grammar(_json_schema_ebnf('{"type": "object"}', False))
+                return compiler.compile_grammar(
+                    _json_schema_ebnf('{"type": "object"}', False, compact))
             if kind in ("json_schema", "json_schema_loose"):
-                return compiler.compile_grammar(_json_schema_ebnf(text, kind == "json_schema"))
+                return compiler.compile_grammar(
+                    _json_schema_ebnf(text, kind == "json_schema", compact))
             if kind == "structural_tag":
                 return compiler.compile_structural_tag(text)
             return compiler.compile_grammar(text)
@@ -182,12 +188,18 @@ _LOOSE_STRING_CHARS = (r'[^\"\\\r\n]', r'[^\0-\x1f\"\\\r\n]')
 _STRING_CHAR = r'[^\0-\x1f\"\\\ud800-\udfff]'
 
 
-def _json_schema_ebnf(schema_text: str, strict: bool) -> str:
+def _json_schema_ebnf(schema_text: str, strict: bool, compact: bool) -> str:
     import xgrammar as xgr
 
-    grammar = xgr.Grammar.from_json_schema(
-        schema_text, strict_mode=strict, max_whitespace_cnt=MAX_JSON_WHITESPACE
-    )
+    if compact:
+        grammar = xgr.Grammar.from_json_schema(
+            schema_text, strict_mode=strict, any_whitespace=False,
+            separators=_COMPACT_SEPARATORS,
+        )
+    else:
+        grammar = xgr.Grammar.from_json_schema(
+            schema_text, strict_mode=strict, max_whitespace_cnt=MAX_JSON_WHITESPACE
+        )
     text = str(grammar)
     for loose in _LOOSE_STRING_CHARS:
         text = text.replace(loose, _STRING_CHAR)

@@ -340,3 +340,46 @@ def test_json_strings_take_only_valid_unescaped_characters(llm, schema):
         assert accepts(good), good
     for bad in (b'"a\x15', b'"\x00', b'"\xed\xa0\x80', b'"\xe0\x88\xa6', b'"\xc0\x80'):
         assert not accepts(bad), bad
+
+
+# A forced tool call's schema (openai_format.tools.forced_call, tool_choice "required").
+CALL_SCHEMA = {"anyOf": [{"type": "object",
+                          "properties": {"name": {"const": "add"},
+                                         "arguments": {"type": "object",
+                                                       "properties": {"a": {"type": "integer"},
+                                                                      "b": {"type": "integer"}},
+                                                       "required": ["a", "b"],
+                                                       "additionalProperties": False}},
+                          "required": ["name", "arguments"], "additionalProperties": False}]}
+CALL = {"name": "add", "arguments": {"a": 2, "b": 3}}
+
+
+def test_compact_json_allows_no_whitespace_between_tokens(llm):
+    """A compact format takes exactly ``json.dumps(separators=(",", ":"))``'s text; the default
+    one still takes pretty-printed JSON. Distinct grammars, so distinct cache entries."""
+    manager = llm.engine.structured_output
+
+    def complete(fmt: StructuredOutputParams, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(manager.compile(fmt))
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    compact = json.dumps(CALL, separators=(",", ":"))
+    whitespaced = [json.dumps(CALL, indent=2), json.dumps(CALL), " " + compact, compact + "\n",
+                   compact.replace(":", ": ", 1), compact.replace(",", ",\n", 1)]
+    for fmt in (StructuredOutputParams(json_schema=CALL_SCHEMA, compact=True),
+                StructuredOutputParams(json_schema=CALL_SCHEMA, strict=False, compact=True),
+                StructuredOutputParams(json_object=True, compact=True)):
+        assert complete(fmt, compact), fmt
+        for text in whitespaced:
+            assert not complete(fmt, text), (fmt, text)
+    pretty = StructuredOutputParams(json_schema=CALL_SCHEMA)
+    assert complete(pretty, compact) and complete(pretty, json.dumps(CALL, indent=2))
+    assert complete(StructuredOutputParams(json_object=True), json.dumps(CALL, indent=2))
+    assert manager.compile(pretty) is not manager.compile(
+        StructuredOutputParams(json_schema=CALL_SCHEMA, compact=True))
+    assert manager.compile(StructuredOutputParams(json_schema=CALL_SCHEMA, compact=True)) is \
+        manager.compile(StructuredOutputParams(json_schema=json.dumps(CALL_SCHEMA), compact=True))
+    with pytest.raises(ValueError, match="compact applies to json_schema and json_object"):
+        StructuredOutputParams(grammar='root ::= "a"', compact=True)
+    with pytest.raises(ValueError, match="compact must be a bool"):
+        StructuredOutputParams(json_object=True, compact="yes")  # type: ignore[arg-type]

@@ -469,13 +469,14 @@ def test_forced_tool_calls_map_to_schemas() -> None:
     named = parse(chat(tools=[ADD_TOOL, NOOP_TOOL],
                        tool_choice={"type": "function", "function": {"name": "add"}})).body
     assert to_sampling_kwargs(named)["structured_output"] == {
-        "json_schema": ADD_TOOL["function"]["parameters"], "strict": True}
+        "json_schema": ADD_TOOL["function"]["parameters"], "strict": True, "compact": True}
     required = parse(chat(tools=[ADD_TOOL, NOOP_TOOL], tool_choice="required")).body
     structured = to_sampling_kwargs(required)["structured_output"]
     branches = structured["json_schema"]["anyOf"]
     assert [b["properties"]["name"] for b in branches] == [{"const": "add"}, {"const": "noop"}]
     assert branches[1]["properties"]["arguments"]["additionalProperties"] is False
     assert structured["strict"] is False  # noop is not strict
+    assert structured["compact"] is True
     assert required.tool_mode == "required" and named.tool_mode == "named"
     assert parse(chat(tools=[ADD_TOOL])).body.tool_mode == "auto"
     none = parse(chat(tools=[ADD_TOOL], tool_choice="none")).body

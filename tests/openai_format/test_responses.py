@@ -93,7 +93,7 @@ def test_text_format_and_tool_choice_reach_the_chat_path():
                                   "tool_choice": {"type": "function", "name": "add"}}))
     assert named["tool_mode"] == "named" and named["tool_name"] == "add"
     assert named["sampling"]["structured_output"] == {"json_schema": ADD["parameters"],
-                                                      "strict": True}
+                                                      "strict": True, "compact": True}
     assert named["format_field"] == "body.tools[].parameters"
     assert named["tools"] == [{"type": "function", "function": {
         k: v for k, v in ADD.items() if k != "type"}}]

@@ -169,6 +169,62 @@ def test_forced_tool_calls(engine, tmp_path):
     assert "tool_calls" not in none["message"] and none["finish_reason"] == "length"
 
 
+def test_a_forced_call_is_compact_json(engine):
+    """tool_choice "required" / named: the grammar takes the call with no whitespace between
+    JSON tokens, not pretty-printed; a response_format schema keeps allowing whitespace."""
+    import xgrammar as xgr
+
+    def grammar(**body):
+        prepared = prepare(engine, CHAT, {"messages": [{"role": "user", "content": "2+3?"}],
+                                          **body})
+        assert not isinstance(prepared, PrepareError)
+        fmt = prepared.params.structured_output
+        assert fmt is not None
+        return engine.structured_output.compile(fmt)
+
+    def complete(compiled, text: str) -> bool:
+        matcher = xgr.GrammarMatcher(compiled)
+        return matcher.accept_string(text) and matcher.is_completed()
+
+    call = {"name": "add", "arguments": {"a": 2, "b": 3}}
+    named = {"type": "function", "function": {"name": "add"}}
+    for compiled, value in ((grammar(tools=[WEATHER, ADD], tool_choice="required"), call),
+                            (grammar(tools=[WEATHER, ADD], tool_choice=named),
+                             call["arguments"])):
+        assert complete(compiled, json.dumps(value, separators=(",", ":")))
+        assert not complete(compiled, json.dumps(value))
+        assert not complete(compiled, json.dumps(value, indent=2))
+    schema = ADD["function"]["parameters"]
+    assert complete(grammar(response_format=json_schema(schema)),
+                    json.dumps(call["arguments"], indent=2))
+
+
+def test_a_forced_call_fits_the_max_tokens_its_compact_text_needs(engine, tmp_path):
+    """The longest compact ``add`` call, ``{"name":"add","arguments":{"a":99,"b":99}}``, is 43
+    characters, so 44 tokens (one a character at least, and EOS) hold any call sampled. With
+    whitespace allowed, this random model pretty-prints: the same schema as a response_format
+    is cut at 44 (the greedy forced call took 119 tokens when its grammar allowed whitespace)."""
+    call_schema = {"type": "object",
+                   "properties": {"name": {"const": "add"},
+                                  "arguments": ADD["function"]["parameters"]},
+                   "required": ["name", "arguments"], "additionalProperties": False}
+    samplings = [{"temperature": 0}, {"seed": 0}, {"seed": 1}, {"seed": 2}]
+    lines = [chat(f"call-{i}", "2+3?", tools=[ADD], tool_choice="required", max_tokens=44,
+                  **sampling) for i, sampling in enumerate(samplings)]
+    lines += [chat(f"spaced-{i}", "2+3?", response_format=json_schema(call_schema),
+                   max_tokens=44, **sampling) for i, sampling in enumerate(samplings)]
+    result, summary = run(engine, tmp_path, lines)
+    assert summary.num_failed == 0
+    for i in range(len(samplings)):
+        choice = body_of(result[f"call-{i}"])["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        arguments = json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])
+        jsonschema.validate(arguments, ADD["function"]["parameters"])
+        spaced = body_of(result[f"spaced-{i}"])["choices"][0]
+        assert spaced["finish_reason"] == "length"
+        assert any(c in spaced["message"]["content"] for c in " \t\r\n")
+
+
 def test_auto_tool_choice_needs_a_template_that_writes_calls(engine, tmp_path):
     result, _ = run(engine, tmp_path, [chat("auto", tools=[ADD]),
                                        chat("auto2", tools=[ADD], tool_choice="auto")])
