@@ -68,10 +68,11 @@ class GreedyScreen:
         hidden_bf16 = hidden.to(torch.bfloat16)
         approx = self._screen_bf16(hidden_bf16)  # [rows, vocab] bf16
         row_bounds = hidden.norm(dim=1) * self.relative  # [rows]
-        if self.weight.dtype == torch.bfloat16 and cpu_fused_ops.available(hidden_bf16):
+        if cpu_fused_ops.available(hidden_bf16):
             # One C++ pass pair over the bf16 screen instead of ten torch ops over an fp32 copy
-            # (~7% of a bf16 step). fp32 models keep the torch ops: same candidates up to
-            # rounding in the bound, so the same tokens, but not yet measured there.
+            # (~7% of a bf16 step; bench.step_overhead's sample phase at 256 rows: fp32 models
+            # the same). The candidates may differ from the torch ops' by rounding in the bound,
+            # never the token: the fp32 argmax is among either, and wins there.
             candidates = cpu_fused_ops.screen_candidates
         else:
             candidates = cpu_fused_ops.screen_candidates_ref
