@@ -20,11 +20,12 @@ TOO_MANY_INPUTS = "too_many_inputs"  # a batch's embedding inputs beyond its lim
 
 def sort_key(line: BatchLine) -> str:
     """The start of the prompt as text, so lines sharing a prefix (a system prompt, a RAG
-    document) sort next to each other and run close together: the prefix cache then hits."""
+    document) sort next to each other and run close together: the prefix cache then hits.
+    Without NUL characters: a PostgreSQL text column refuses them (the whole chunk's COPY)."""
     body = line.body
     if isinstance(body, EmbeddingRequest):  # no prefix to share: group by length instead
         inputs = body.inputs()
-        return f"\x00embedding {sum(len(i) for i in inputs):010d}"
+        return f"\x01embedding {sum(len(i) for i in inputs):010d}"
     if isinstance(body, ResponsesRequest):
         body = body.as_chat  # the messages it runs as
     if isinstance(body, ChatCompletionRequest):
@@ -34,7 +35,7 @@ def sort_key(line: BatchLine) -> str:
     else:
         prompt = body.single_prompt
         text = prompt if isinstance(prompt, str) else " ".join(str(t) for t in prompt[:100])
-    return text[:SORT_KEY_CHARS]
+    return text[:SORT_KEY_CHARS].replace("\x00", "")
 
 
 def stored_body(line: BatchLine) -> dict[str, Any]:

@@ -79,3 +79,21 @@ def test_rows_read_back_as_the_lines_parse(make_stack, any_db_url):
     ordered = sorted(by_id.values(), key=lambda r: (r.sort_key, r.line_no))
     assert [(r.position, r.shard_id) for r in ordered] == [
         (k, f"{batch['id']}:{k // 2}") for k in range(len(ordered))]
+
+
+def test_lines_with_nul_characters_are_stored(make_stack, any_db_url):
+    """A PostgreSQL text column refuses NUL: a sort key never holds one (an embeddings line's,
+    a prompt's), so such lines are stored like any other, not the chunk's COPY failing."""
+    stack = make_stack(any_db_url)
+    for endpoint, line in (
+            (CHAT, chat_line("nul", "a\x00b")),
+            ("/v1/embeddings", {"custom_id": "emb", "method": "POST", "url": "/v1/embeddings",
+                                "body": {"input": ["a", "b\x00"]}})):
+        batch = stack.create_batch([line], endpoint=endpoint)
+        assert prepare_batch(stack.ctx.db, stack.ctx.storage, batch["id"], worker_id="prep",
+                             shard_size=2)
+        with stack.ctx.db.read_session() as session:
+            (row,) = session.scalars(select(RequestLine).where(
+                RequestLine.batch_id == batch["id"])).all()
+        assert row.status == "pending" and "\x00" not in row.sort_key
+        assert row.body == line["body"]
