@@ -49,8 +49,8 @@ def _cpu_ms_per_line_without_gc(fn: Callable[[], Any], num_lines: int) -> float:
 def parts(raw_lines: list[bytes], endpoint: str) -> dict[str, float]:
     """ms per line of each step prepare takes on a valid line, timed one step at a time, without
     the garbage collector (the whole figure has its share)."""
+    from openai_format.engine_fields import engine_fields
     from openai_format.parse import CustomIdTracker, parse_line
-    from openai_format.sampling import engine_fields
     from service.lines import ModelTracker, estimate_tokens, sort_key, stored_body
 
     n = len(raw_lines)

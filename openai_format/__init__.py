@@ -6,5 +6,6 @@
   the chat request it runs as; ``response_object``: the ``Response`` a finished line returns;
 - ``parse``: one input line -> ``BatchLine`` or ``LineError`` (the line error codes);
 - ``sampling``: a request body -> the engine's ``SamplingParams`` keyword arguments;
+- ``engine_fields``: a validated body -> the typed JSON a line's row keeps for the drain loop;
 - ``responses``: engine-free results -> completion objects, output and error lines.
 """

@@ -1,11 +1,11 @@
 """The engine's sampling fields for a request body: OpenAI's defaults and names mapped to
-``SamplingParams``' keyword arguments (a plain dict: this package never imports the engine)."""
+``SamplingParams``' keyword arguments, as JSON (``Sampling``: this package never imports the
+engine; ``pipeline.engine_adapter.sampling_params`` builds the engine's from it)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
-from openai_format.embeddings import EmbeddingRequest
 from openai_format.responses_request import ResponsesRequest
 from openai_format.tools import forced_call
 from openai_format.types import ChatCompletionRequest, CompletionRequest
@@ -13,7 +13,39 @@ from openai_format.types import ChatCompletionRequest, CompletionRequest
 Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest
 
 
-def to_sampling_kwargs(body: Body) -> dict[str, Any]:
+class SamplingArgs(TypedDict):
+    """``SamplingParams``' keyword arguments that JSON holds as the engine takes them (mypy
+    checks the names and types against ``SamplingParams`` where the pipeline passes them)."""
+
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    min_p: float
+    seed: int | None
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    stop: list[str]
+    stop_token_ids: list[int]
+    max_tokens: int | None  # ``effective_max_tokens``: None runs to the model's context
+    min_tokens: int
+    ignore_eos: bool
+    logprobs: int | None
+
+
+class Sampling(SamplingArgs):
+    """A line's sampling as stored (``engine_fields``' ``sampling``): ``SamplingArgs`` and the
+    two fields JSON cannot hold as the engine takes them: ``logit_bias`` as [token id, bias]
+    pairs (JSON object keys are strings), ``structured_output`` as ``StructuredOutputParams``'
+    fields. Rows keep what an earlier version wrote: a field added here needs a value for
+    rows stored without it where it is read."""
+
+    logit_bias: list[list[float]] | None
+    structured_output: dict[str, Any] | None
+
+
+def to_sampling_kwargs(body: Body) -> Sampling:
     """The engine's SamplingParams fields for ``body`` (OpenAI defaults: temperature 1, top_p 1).
 
     ``logprobs`` is the number of alternatives per token: chat's ``top_logprobs`` (0 when only
@@ -32,6 +64,7 @@ def to_sampling_kwargs(body: Body) -> dict[str, Any]:
             structured = {"json_schema": forced[0], "strict": forced[1], "compact": True}
     else:
         logprobs = body.logprobs
+    bias = body.logit_bias_ids()
     return {
         "n": body.n or 1,
         "temperature": 1.0 if body.temperature is None else body.temperature,
@@ -50,74 +83,7 @@ def to_sampling_kwargs(body: Body) -> dict[str, Any]:
         "min_tokens": body.min_tokens or 0,
         "ignore_eos": bool(body.ignore_eos),
         "logprobs": logprobs,
-        "logit_bias": body.logit_bias_ids(),
+        "logit_bias": None if bias is None else [[t, b] for t, b in bias.items()],
         "structured_output": structured,
     }
 
-
-def engine_fields(body: Body | EmbeddingRequest) -> dict[str, Any]:
-    """What the engine needs from a validated body, as JSON, stored on the line's row when it
-    is validated (upload/prepare, a job's creation) so the drain loop neither parses nor
-    validates the body again (``pipeline.engine_adapter.prepare_fields``):
-
-    - ``messages`` and ``tools`` (chat: the chat template's input) or ``prompt`` (completions:
-      text or token ids);
-    - ``tool_mode`` ("auto", "required", "named" or absent) and ``tool_name`` (a named choice);
-    - ``format_field``: the body field a grammar comes from, to name it in an error;
-    - ``sampling``: ``to_sampling_kwargs``, its ``logit_bias`` as [token id, bias] pairs (JSON
-      object keys are strings);
-    - ``response`` (a /v1/responses body only): the request fields its ``Response`` object
-      repeats (``ResponsesRequest.echo``). Such a body's other fields are its chat body's, with
-      the fields an error names spelled as the Responses API spells them.
-
-    An embeddings body has ``embedding`` instead: its inputs as a list, ``encoding_format`` and
-    ``dimensions``.
-    """
-    if isinstance(body, EmbeddingRequest):
-        return {"embedding": {"input": body.inputs(),
-                              "encoding_format": body.encoding_format or "float",
-                              "dimensions": body.dimensions}}
-    if isinstance(body, ResponsesRequest):
-        fields = engine_fields(body.as_chat)
-        fields["response"] = body.echo()
-        if "format_field" in fields:
-            fields["format_field"] = ("body.tools[].parameters" if "tool_name" in fields
-                                      else "body.text.format.schema")
-        return fields
-    sampling = to_sampling_kwargs(body)
-    bias = sampling["logit_bias"]
-    sampling["logit_bias"] = None if bias is None else [[int(t), b] for t, b in bias.items()]
-    fields: dict[str, Any] = {"sampling": sampling}
-    if body.response_format is not None and body.response_format.type == "json_schema":
-        fields["format_field"] = "body.response_format.json_schema.schema"
-    if isinstance(body, ChatCompletionRequest):
-        fields["messages"] = body.template_messages()
-        fields["tools"] = body.template_tools()
-        mode = body.tool_mode
-        if mode is not None:
-            fields["tool_mode"] = mode
-        if mode in ("required", "named"):
-            fields["tool_name"] = body.forced_tools[0].function.name
-            fields["format_field"] = "body.tools[].function.parameters"
-    else:
-        fields["prompt"] = body.single_prompt
-    return fields
-
-
-def sampling_kwargs(fields: dict[str, Any]) -> dict[str, Any]:
-    """``to_sampling_kwargs``' dict back from stored ``engine_fields`` (a copy)."""
-    sampling = dict(fields["sampling"])
-    bias = sampling.get("logit_bias")
-    sampling["logit_bias"] = None if bias is None else {int(t): float(b) for t, b in bias}
-    return sampling
-
-
-# The ``engine_fields`` key naming the LoRA adapter a line runs under: its batch's (or job's)
-# model when that is an adapter (docs/lora.md), so the worker needs no batch row to know it.
-LORA_FIELD = "lora_name"
-
-
-def line_engine_fields(body: Any, lora: str | None) -> dict[str, Any]:
-    """A stored line's ``engine_fields``: ``engine_fields(body)`` and the adapter, if any."""
-    fields = engine_fields(body)
-    return fields if lora is None else {**fields, LORA_FIELD: lora}

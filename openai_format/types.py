@@ -263,6 +263,9 @@ ToolChoice = Annotated[
     Literal["none", "auto", "required"] | NamedToolChoice,
     _one_of_shapes("'none', 'auto', 'required' or {type: 'function', function: {name}}"),
 ]
+# How a chat body's tools are used (``ChatCompletionRequest.tool_mode``): the model may call
+# one ("auto"), must call one of them ("required") or must call the one named ("named").
+ToolMode = Literal["auto", "required", "named"]
 
 
 class SamplingFields(_Body):
@@ -431,7 +434,7 @@ class ChatCompletionRequest(SamplingFields):
                            "tool call")
 
     @property
-    def tool_mode(self) -> str | None:
+    def tool_mode(self) -> ToolMode | None:
         """None (no tools, or tool_choice 'none'), 'auto', 'required' or 'named'."""
         if not self.tools or self.tool_choice == "none":
             return None

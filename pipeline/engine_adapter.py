@@ -3,9 +3,9 @@ and by ``boxcar run`` alike: ``prepare`` turns (endpoint, body) into an ``Engine
 ``PrepareError``, ``add_to_engine`` hands it to the engine, ``response_body`` turns the finished
 ``RequestOutput`` into an OpenAI response body.
 
-``prepare_fields`` does the same from a stored line's ``engine_fields``
-(``openai_format.sampling``, validated when the line was stored), so the worker parses no body;
-``prepare`` is ``parse_body`` then ``prepare_fields``, so both give the same input or error.
+``prepare_fields`` does the same from a stored line's ``EngineFields``
+(``openai_format.engine_fields``, validated when the line was stored), so the worker parses no
+body; ``prepare`` is ``parse_body`` then ``prepare_fields``, so both give the same input or error.
 
 Neither raises on a line's content: a template that rejects the conversation (jinja's
 ``raise_exception``), a prompt longer than the context, a token id outside the vocabulary, a
@@ -34,6 +34,13 @@ from engine.pooling_params import PoolingParams
 from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from openai_format.embeddings import embedding_body
+from openai_format.engine_fields import (
+    ChatFields,
+    EmbeddingArgs,
+    EngineFields,
+    PromptFields,
+    engine_fields,
+)
 from openai_format.parse import (
     BODY_TYPES,
     CONTEXT_LENGTH_EXCEEDED,
@@ -50,7 +57,7 @@ from openai_format.responses import (
     chat_completion_body,
     text_completion_body,
 )
-from openai_format.sampling import LORA_FIELD, engine_fields, sampling_kwargs
+from openai_format.sampling import Sampling, SamplingArgs
 from openai_format.tools import (
     ToolCallMode,
     harmony_tool_calls,
@@ -150,9 +157,9 @@ def _prepare(engine: Engine, endpoint: str, body: dict[str, Any] | Body) -> Inpu
     return _prepare_fields(engine, engine_fields(request))
 
 
-def prepare_fields(engine: Engine, fields: dict[str, Any]) -> Input | PrepareError:
+def prepare_fields(engine: Engine, fields: EngineFields) -> Input | PrepareError:
     """``prepare`` for a line whose body was validated when it was stored: its
-    ``engine_fields`` (``openai_format.sampling``) become the engine input, with no parsing."""
+    ``engine_fields`` become the engine input, with no parsing."""
     try:
         return _prepare_fields(engine, fields)
     except Exception as exc:  # noqa: BLE001 - one line's failure must not escape its line
@@ -160,19 +167,51 @@ def prepare_fields(engine: Engine, fields: dict[str, Any]) -> Input | PrepareErr
         return PrepareError(SERVER_ERROR, f"the request could not be prepared: {exc}")
 
 
-def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> Input | PrepareError:
-    embedding = fields.get("embedding")
-    if engine.is_embedding != (embedding is not None):
-        return _wrong_kind(engine, embedding is not None)
-    if embedding is not None:
-        if fields.get(LORA_FIELD) is not None:
-            return PrepareError(INVALID_VALUE, f"body.model: {fields[LORA_FIELD]!r} is a LoRA "
-                                "adapter; an embeddings line runs on an embedding model, "
-                                "with no adapter", "model")
-        return _prepare_embedding(engine, embedding)
-    tool_mode: ToolCallMode | None = None
-    format_field = fields.get("format_field")
+def _prepare_fields(engine: Engine, fields: EngineFields) -> Input | PrepareError:
+    wants_embedding = "embedding" in fields
+    if engine.is_embedding != wants_embedding:
+        return _wrong_kind(engine, wants_embedding)
+    if "embedding" in fields:
+        lora = fields.get("lora_name")
+        if lora is not None:
+            return PrepareError(INVALID_VALUE, f"body.model: {lora!r} is a LoRA adapter; an "
+                                "embeddings line runs on an embedding model, with no adapter",
+                                "model")
+        return _prepare_embedding(engine, fields["embedding"])
+    chat = fields if "messages" in fields else None
+    tool_mode = None if chat is None else _tool_call_mode(engine, chat)
+    if isinstance(tool_mode, PrepareError):
+        return tool_mode
+    prompt = _prompt(engine, fields)
+    if isinstance(prompt, PrepareError):
+        return prompt
+    sampling = fields["sampling"]
+    too_long = _context_overflow(engine, prompt, sampling["max_tokens"])
+    if too_long is not None:
+        return PrepareError(CONTEXT_LENGTH_EXCEEDED, too_long)
+    vocab = engine.vocab_size
+    if max(prompt) >= vocab:
+        return PrepareError(INVALID_VALUE, f"body.prompt: token id {max(prompt)} is outside "
+                            f"the model's vocabulary (ids 0 to {vocab - 1})", "prompt")
+    outside = sorted(int(t) for t, _ in sampling["logit_bias"] or [] if t >= vocab)
+    if outside:
+        return PrepareError(INVALID_VALUE, f"body.logit_bias: token id {outside[0]} is "
+                            f"outside the model's vocabulary (ids 0 to {vocab - 1})",
+                            "logit_bias")
+    try:
+        params = sampling_params(sampling)
+    except ValueError as exc:
+        return PrepareError(INVALID_VALUE, f"body: {exc}")
+    return EngineInput(prompt, params, fields.get("format_field"), tool_mode,
+                       None if chat is None else chat.get("response"), fields.get("lora_name"))
+
+
+def _tool_call_mode(engine: Engine, fields: ChatFields) -> ToolCallMode | PrepareError | None:
+    """How the line's tool calls are read back from its output: the model's own syntax for
+    "auto" (an error if its chat template writes none), a forced call's JSON otherwise."""
     mode = fields.get("tool_mode")
+    if mode is None:
+        return None
     if mode == "auto":
         syntax = template_supports_tools(engine.chat_template)
         if syntax is None:
@@ -182,36 +221,30 @@ def _prepare_fields(engine: Engine, fields: dict[str, Any]) -> Input | PrepareEr
                 "whose chat template writes tool calls, and this model's does not: set "
                 "tool_choice to 'required', {type: 'function', function: {name}} or 'none'",
                 "tool_choice")
-        tool_mode = ToolCallMode(syntax)
-    elif mode is not None:
-        tool_mode = ToolCallMode("forced_name" if mode == "named" else "forced_any",
-                                 fields["tool_name"])
-    prompt = _prompt(engine, fields)
-    if isinstance(prompt, PrepareError):
-        return prompt
-    kwargs = sampling_kwargs(fields)
-    too_long = _context_overflow(engine, prompt, kwargs["max_tokens"])
-    if too_long is not None:
-        return PrepareError(CONTEXT_LENGTH_EXCEEDED, too_long)
-    vocab = engine.vocab_size
-    if max(prompt) >= vocab:
-        return PrepareError(INVALID_VALUE, f"body.prompt: token id {max(prompt)} is outside "
-                            f"the model's vocabulary (ids 0 to {vocab - 1})", "prompt")
-    outside = sorted(t for t in kwargs["logit_bias"] or {} if t >= vocab)
-    if outside:
-        return PrepareError(INVALID_VALUE, f"body.logit_bias: token id {outside[0]} is "
-                            f"outside the model's vocabulary (ids 0 to {vocab - 1})",
-                            "logit_bias")
-    try:
-        structured = kwargs.pop("structured_output")
-        params = SamplingParams(
-            **kwargs,
-            structured_output=None if structured is None else StructuredOutputParams(**structured),
-        )
-    except ValueError as exc:
-        return PrepareError(INVALID_VALUE, f"body: {exc}")
-    return EngineInput(prompt, params, format_field, tool_mode, fields.get("response"),
-                       fields.get(LORA_FIELD))
+        return ToolCallMode(syntax)
+    return ToolCallMode("forced_name" if mode == "named" else "forced_any", fields["tool_name"])
+
+
+class _SamplingKwargs(SamplingArgs):
+    """``SamplingParams``' keyword arguments: ``Sampling`` with its two JSON-shaped fields in
+    the engine's types."""
+
+    logit_bias: dict[int, float] | None
+    structured_output: StructuredOutputParams | None
+
+
+def sampling_params(sampling: Sampling) -> SamplingParams:
+    """The engine's ``SamplingParams`` of a line's stored sampling; ValueError: a value the
+    engine refuses."""
+    bias = sampling["logit_bias"]
+    structured = sampling["structured_output"]
+    kwargs: _SamplingKwargs = {
+        **sampling,
+        "logit_bias": None if bias is None else {int(t): float(b) for t, b in bias},
+        "structured_output": (None if structured is None
+                              else StructuredOutputParams(**structured)),
+    }
+    return SamplingParams(**kwargs)
 
 
 def _wrong_kind(engine: Engine, wants_embedding: bool) -> PrepareError:
@@ -230,20 +263,20 @@ def _embedding_error(exc: EmbeddingInputError) -> PrepareError:
     return PrepareError(INVALID_VALUE, f"body.{field}: {exc}", "input")
 
 
-def _prepare_embedding(engine: Engine, fields: dict[str, Any]) -> EmbeddingInput | PrepareError:
+def _prepare_embedding(engine: Engine, args: EmbeddingArgs) -> EmbeddingInput | PrepareError:
     """An embeddings line's inputs tokenized and checked against the model (its length limit,
     vocabulary and Matryoshka dimensions), each problem a line error naming the field."""
-    dimensions = fields.get("dimensions")
+    dimensions = args["dimensions"]
     try:
         engine.check_embedding_dimensions(dimensions)
     except EmbeddingInputError as exc:
         return PrepareError(INVALID_VALUE, f"body.dimensions: {exc}", "dimensions")
     try:
-        token_ids = engine.embedding_token_ids(fields["input"])
+        token_ids = engine.embedding_token_ids(args["input"])
     except EmbeddingInputError as exc:
         return _embedding_error(exc)
     return EmbeddingInput(token_ids, PoolingParams(dimensions=dimensions),
-                          fields.get("encoding_format") or "float")
+                          args["encoding_format"])
 
 
 def add_to_engine(engine: Engine, request_id: str, engine_input: Input, *,
@@ -273,17 +306,16 @@ def add_to_engine(engine: Engine, request_id: str, engine_input: Input, *,
     return None
 
 
-def _prompt(engine: Engine, fields: dict[str, Any]) -> list[int] | PrepareError:
-    chat = "messages" in fields
+def _prompt(engine: Engine, fields: ChatFields | PromptFields) -> list[int] | PrepareError:
+    field = "messages" if "messages" in fields else "prompt"
     try:
-        if chat:
-            prompt_ids = engine.apply_chat_template(fields["messages"], tools=fields.get("tools"))
+        if "messages" in fields:
+            prompt_ids = engine.apply_chat_template(fields["messages"], tools=fields["tools"])
         else:
             prompt = fields["prompt"]
             prompt_ids = engine.encode(prompt) if isinstance(prompt, str) else list(prompt)
     except Exception as exc:  # noqa: BLE001 - jinja's TemplateError is no ValueError; a
         # conversation the template rejects is the line's fault, not the worker's.
-        field = "messages" if chat else "prompt"
         return PrepareError(INVALID_REQUEST,
                             f"body.{field} could not be turned into a prompt: "
                             f"{type(exc).__name__}: {exc}", field)

@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, Text, text
 from sqlalchemy.orm import Mapped, mapped_column
 
+from openai_format.engine_fields import EngineFields
 from service.db import Base, utcnow
 
 # Batch statuses (OpenAI's).
@@ -259,10 +260,10 @@ class RequestLine(Base):
     endpoint: Mapped[str] = mapped_column(String(64))
     body: Mapped[dict[str, Any] | None] = _json()
     # What the engine needs, validated once when the line was stored
-    # (``openai_format.sampling.engine_fields``): the drain loop builds the prompt and
-    # SamplingParams from it without parsing the body again. None in rows from before
-    # 0005_scale, which are parsed from ``body`` as before.
-    engine_fields: Mapped[dict[str, Any] | None] = _json()
+    # (``openai_format.engine_fields``): the drain loop builds the prompt and SamplingParams
+    # from it without parsing the body again. None in rows from before 0005_scale, which are
+    # parsed from ``body`` as before. A JSON column: the type is what its readers get back.
+    engine_fields: Mapped[EngineFields | None] = _json()
     sort_key: Mapped[str] = mapped_column(String(200), default="")
     status: Mapped[str] = mapped_column(String(16), default=LINE_PENDING)
     response: Mapped[dict[str, Any] | None] = _json()  # the response body of a completed line

@@ -28,9 +28,9 @@ from engine.outputs import RequestOutput
 from engine.protocol import Engine
 from metrics.counters import ENGINE_STEPS, LINES_FINISHED
 from metrics.forecast import OutputLengths
+from openai_format.engine_fields import ignores_eos
 from openai_format.ids import new_id
 from openai_format.parse import SERVER_ERROR
-from openai_format.sampling import LORA_FIELD
 from openai_format.tools import ToolCallMode
 from pipeline.engine_adapter import (
     PrepareError,
@@ -198,8 +198,9 @@ class Drainer:
     def _add_to_engine(self, work: LineWork) -> None:
         # The same pipeline as ``boxcar run``: a line's error is the same on both paths. A line
         # stored with its engine fields is not parsed again (older rows are).
-        if work.engine_fields is not None:
-            engine_input = prepare_fields(self.engine, work.engine_fields)
+        fields = work.engine_fields
+        if fields is not None:
+            engine_input = prepare_fields(self.engine, fields)
         else:
             engine_input = prepare(self.engine, work.endpoint, work.body)
         if not isinstance(engine_input, PrepareError):
@@ -229,10 +230,11 @@ class Drainer:
         if output.finish_reason == "abort":
             return  # aborted on purpose: whoever dropped it settles the line
         hex_id = new_id()
+        fields = work.engine_fields
+        lora = None if fields is None else fields.get("lora_name")
         try:
             body, usage = response_body(
-                output, endpoint=work.endpoint,
-                model=(work.engine_fields or {}).get(LORA_FIELD) or self.model_name,
+                output, endpoint=work.endpoint, model=lora or self.model_name,
                 engine=self.engine, hex_id=hex_id,
                 tool_mode=tool_mode, response_echo=response_echo,
                 encoding_format=encoding_format,
@@ -242,7 +244,9 @@ class Drainer:
             self._fail(work, SERVER_ERROR, f"could not build the response: {exc}")
             return
         self.num_finished += 1
-        if work.body.get("ignore_eos") is not True and len(output.outputs) == 1:
+        # A line that ignores EOS says nothing of where lines stop (a row from before the
+        # engine fields, read without them, counts).
+        if (fields is None or not ignores_eos(fields)) and len(output.outputs) == 1:
             self.output_lengths.observe(usage.completion_tokens)
         LINES_FINISHED.labels(LINE_COMPLETED).inc()
         self._submit(LineResult(

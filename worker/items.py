@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from openai_format.engine_fields import EngineFields
 from service.queue_order import EngineOrder, engine_order
 
 
@@ -34,9 +35,9 @@ class LineWork:
     body: dict[str, Any]
     priority: int = 0  # the shard's: a job's is JOB_PRIORITY_BASE + its own
     deadline: float | None = None  # unix seconds: the batch's expires_at (service.queue_order)
-    # The validated fields stored at prepare (``openai_format.sampling.engine_fields``); None
-    # for rows from before them, whose ``body`` is parsed instead.
-    engine_fields: dict[str, Any] | None = None
+    # The validated fields stored at prepare (``openai_format.engine_fields``); None for rows
+    # from before them (0005_scale), whose ``body`` is parsed instead.
+    engine_fields: EngineFields | None = None
 
     @property
     def is_job(self) -> bool:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import datetime as dt
 import operator
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pydantic_core import to_json
 from sqlalchemy import insert
 from sqlalchemy.orm import Session
 
+from openai_format.engine_fields import engine_fields
 from openai_format.parse import CustomIdTracker, LineError, parse_line
-from openai_format.sampling import line_engine_fields
 from service import ids
 from service.db import utcnow
 from service.lines import (
@@ -38,7 +38,7 @@ MAX_BATCH_ERRORS = 100
 
 def line_rows(
     storage: ObjectStorage, file: File, batch: Batch, errors: list[dict], *, mixed_endpoints: bool,
-    estimates: list[int], json_value: Callable[[dict], Any], max_embedding_inputs: int,
+    estimates: list[int], json_value: Callable[[Mapping[str, Any]], Any], max_embedding_inputs: int,
     lora: str | None = None,
 ) -> Iterator[dict]:
     """The rows of the file's lines, in input order; ``estimates`` collects [prompt, output]
@@ -72,7 +72,7 @@ def line_rows(
         estimates[1] += output_tokens
         yield _row(tenant_id, batch_id, line_no, parsed.url, LINE_PENDING, sort_key(parsed),
                    parsed.custom_id, json_value(stored_body(parsed)),
-                   json_value(line_engine_fields(parsed.body, lora)), None, None,
+                   json_value(engine_fields(parsed.body, lora=lora)), None, None,
                    enqueued_tokens(parsed))
 
 
@@ -113,7 +113,7 @@ _COPY_COLUMNS = ("tenant_id", "batch_id", "line_no", "endpoint", "status", "sort
 _copy_values = operator.itemgetter(*_COPY_COLUMNS)
 
 
-def json_text(value: dict) -> str:
+def json_text(value: Mapping[str, Any]) -> str:
     """On PostgreSQL the rows hold their JSON columns as text, ready for COPY: a row then holds
     no container, so the garbage collector stops walking 40,000 rows of nested dicts again and
     again while they pile up (a quarter of prepare's CPU at 40,000 lines). pydantic-core's
@@ -122,7 +122,7 @@ def json_text(value: dict) -> str:
     return to_json(value).decode()
 
 
-def as_is(value: dict) -> dict:
+def as_is(value: Mapping[str, Any]) -> Mapping[str, Any]:
     return value
 
 

@@ -15,8 +15,8 @@ from api.errors import ApiError, not_found
 from api.pagination import paginate
 from api.routes.batches import check_metadata, check_priority, served_model
 from metrics.counters import JOBS_CREATED
+from openai_format.engine_fields import engine_fields
 from openai_format.parse import LineError, parse_line
-from openai_format.sampling import line_engine_fields
 from openai_format.types import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -132,7 +132,7 @@ def create_job(request: JobCreateRequest, tenant: TenantDep, ctx: ContextDep) ->
         session.add(RequestLine(
             tenant_id=tenant.id, job_id=job_id, shard_id=shard_id, line_no=1, position=0,
             custom_id=job_id, endpoint=endpoint, body=stored_body(parsed),
-            engine_fields=line_engine_fields(parsed.body, lora), sort_key=sort_key(parsed),
+            engine_fields=engine_fields(parsed.body, lora=lora), sort_key=sort_key(parsed),
             enqueued_tokens=tokens,
         ))
         session.flush()

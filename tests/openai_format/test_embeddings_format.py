@@ -13,8 +13,8 @@ from openai.types import CreateEmbeddingResponse, Embedding
 from openai.types.create_embedding_response import Usage
 
 from openai_format.embeddings import MAX_EMBEDDING_INPUTS, EmbeddingRequest, embedding_body
+from openai_format.engine_fields import engine_fields
 from openai_format.parse import BatchLine, LineError, parse_line
-from openai_format.sampling import engine_fields
 from openai_format.types import EMBEDDINGS_URL
 
 

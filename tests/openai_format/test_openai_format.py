@@ -462,7 +462,7 @@ def test_response_format_maps_to_structured_output() -> None:
     assert to_sampling_kwargs(parse(chat(response_format={"type": "text"})).body)[
         "structured_output"] is None
     kwargs = to_sampling_kwargs(parse(completion(logit_bias={"7": -100, "9": 2.5})).body)
-    assert kwargs["logit_bias"] == {7: -100.0, 9: 2.5}
+    assert kwargs["logit_bias"] == [[7, -100.0], [9, 2.5]]  # JSON: [token id, bias] pairs
 
 
 def test_forced_tool_calls_map_to_schemas() -> None:

@@ -8,11 +8,11 @@ import json
 import pytest
 from openai.types.responses import Response
 
+from openai_format.engine_fields import engine_fields
 from openai_format.parse import LineError, parse_line
 from openai_format.response_object import response_object
 from openai_format.responses import ChoiceResult
 from openai_format.responses_request import RESPONSES_UNSUPPORTED, ResponsesRequest
-from openai_format.sampling import engine_fields
 from tests.openai_shapes import check_line, strict
 
 URL = "/v1/responses"

@@ -8,8 +8,8 @@ import json
 
 from sqlalchemy import select
 
+from openai_format.engine_fields import engine_fields
 from openai_format.parse import LineError, parse_line
-from openai_format.sampling import engine_fields
 from service.lines import sort_key, stored_body
 from service.models import RequestLine
 from tests.conftest_services import chat_line

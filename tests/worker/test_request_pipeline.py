@@ -428,20 +428,20 @@ def test_any_exception_while_preparing_fails_only_its_line(engine, tmp_path, mon
     import pipeline.engine_adapter as adapter
 
     original_add = engine.add_request
-    original_kwargs = adapter.sampling_kwargs
+    original_params = adapter.sampling_params
 
     def add(request_id, prompt, params, **kwargs):
         if params.seed == 666:
             raise RuntimeError("the grammar library crashed")
         return original_add(request_id, prompt, params, **kwargs)
 
-    def kwargs_of(fields):
-        if fields["sampling"]["seed"] == 667:
+    def params_of(sampling):
+        if sampling["seed"] == 667:
             raise KeyError("unforeseen")
-        return original_kwargs(fields)
+        return original_params(sampling)
 
     monkeypatch.setattr(engine, "add_request", add)
-    monkeypatch.setattr(adapter, "sampling_kwargs", kwargs_of)
+    monkeypatch.setattr(adapter, "sampling_params", params_of)
     result, summary = run(engine, tmp_path, [chat("crash", seed=666), chat("bug", seed=667),
                                              chat("ok", max_tokens=2)])
     for custom_id, fragment in (("crash", "the grammar library crashed"),
