@@ -16,14 +16,9 @@ import time
 from typing import Any
 
 from metrics.forecast import LineProgress, StepCost, forecast
+from openai_format.engine_fields import ignores_eos, max_output_tokens
 from worker.drain import Drainer
 from worker.items import LineWork
-
-
-def line_max_tokens(body: dict[str, Any]) -> int | None:
-    value = body.get("max_completion_tokens", body.get("max_tokens",
-                                                       body.get("max_output_tokens")))
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 class Forecaster:
@@ -69,13 +64,15 @@ class Forecaster:
         self._lines = (time.time(), lines)  # one reference swap: the metrics thread reads it
 
     def _queued(self, work: LineWork, prompt: float) -> LineProgress:
-        body = work.body
-        max_tokens = line_max_tokens(body)
-        room = max(int(self.max_model_len - prompt), 1)
+        """A line not yet in the engine: its output budget as the engine will get it, from its
+        engine fields (a row from before them counts as one without a max_tokens)."""
+        fields = work.engine_fields
+        max_tokens = None if fields is None else max_output_tokens(fields)
+        room = max(int(self.max_model_len - prompt), 1)  # the engine's cap: the context
         return LineProgress(batch_id=work.batch_id, running=False, prefill_tokens=prompt,
                             output_tokens=0,
                             max_tokens=room if max_tokens is None else min(max_tokens, room),
-                            ignore_eos=body.get("ignore_eos") is True)
+                            ignore_eos=fields is not None and ignores_eos(fields))
 
     def at_risk(self, batch_id: str) -> bool:
         """Whether the last forecast saw ``batch_id``'s held lines end after its deadline."""

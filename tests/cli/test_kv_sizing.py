@@ -41,10 +41,27 @@ def test_bound_sums_the_largest_that_run_at_once(tmp_path):
     assert kv_blocks_needed(path, block_size=16, max_num_seqs=4) == sum(needs[:4])
 
 
-@pytest.mark.parametrize("body", [{}, {"max_tokens": None}, {"max_tokens": 0}])
+@pytest.mark.parametrize("body", [{}, {"max_tokens": None}])
 def test_no_bound_when_a_line_may_run_to_the_context(tmp_path, body):
     path = write(tmp_path / "in.jsonl", [chat("a", "hi", max_tokens=5), chat("b", "hi", **body)])
     assert kv_blocks_needed(path, block_size=16, max_num_seqs=8) is None
+
+
+def test_bound_counts_the_max_tokens_the_engine_gets(tmp_path):
+    """Each line's budget is its engine fields': a /v1/completions line without max_tokens gets
+    OpenAI's 16, a /v1/responses line its max_output_tokens, an embeddings line none; a line
+    that fails to parse (max_tokens 0) never runs."""
+    lines = [{"custom_id": "c", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": "hi"}},
+             {"custom_id": "r", "method": "POST", "url": "/v1/responses",
+              "body": {"input": "hi", "max_output_tokens": 7}},
+             {"custom_id": "e", "method": "POST", "url": "/v1/embeddings",
+              "body": {"input": "hi"}},
+             chat("bad", "hi", max_tokens=0)]
+    path = write(tmp_path / "in.jsonl", lines)
+    needs = [math.ceil((len(json.dumps(x).encode()) + TEMPLATE_TOKENS + budget) / 16)
+             for x, budget in zip(lines[:3], (16, 7, 0), strict=True)]
+    assert kv_blocks_needed(path, block_size=16, max_num_seqs=8) == sum(needs)
 
 
 def test_no_bound_for_a_missing_or_empty_file(tmp_path):
