@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     import torch
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request's share of a step: compute ``num_new_tokens`` tokens from ``num_computed``."""
 

@@ -41,7 +41,7 @@ class RequestStatus(enum.Enum):
         }.get(self)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     """A single sequence. A user request with ``n > 1`` becomes n of these (``index`` 0..n-1).
 
