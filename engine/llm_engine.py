@@ -26,7 +26,7 @@ from engine.errors import LoRAError, NotAnEmbeddingModel
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
 from engine.pooling.embedding import finish_pooling_request, pooling_request
 from engine.pooling.inputs import EmbeddingSpec, check_dimensions, encode_inputs, split_inputs
-from engine.pooling_params import PoolingParams
+from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.protocol import ChatTemplate, Prompt
 from engine.runner.allocator import keep_step_buffers_on_heap
 from engine.sampling_params import SamplingParams
@@ -161,15 +161,17 @@ class LLMEngine:
             if not isinstance(params, PoolingParams):
                 raise NotAnEmbeddingModel(f"model {self.model_name} is an embedding model; it "
                                           "does not generate text")
-            spec = self._embedding_spec()
-            check_dimensions(spec, params.dimensions)
-            token_ids = encode_inputs(split_inputs(prompt), self._tokenize, spec)
-            self._admit(pooling_request(request_id, token_ids, params, arrival_time=arrival,
-                                        priority=priority, rank=rank))
+            if not isinstance(prompt, EmbeddingInputs):
+                prompt = self.check_embedding(prompt, params)
+            elif prompt.params != params:
+                raise ValueError("params differ from those the inputs were checked with")
+            self._admit(pooling_request(request_id, prompt.token_ids, params,
+                                        arrival_time=arrival, priority=priority, rank=rank))
             return
         if lora_name is not None:
             self._check_lora(lora_name)
-        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+        if isinstance(prompt, EmbeddingInputs) or (
+                not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int)):
             raise ValueError("a generation prompt is one text or one list of token ids")
         prompt = cast(str | list[int], prompt)
         text = prompt if isinstance(prompt, str) else None
@@ -204,12 +206,11 @@ class LLMEngine:
     def _tokenize(self, text: str, max_length: int | None) -> list[int]:
         return tokenize(self.tokenizer, text, max_length)
 
-    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Each embedding input's checked token ids (``engine.pooling.inputs``)."""
-        return encode_inputs(inputs, self._tokenize, self._embedding_spec())
-
-    def check_embedding_dimensions(self, dimensions: int | None) -> None:
-        check_dimensions(self._embedding_spec(), dimensions)
+    def check_embedding(self, inputs: Any, params: PoolingParams) -> EmbeddingInputs:
+        """The inputs' checked token ids with ``params`` (``engine.pooling.inputs``)."""
+        spec = self._embedding_spec()
+        check_dimensions(spec, params.dimensions)
+        return EmbeddingInputs(encode_inputs(split_inputs(inputs), self._tokenize, spec), params)
 
     @property
     def lora_names(self) -> list[str]:

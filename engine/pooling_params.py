@@ -1,4 +1,5 @@
-"""PoolingParams: what an embedding request asks of the engine beside its inputs."""
+"""PoolingParams: what an embedding request asks of the engine beside its inputs; and
+EmbeddingInputs, its inputs once an engine has checked them."""
 
 from __future__ import annotations
 
@@ -18,3 +19,17 @@ class PoolingParams:
                 isinstance(self.dimensions, bool) or not isinstance(self.dimensions, int)
                 or self.dimensions < 1):
             raise ValueError(f"dimensions must be an integer >= 1, got {self.dimensions!r}")
+
+
+@dataclass(frozen=True)
+class EmbeddingInputs:
+    """An embedding request's inputs as token ids, checked against the model together with its
+    params: what ``Engine.check_embedding`` returns and ``Engine.add_request`` takes as it is,
+    so a caller that checks a line before adding it (the request pipeline) checks it once."""
+
+    token_ids: list[list[int]]
+    params: PoolingParams
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(ids) for ids in self.token_ids)

@@ -11,8 +11,8 @@ A request goes in through ``add_request`` and comes out of ``step`` (or ``abort_
 ``RequestOutput``; ``get_stats`` and ``progress`` are what the metrics and the forecast read.
 An engine either generates or embeds (``is_embedding``): an embedding engine takes
 ``PoolingParams`` requests, one input or a list of them, and finishes each with one vector per
-input (``RequestOutput.embeddings``); ``embedding_token_ids`` and
-``check_embedding_dimensions`` check an embeddings line before it is added.
+input (``RequestOutput.embeddings``); ``check_embedding`` checks an embeddings line before it
+is added, and ``add_request`` takes what it returns without checking again.
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
-from engine.pooling_params import PoolingParams
+from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.sampling_params import SamplingParams
 
 # A chat template as Hugging Face stores it: one Jinja text, or named ones ({"default", ...}).
 ChatTemplate = str | dict[str, str]
 # What ``add_request`` takes: a generation prompt (a text or token ids), or for an embedding
-# request one input of either kind or a list of them.
-Prompt = str | list[int] | list[str | list[int]]
+# request one input of either kind, a list of them, or the inputs ``check_embedding`` returned.
+Prompt = str | list[int] | list[str | list[int]] | EmbeddingInputs
 
 
 class Engine(Protocol):
@@ -98,15 +98,12 @@ class Engine(Protocol):
         """The engine embeds (``PoolingParams`` requests) instead of generating text."""
         ...
 
-    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        """Each embedding input's token ids, checked against the model (empty, too long, out
-        of the vocabulary: ``EmbeddingInputError`` kinds naming the input's index);
+    def check_embedding(self, inputs: Any, params: PoolingParams) -> EmbeddingInputs:
+        """An embedding request's inputs (one text or token-id list, or a list of them) as
+        token ids checked against the model, with ``params``: ``DimensionsNotSupported`` unless
+        the model can return ``params.dimensions`` values, other ``EmbeddingInputError`` kinds
+        (empty, too long, out of the vocabulary) naming the input's index;
         ``NotAnEmbeddingModel`` on a generation engine."""
-        ...
-
-    def check_embedding_dimensions(self, dimensions: int | None) -> None:
-        """Raise ``DimensionsNotSupported`` unless the model can return ``dimensions`` values
-        (None: its full size, always)."""
         ...
 
     @property

@@ -27,7 +27,7 @@ from metrics.forecast import StepCost
 if TYPE_CHECKING:  # the engine's contracts, for the types only: importing engine costs nothing
     from engine.config import EngineConfig
     from engine.outputs import EngineStats, RequestOutput, RequestProgress
-    from engine.pooling_params import PoolingParams
+    from engine.pooling_params import EmbeddingInputs, PoolingParams
     from engine.protocol import ChatTemplate, Engine, Prompt
     from engine.sampling_params import SamplingParams
 
@@ -309,11 +309,8 @@ class MeteredEngine:
     def is_embedding(self) -> bool:
         return self._engine.is_embedding
 
-    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
-        return self._engine.embedding_token_ids(inputs)
-
-    def check_embedding_dimensions(self, dimensions: int | None) -> None:
-        self._engine.check_embedding_dimensions(dimensions)
+    def check_embedding(self, inputs: Any, params: PoolingParams) -> EmbeddingInputs:
+        return self._engine.check_embedding(inputs, params)
 
     def add_lora(self, name: str, path: str) -> None:
         self._engine.add_lora(name, path)

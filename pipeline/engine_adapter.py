@@ -23,6 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from engine.errors import (
+    DimensionsNotSupported,
     EmbeddingInputError,
     InputTooLong,
     LoRAError,
@@ -30,7 +31,7 @@ from engine.errors import (
     StructuredOutputError,
 )
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.pooling_params import PoolingParams
+from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from openai_format.embeddings import embedding_body
@@ -97,10 +98,10 @@ class EngineInput:
 
 @dataclass(frozen=True)
 class EmbeddingInput:
-    """What the engine gets for one /v1/embeddings line: its inputs' token ids."""
+    """What the engine gets for one /v1/embeddings line: its inputs as the engine checked them
+    (token ids and params; ``add_request`` does not check them again)."""
 
-    token_ids: list[list[int]]
-    params: PoolingParams
+    inputs: EmbeddingInputs
     encoding_format: str = "float"
     # EngineInput's fields that an embedding line never has.
     tool_mode: None = None
@@ -109,12 +110,16 @@ class EmbeddingInput:
     lora_name: None = None
 
     @property
-    def prompt(self) -> list[str | list[int]]:
-        return [ids for ids in self.token_ids]  # the engine's type for a list of inputs
+    def prompt(self) -> EmbeddingInputs:
+        return self.inputs
+
+    @property
+    def params(self) -> PoolingParams:
+        return self.inputs.params
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(ids) for ids in self.token_ids)
+        return self.inputs.num_tokens
 
 
 @dataclass(frozen=True)
@@ -257,6 +262,8 @@ def _wrong_kind(engine: Engine, wants_embedding: bool) -> PrepareError:
 
 
 def _embedding_error(exc: EmbeddingInputError) -> PrepareError:
+    if isinstance(exc, DimensionsNotSupported):
+        return PrepareError(INVALID_VALUE, f"body.dimensions: {exc}", "dimensions")
     field = "input" if exc.index is None else f"input[{exc.index}]"
     if isinstance(exc, InputTooLong):
         return PrepareError(CONTEXT_LENGTH_EXCEEDED, f"body.{field}: {exc}", "input")
@@ -265,18 +272,14 @@ def _embedding_error(exc: EmbeddingInputError) -> PrepareError:
 
 def _prepare_embedding(engine: Engine, args: EmbeddingArgs) -> EmbeddingInput | PrepareError:
     """An embeddings line's inputs tokenized and checked against the model (its length limit,
-    vocabulary and Matryoshka dimensions), each problem a line error naming the field."""
-    dimensions = args["dimensions"]
+    vocabulary and Matryoshka dimensions) once, by the engine; each problem a line error naming
+    the field."""
     try:
-        engine.check_embedding_dimensions(dimensions)
-    except EmbeddingInputError as exc:
-        return PrepareError(INVALID_VALUE, f"body.dimensions: {exc}", "dimensions")
-    try:
-        token_ids = engine.embedding_token_ids(args["input"])
+        checked = engine.check_embedding(args["input"],
+                                         PoolingParams(dimensions=args["dimensions"]))
     except EmbeddingInputError as exc:
         return _embedding_error(exc)
-    return EmbeddingInput(token_ids, PoolingParams(dimensions=dimensions),
-                          args["encoding_format"])
+    return EmbeddingInput(checked, args["encoding_format"])
 
 
 def add_to_engine(engine: Engine, request_id: str, engine_input: Input, *,

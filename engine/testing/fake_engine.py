@@ -53,7 +53,7 @@ from engine.outputs import (
     TokenLogprob,
 )
 from engine.pooling.inputs import split_inputs
-from engine.pooling_params import PoolingParams
+from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.protocol import ChatTemplate, Prompt
 from engine.sampling_params import SamplingParams
 
@@ -193,13 +193,15 @@ class FakeEngine:
             raise LoRAError(lora_name, "not registered")
         arrival = self._clock() if arrival_time is None else arrival_time
         if isinstance(params, PoolingParams):
-            self.check_embedding_dimensions(params.dimensions)
-            inputs = self.embedding_token_ids(split_inputs(prompt))
+            if not isinstance(prompt, EmbeddingInputs):
+                prompt = self.check_embedding(prompt, params)
+            inputs = prompt.token_ids
             request = _Request([t for ids in inputs for t in ids], _NO_SAMPLING,
                                RequestMetrics(arrival, num_prompt_tokens=sum(map(len, inputs))),
                                None, pooling=params, inputs=inputs)
         else:
-            if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+            if isinstance(prompt, EmbeddingInputs) or (
+                    not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int)):
                 raise ValueError("a generation prompt is one text or one list of token ids")
             token_ids = (self.encode(prompt) if isinstance(prompt, str)
                          else [t for t in prompt if isinstance(t, int)])
@@ -221,10 +223,16 @@ class FakeEngine:
         self._waiting.sort(key=lambda rid: (self.priorities[rid], self.ranks[rid]))
         self.added.append(request_id)
 
-    def embedding_token_ids(self, inputs: list[str | list[int]]) -> list[list[int]]:
+    def check_embedding(self, inputs: Any, params: PoolingParams) -> EmbeddingInputs:
         if not self.is_embedding:
             raise NotAnEmbeddingModel(f"model {self.model_name} generates text; it does not "
                                       "embed")
+        dimensions = params.dimensions
+        # Any size up to ``EMBEDDING_SIZE`` (as a model declaring every Matryoshka size).
+        if dimensions is not None and dimensions > EMBEDDING_SIZE:
+            raise DimensionsNotSupported(f"dimensions must be at most {EMBEDDING_SIZE} for "
+                                         f"model {self.model_name}, got {dimensions}")
+        inputs = split_inputs(inputs)
         if not inputs:
             raise EmptyInput("input is empty")
         token_ids = []
@@ -238,13 +246,7 @@ class FakeEngine:
                 raise InputTooLong(f"input is {len(ids)} tokens; this model's maximum input "
                                    f"length is {self.max_model_len} tokens", index)
             token_ids.append(ids)
-        return token_ids
-
-    def check_embedding_dimensions(self, dimensions: int | None) -> None:
-        """Any size up to ``EMBEDDING_SIZE`` (as a model declaring every Matryoshka size)."""
-        if dimensions is not None and dimensions > EMBEDDING_SIZE:
-            raise DimensionsNotSupported(f"dimensions must be at most {EMBEDDING_SIZE} for "
-                                         f"model {self.model_name}, got {dimensions}")
+        return EmbeddingInputs(token_ids, params)
 
     def add_lora(self, name: str, path: str) -> None:
         if name not in self.lora_names:

@@ -173,6 +173,27 @@ def test_matryoshka_dimensions(bert_mean):
         engine.add_request("x", prompts[0], PoolingParams(dimensions=65))
 
 
+def test_checked_inputs_are_added_without_a_second_check(bert_mean, monkeypatch):
+    path, prompts, _ = bert_mean
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32"))
+    params = PoolingParams(dimensions=16)
+    checked = engine.check_embedding(["hello there", prompts[0]], params)
+    assert checked.token_ids[1] == prompts[0] and checked.params is params
+    with pytest.raises(DimensionsNotSupported):
+        engine.check_embedding(prompts[0], PoolingParams(dimensions=20))
+
+    def no_second_check(*args, **kwargs):
+        raise AssertionError("add_request checked the inputs again")
+
+    monkeypatch.setattr(engine, "_tokenize", no_second_check)
+    monkeypatch.setattr("engine.llm_engine.check_dimensions", no_second_check)
+    engine.add_request("checked", checked, params)
+    with pytest.raises(ValueError, match="params differ"):
+        engine.add_request("other", checked, PoolingParams())
+    (output,) = [o for _ in range(4) for o in engine.step()]
+    assert output.request_id == "checked" and [e.shape for e in output.embeddings] == [(16,)] * 2
+
+
 @pytest.mark.parametrize("kind", ["qwen3-base", "llama-causal-lm-as-embedder",
                                   "gemma2-windowed-soft-capped-as-embedder"])
 def test_decoder_last_token_equals_transformers(tmp_path, kind):
