@@ -303,7 +303,7 @@ class LLMEngine:
                 # ignore EOS nor ban it (min_tokens): a completed grammar has already finished
                 # the request through the scheduler's EOS check.
                 accept_token(request, request.token_ids[-1])
-            if not request.is_finished and request.sampling_params.stop:
+            if request.sampling_params.stop and not request.is_finished:
                 stop = match_stop_string(request, self.decode)
                 if stop is not None:
                     self.scheduler.finish_stopped(request, stop)
