@@ -5,7 +5,8 @@ a model whose forward costs next to nothing, split by phase.
 
 The model is a 1-layer Llama of hidden size 64 with a byte-level BPE vocabulary of ``--vocab``
 tokens (1,024 by default: the output projection and the sampler's [rows, vocab] passes stay
-small, so what is left is the engine's own bookkeeping). Each case keeps ``seqs`` sequences
+small, so what is left is the engine's own bookkeeping; ``--vocab 49152`` is the default model's,
+where the host's passes over [rows, vocab] weigh in). Each case keeps ``seqs`` sequences
 running and times ``--steps`` steps after a warm-up:
 
 * ``decode``: every sequence decoding (prompts of 16 tokens, prefilled before the clock starts);
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -61,8 +63,10 @@ def write_model(folder: Path, vocab: int) -> Path:
     tokenizer = transformers.PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>",
         unk_token="<|endoftext|>", pad_token="<|endoftext|>")
+    # The model's vocabulary is ``vocab`` even where the tokenizer's is smaller (a small corpus
+    # trains fewer merges): the ids past it are padding rows, as many checkpoints have.
     config = transformers.LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+        vocab_size=max(vocab, len(tokenizer)), hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=4096, eos_token_id=tokenizer.eos_token_id,
         bos_token_id=tokenizer.bos_token_id, tie_word_embeddings=True)
@@ -126,10 +130,10 @@ class _TimedModel:
 
 
 def instrument(engine: Any) -> PhaseClock:
-    import engine.runner.model_runner as model_runner_module
-
     clock = PhaseClock()
     runner = engine.model_runner
+    # the runner's own module (not a path): the same bench times earlier trees for a baseline
+    model_runner_module = sys.modules[type(runner).__module__]
     clock.wrap(engine.scheduler, "schedule", "schedule")
     clock.wrap(engine.scheduler, "update_from_output", "update")
     clock.wrap(runner, "prepare_inputs", "prepare")

@@ -178,3 +178,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def argmax_only(self) -> bool:
+        """The token is the argmax of the raw logits (once ``min_tokens`` are out): greedy, with
+        no logprobs, no logit_bias or grammar, no penalties."""
+        return (self.greedy and self.logprobs is None and self.plain_logits
+                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
+                and self.frequency_penalty == 0.0)

@@ -90,9 +90,12 @@ class Request:
     text: str = field(default="", init=False)
     # A pooling request's vector, once computed.
     embedding: torch.Tensor | None = field(default=None, init=False)
+    # ``sampling_params.argmax_only``, read once: the sampler asks every step.
+    argmax_only: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
+        self.argmax_only = self.sampling_params.argmax_only
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 

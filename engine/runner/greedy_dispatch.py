@@ -22,28 +22,34 @@ def sample_tokens(
     hidden: torch.Tensor,  # [len(requests), hidden_size]: each request's last row
     requests: list[Request],
 ) -> tuple[list[int], dict[str, TokenLogprob]]:
-    tokens: list[int] = [0] * len(requests)
     logprobs: dict[str, TokenLogprob] = {}
-    needs_full = [Sampler.needs_full_logits(r) for r in requests]
-    full = [i for i, f in enumerate(needs_full) if f]
-    plain = [i for i, f in enumerate(needs_full) if not f]
-    if plain:
-        rows = hidden if not full else hidden[plain]
-        if screen is not None:
-            ids = screen.argmax(rows)
-        else:  # (a GPU) the argmax where the logits are: only the ids cross to the host, not
-            # [rows, vocab] fp32 for the sampler; padded vocabulary rows are never tokens
-            ids = model.compute_logits(rows)[:, : sampler.vocab_size].argmax(-1)
-        for i, token in zip(plain, ids.tolist(), strict=True):
+    full = [i for i, r in enumerate(requests) if Sampler.needs_full_logits(r)]
+    if not full:  # every row plain greedy (most steps): the ids are the tokens, in order
+        return _argmax(model, screen, sampler, hidden).tolist(), logprobs
+    tokens: list[int] = [0] * len(requests)
+    if len(full) < len(requests):
+        full_set = set(full)
+        plain = [i for i in range(len(requests)) if i not in full_set]
+        for i, token in zip(plain, _argmax(model, screen, sampler, hidden[plain]).tolist(),
+                            strict=True):
             tokens[i] = token
-    if full:
-        full_requests = [requests[i] for i in full]
-        rows = hidden if len(full) == len(requests) else hidden[full]
-        logits = model.compute_logits(rows)
-        token_ids, row_logprobs = sampler(logits.float().cpu(), full_requests)
-        for i, request, token, lp in zip(full, full_requests, token_ids, row_logprobs,
-                                         strict=True):
-            tokens[i] = token
-            if lp is not None:
-                logprobs[request.request_id] = lp
+    full_requests = [requests[i] for i in full]
+    rows = hidden if len(full) == len(requests) else hidden[full]
+    logits = model.compute_logits(rows)
+    token_ids, row_logprobs = sampler(logits.float().cpu(), full_requests)
+    for i, request, token, lp in zip(full, full_requests, token_ids, row_logprobs,
+                                     strict=True):
+        tokens[i] = token
+        if lp is not None:
+            logprobs[request.request_id] = lp
     return tokens, logprobs
+
+
+def _argmax(model: CausalLM, screen: GreedyScreen | None, sampler: Sampler,
+            rows: torch.Tensor) -> torch.Tensor:
+    """Plain greedy rows' tokens: the screen's exact argmax on a CPU, else the argmax where the
+    logits are (a GPU: only the ids cross to the host, not [rows, vocab] fp32 for the sampler);
+    padded vocabulary rows are never tokens."""
+    if screen is not None:
+        return screen.argmax(rows)
+    return model.compute_logits(rows)[:, : sampler.vocab_size].argmax(-1)

@@ -51,16 +51,8 @@ class Sampler:
     def needs_full_logits(request: Request) -> bool:
         """False for a plain greedy request: its token is the argmax of the raw logits, which
         ``GreedyScreen`` finds without the full fp32 projection."""
-        params = request.sampling_params
-        return (
-            not params.greedy
-            or params.logprobs is not None
-            or not params.plain_logits
-            or params.repetition_penalty != 1.0
-            or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0
-            or request.num_output_tokens < params.min_tokens
-        )
+        return (not request.argmax_only
+                or request.num_output_tokens < request.sampling_params.min_tokens)
 
     def __call__(
         self, logits: torch.Tensor, requests: list[Request]
