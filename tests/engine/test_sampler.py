@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-import engine.runner.sampler as sampler_module
+import engine.runner.draw as draw_module
 from engine import SamplingParams
 from engine.core.request import Request
 from engine.outputs import RequestMetrics
@@ -146,13 +146,13 @@ def test_top_k_and_top_p_keep_ties():
 
 def record_widths(monkeypatch) -> list[int]:
     widths: list[int] = []
-    candidates = sampler_module._candidates
+    candidates = draw_module._candidates
 
     def spy(logits: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         widths.append(width)
         return candidates(logits, width)
 
-    monkeypatch.setattr(sampler_module, "_candidates", spy)
+    monkeypatch.setattr(draw_module, "_candidates", spy)
     return widths
 
 
@@ -175,7 +175,7 @@ def test_ties_past_the_candidates_fall_back_to_a_sort(monkeypatch):
 ])
 def test_a_wide_nucleus_moves_to_wider_candidates(monkeypatch, top_p, path):
     vocab = 4096
-    monkeypatch.setattr(sampler_module, "RETRY_WIDTH", 1024)
+    monkeypatch.setattr(draw_module, "RETRY_WIDTH", 1024)
     probs = 1 / torch.arange(1, vocab + 1, dtype=torch.float64)  # Zipf
     order = torch.randperm(vocab, generator=torch.Generator().manual_seed(2))
     logits = (probs[order] / probs.sum()).log().float()
@@ -252,8 +252,8 @@ def test_the_draw_does_not_depend_on_the_candidate_width(monkeypatch, logits, pa
 
     narrow = tokens()
     assert len(set(narrow)) >= 5
-    monkeypatch.setattr(sampler_module, "TOP_P_WIDTH", 2048)
-    monkeypatch.setattr(sampler_module, "MIN_WIDTH", 2048)
+    monkeypatch.setattr(draw_module, "TOP_P_WIDTH", 2048)
+    monkeypatch.setattr(draw_module, "MIN_WIDTH", 2048)
     assert tokens() == narrow  # every row cut from a sort of the whole row
 
 
