@@ -6,13 +6,12 @@ import time
 from bisect import insort
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from enum import Enum, auto
 
 from engine.config import EngineConfig
 from engine.core.block_pool import KVBlock
 from engine.core.kv_cache_manager import KVCacheManager
 from engine.core.request import Request, RequestStatus
+from engine.core.step_budget import Admit, StepBudget
 from engine.core.window_kv import WindowBlocks
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
@@ -106,7 +105,7 @@ class Scheduler:
         budget), one that does not fit what is left waits while smaller ones behind it fill
         the step, and each finishes in the step that computes it.
         """
-        step = _Step(self.config.max_num_batched_tokens)
+        step = StepBudget(self.config.max_num_batched_tokens)
         step.urgent_priority, step.bulk_budget = self._bulk_cap()
         now = time.monotonic()
 
@@ -154,7 +153,7 @@ class Scheduler:
             return None, None
         return most_urgent, cap
 
-    def _admit_waiting(self, step: _Step, now: float) -> None:
+    def _admit_waiting(self, step: StepBudget, now: float) -> None:
         """Waiting requests in queue order, each admitted, held (passed over) or stopping
         admission for this step (``schedule`` says when); at most ``max_num_seqs`` are held."""
         preempted_by_running = step.num_preempted > 0
@@ -163,44 +162,44 @@ class Scheduler:
         i = 0
         while i < len(self.waiting):
             outcome = self._try_admit(self.waiting[i], step, preempted_by_running, loras, now)
-            if outcome is _Admit.ADMITTED:
+            if outcome is Admit.ADMITTED:
                 del self.waiting[i]
-            elif outcome is _Admit.HELD:
+            elif outcome is Admit.HELD:
                 num_held += 1
                 if num_held >= self.config.max_num_seqs:
                     break  # bound the scan of a long queue of held requests
                 i += 1
-            elif outcome is _Admit.STOP:
+            elif outcome is Admit.STOP:
                 break
             # RETRY: a running request made way for it; the same request is tried again.
 
-    def _try_admit(self, request: Request, step: _Step, preempted_by_running: bool,
-                   loras: set[str], now: float) -> _Admit:
+    def _try_admit(self, request: Request, step: StepBudget, preempted_by_running: bool,
+                   loras: set[str], now: float) -> Admit:
         """One waiting request through admission's checks, in order: preempted this step, or
         not outranking a running request after a preemption (stop); its LoRA adapter one too
         many (held); a pooling request whole or not at all; its next prefix block in flight
         (held); budget and a seat; its tokens; its KV blocks. Then it runs."""
         if request.request_id in step.preempted_ids:
-            return _Admit.STOP  # taken out this step: it and everything after it wait
+            return Admit.STOP  # taken out this step: it and everything after it wait
         outranks = bool(self.running) and self.running[-1].priority > request.priority
         if preempted_by_running and not outranks:
-            return _Admit.STOP
+            return Admit.STOP
         lora = request.lora_name
         if lora is not None and lora not in loras and len(loras) >= self.config.max_loras:
             self.num_lora_holds += 1  # its adapter would be one too many this step
-            return _Admit.HELD
+            return Admit.HELD
         if request.is_pooling:
             return self._admit_pooling(request, step, now)
         prefix = self._cached_prefix(request)
         if prefix is None:
-            return _Admit.HELD
+            return Admit.HELD
         computed_blocks, num_hit = prefix
         room = self._make_room(request, step, outranks)
         if room is not None:
             return room
         num_new = self._num_new_tokens(request, num_hit, step, outranks)
         if num_new is None:
-            return _Admit.STOP
+            return Admit.STOP
         # The watermark guards running requests; an idle engine admits what fits.
         if not self.kv.allocate_slots(request, num_new, computed_blocks,
                                       admit=bool(self.running)):
@@ -208,16 +207,16 @@ class Scheduler:
         self._start_running(request, num_new, len(computed_blocks), num_hit, step, now)
         if lora is not None:
             loras.add(lora)
-        return _Admit.ADMITTED
+        return Admit.ADMITTED
 
-    def _admit_pooling(self, request: Request, step: _Step, now: float) -> _Admit:
+    def _admit_pooling(self, request: Request, step: StepBudget, now: float) -> Admit:
         fits = self._pooling_fits(request, step)
         if fits is None:
-            return _Admit.STOP
+            return Admit.STOP
         if not fits:
-            return _Admit.HELD  # a smaller input behind it may still fill the budget
+            return Admit.HELD  # a smaller input behind it may still fill the budget
         self._start_pooling(request, step, now)
-        return _Admit.ADMITTED
+        return Admit.ADMITTED
 
     def _cached_prefix(self, request: Request) -> tuple[list[KVBlock], int] | None:
         """The blocks of the request's prompt found in the prefix cache and the tokens they
@@ -231,16 +230,16 @@ class Scheduler:
             return None
         return computed_blocks, num_hit
 
-    def _make_room(self, request: Request, step: _Step, outranks: bool) -> _Admit | None:
+    def _make_room(self, request: Request, step: StepBudget, outranks: bool) -> Admit | None:
         """None when the step has budget and a seat for the request (one that outranks the
         last running request takes them from the less urgent ones); else what admission does."""
         if step.budget <= 0 and not (outranks and self._take_budget(request, 1, step)):
-            return _Admit.STOP
+            return Admit.STOP
         if len(self.running) >= self.config.max_num_seqs:
             return self._preempt_for(outranks, step)
         return None
 
-    def _num_new_tokens(self, request: Request, num_hit: int, step: _Step,
+    def _num_new_tokens(self, request: Request, num_hit: int, step: StepBudget,
                         outranks: bool) -> int | None:
         """The prompt tokens the request computes this step, past its cached ones, within the
         budget (a chunk of them with chunked prefill); None stops admission."""
@@ -260,16 +259,16 @@ class Scheduler:
             # Chunking off and the step is empty: a prompt over the budget runs alone.
         return num_new
 
-    def _preempt_for(self, outranks: bool, step: _Step) -> _Admit:
+    def _preempt_for(self, outranks: bool, step: StepBudget) -> Admit:
         """A request that outranks the last running one preempts it and is tried again; any
         other stops admission."""
         if not outranks:
-            return _Admit.STOP
+            return Admit.STOP
         self._preempt(self.running.pop(), step)
-        return _Admit.RETRY
+        return Admit.RETRY
 
     def _start_running(self, request: Request, num_new: int, num_hit_blocks: int,
-                       num_hit: int, step: _Step, now: float) -> None:
+                       num_hit: int, step: StepBudget, now: float) -> None:
         """An admitted request: its prefix-cache hit counted and promised, its cached tokens
         computed, running, and its first ``num_new`` tokens in the step."""
         if self.kv.enable_caching and request.num_computed_tokens == 0:
@@ -285,7 +284,7 @@ class Scheduler:
         insort(self.running, request, key=_sort_key)
         step.add(self._scheduled(request, num_new), request)
 
-    def _pooling_fits(self, request: Request, step: _Step) -> bool | None:
+    def _pooling_fits(self, request: Request, step: StepBudget) -> bool | None:
         """Whether a pooling request runs this step: whole (it is never chunked, and keeps no
         KV blocks to resume from), within what is left of the budget, or alone in an empty
         step when it is longer than the whole budget. False: it waits, and smaller ones behind
@@ -299,7 +298,7 @@ class Scheduler:
             return True
         return not step.scheduled and step.budget == step.initial_budget
 
-    def _start_pooling(self, request: Request, step: _Step, now: float) -> None:
+    def _start_pooling(self, request: Request, step: StepBudget, now: float) -> None:
         request.status = RequestStatus.RUNNING
         request.num_cached_tokens = 0
         if request.metrics.first_scheduled_time is None:
@@ -308,7 +307,7 @@ class Scheduler:
         step.add(ScheduledRequest(request.request_id, 0, request.num_tokens, sample=False),
                  request)
 
-    def _take_budget(self, request: Request, num_tokens: int, step: _Step) -> bool:
+    def _take_budget(self, request: Request, num_tokens: int, step: StepBudget) -> bool:
         """Unschedule less urgent running requests (last first) until ``num_tokens`` are free.
 
         They keep their blocks and state and simply skip this step. True if any budget is free.
@@ -323,7 +322,7 @@ class Scheduler:
         sample = request.num_computed_tokens + num_new == request.num_tokens
         return ScheduledRequest(request.request_id, request.num_computed_tokens, num_new, sample)
 
-    def _preempt(self, request: Request, step: _Step) -> None:
+    def _preempt(self, request: Request, step: StepBudget) -> None:
         step.remove(request.request_id)
         step.num_preempted += 1
         step.preempted_ids.add(request.request_id)
@@ -396,57 +395,3 @@ class Scheduler:
 
 def _sort_key(request: Request) -> tuple[int, int, int]:
     return request.sort_key
-
-
-class _Admit(Enum):
-    """What admission does with one waiting request."""
-
-    ADMITTED = auto()  # it left the waiting queue for the running one
-    HELD = auto()  # passed over this step; the requests behind it are still tried
-    RETRY = auto()  # a less urgent running request was preempted for it: try it again
-    STOP = auto()  # no more admissions this step
-
-
-@dataclass
-class _Step:
-    """What one ``schedule()`` call has handed out so far."""
-
-    budget: int
-    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
-    initial_budget: int = field(init=False)
-    num_preempted: int = 0
-    preempted_ids: set[str] = field(default_factory=set)
-    # While priorities differ: the most urgent priority, and the tokens left this step for
-    # requests less urgent than it (None: no cap).
-    urgent_priority: int | None = None
-    bulk_budget: int | None = None
-    capped_ids: set[str] = field(default_factory=set)
-
-    def __post_init__(self) -> None:
-        self.initial_budget = self.budget
-
-    def is_capped(self, request: Request) -> bool:
-        """Whether ``request``'s tokens come out of the less urgent requests' budget."""
-        return (self.bulk_budget is not None and self.urgent_priority is not None
-                and request.priority > self.urgent_priority)
-
-    def cap(self, request: Request, num_new: int) -> int:
-        """``num_new`` cut to the less urgent requests' budget left if ``request`` is one."""
-        if self.bulk_budget is not None and self.is_capped(request):
-            return min(num_new, self.bulk_budget)
-        return num_new
-
-    def add(self, scheduled: ScheduledRequest, request: Request | None = None) -> None:
-        self.scheduled[scheduled.request_id] = scheduled
-        self.budget -= scheduled.num_new_tokens
-        if request is not None and self.bulk_budget is not None and self.is_capped(request):
-            self.bulk_budget -= scheduled.num_new_tokens
-            self.capped_ids.add(scheduled.request_id)
-
-    def remove(self, request_id: str) -> None:
-        scheduled = self.scheduled.pop(request_id, None)
-        if scheduled is not None:
-            self.budget += scheduled.num_new_tokens
-            if request_id in self.capped_ids and self.bulk_budget is not None:
-                self.bulk_budget += scheduled.num_new_tokens
-                self.capped_ids.discard(request_id)
