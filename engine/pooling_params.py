@@ -10,9 +10,14 @@ from dataclasses import dataclass
 class PoolingParams:
     """``dimensions``: keep the first ``dimensions`` values (then normalize again where the model
     normalizes); only for a model that declares Matryoshka dimensions
-    (``LLMEngine.matryoshka_dimensions``), checked when the request is added."""
+    (``LLMEngine.matryoshka_dimensions``), checked when the request is added.
+    ``token_type_starts``: for a cross-encoder (``EmbeddingSpec.cross_encoder``), each pair's
+    segment boundary; None: every token is type 0."""
 
     dimensions: int | None = None
+    # A cross-encoder's inputs are pairs of texts: where each input's second text begins (its
+    # tokens from there on are token type 1, BERT's segment B), one entry per input.
+    token_type_starts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.dimensions is not None and (

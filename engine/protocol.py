@@ -11,8 +11,9 @@ A request goes in through ``add_request`` and comes out of ``step`` (or ``abort_
 ``RequestOutput``; ``get_stats`` and ``progress`` are what the metrics and the forecast read.
 An engine either generates or embeds (``is_embedding``): an embedding engine takes
 ``PoolingParams`` requests, one input or a list of them, and finishes each with one vector per
-input (``RequestOutput.embeddings``); ``check_embedding`` checks an embeddings line before it
-is added, and ``add_request`` takes what it returns without checking again.
+input (``RequestOutput.embeddings``; a cross-encoder's inputs are pairs of texts and each
+vector is its one score, ``embedding.cross_encoder``); ``check_embedding`` checks an embeddings
+line before it is added, and ``add_request`` takes what it returns without checking again.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
+from engine.pooling.inputs import EmbeddingSpec
 from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.sampling_params import SamplingParams
 
@@ -96,6 +98,12 @@ class Engine(Protocol):
     @property
     def is_embedding(self) -> bool:
         """The engine embeds (``PoolingParams`` requests) instead of generating text."""
+        ...
+
+    @property
+    def embedding(self) -> EmbeddingSpec | None:
+        """An embedding engine's limits and kind (``cross_encoder``: it scores pairs of texts,
+        one value each, instead of embedding texts); None for a generation engine."""
         ...
 
     def check_embedding(self, inputs: Any, params: PoolingParams) -> EmbeddingInputs:

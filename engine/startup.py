@@ -84,7 +84,7 @@ def start(config: EngineConfig) -> Started:
         embedding = EmbeddingSpec(
             model_name, model_runner.max_len, model_runner.vocab_size, model_runner.hidden_size,
             model_runner.pooler.matryoshka_dimensions, model_runner.pooler.normalize,
-            config.truncate_embedding_inputs)
+            config.truncate_embedding_inputs, model_runner.cross_encoder)
     return Started(model_name, checkpoint.config, tokenizer, model_runner, model_len,
                    startup_seconds, eos, embedding, dtype_gate)
 

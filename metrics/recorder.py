@@ -27,6 +27,7 @@ from metrics.forecast import StepCost
 if TYPE_CHECKING:  # the engine's contracts, for the types only: importing engine costs nothing
     from engine.config import EngineConfig
     from engine.outputs import EngineStats, RequestOutput, RequestProgress
+    from engine.pooling.inputs import EmbeddingSpec
     from engine.pooling_params import EmbeddingInputs, PoolingParams
     from engine.protocol import ChatTemplate, Engine, Prompt
     from engine.sampling_params import SamplingParams
@@ -308,6 +309,10 @@ class MeteredEngine:
     @property
     def is_embedding(self) -> bool:
         return self._engine.is_embedding
+
+    @property
+    def embedding(self) -> EmbeddingSpec | None:
+        return self._engine.embedding
 
     def check_embedding(self, inputs: Any, params: PoolingParams) -> EmbeddingInputs:
         return self._engine.check_embedding(inputs, params)

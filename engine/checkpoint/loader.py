@@ -35,6 +35,7 @@ SUPPORTED_ARCHITECTURES = (
     "MistralModel",
     "Qwen2Model",
     "Qwen3Model",
+    "BertForSequenceClassification",  # a cross-encoder (/v1/score, /v1/rerank)
 )
 _ARCHITECTURE_OF_MODEL_TYPE = {**ARCHITECTURE_OF_MODEL_TYPE, "bert": "BertModel"}
 

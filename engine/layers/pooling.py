@@ -126,3 +126,44 @@ def finish_embedding(vector: torch.Tensor, *, normalize: bool,
     if dimensions is not None:
         vector = vector[:dimensions]
     return F.normalize(vector, p=2, dim=-1) if normalize else vector
+
+
+class ScoreActivation(enum.Enum):
+    """What a cross-encoder puts on its logit (sentence-transformers' ``activation_fn``)."""
+
+    SIGMOID = "Sigmoid"
+    IDENTITY = "Identity"
+    TANH = "Tanh"
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        if self is ScoreActivation.SIGMOID:
+            return torch.sigmoid(logits)
+        if self is ScoreActivation.TANH:
+            return torch.tanh(logits)
+        return logits
+
+
+def read_score_activation(folder: Path | None, hf_config: Any) -> ScoreActivation:
+    """A cross-encoder's activation as sentence-transformers' ``CrossEncoder`` picks it: the
+    ``activation_fn`` of ``config_sentence_transformers.json``, else config.json's
+    ``sentence_transformers.activation_fn``, else its older
+    ``sbert_ce_default_activation_function``; sigmoid for one label where none says. A path
+    outside ``torch.`` is what CrossEncoder runs only with ``trust_remote_code``, so it falls back
+    to the default as CrossEncoder does; a torch activation other than these is refused."""
+    saved = None
+    if folder is not None and (folder / "config_sentence_transformers.json").is_file():
+        saved = _read_json(folder / "config_sentence_transformers.json").get("activation_fn")
+    st = getattr(hf_config, "sentence_transformers", None)
+    if isinstance(st, dict) and "activation_fn" in st:
+        configured = st["activation_fn"]
+    else:
+        configured = getattr(hf_config, "sbert_ce_default_activation_function", None)
+    for path in (saved, configured):
+        if isinstance(path, str) and path.startswith("torch."):
+            name = path.rsplit(".", 1)[-1]
+            try:
+                return ScoreActivation(name)
+            except ValueError:
+                raise ValueError(f"activation_fn {path!r} is not supported; supported: "
+                                 f"{[a.value for a in ScoreActivation]}") from None
+    return ScoreActivation.SIGMOID  # one label (BertForSequenceClassification checks it)

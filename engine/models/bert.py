@@ -37,10 +37,13 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # One segment per input: token type 0, as a tokenizer gives a single text.
-        x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
-             + self.token_type_embeddings.weight[0])
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        # Without token types, one segment per input: type 0, as a tokenizer gives a single
+        # text; a cross-encoder's pair has type 1 from its second text on.
+        token_types = (self.token_type_embeddings.weight[0] if token_type_ids is None
+                       else self.token_type_embeddings(token_type_ids))
+        x = self.word_embeddings(input_ids) + self.position_embeddings(positions) + token_types
         return self.LayerNorm(x)  # [num_tokens, hidden_size]
 
 
@@ -153,8 +156,9 @@ class BertModel(nn.Module):
         positions: torch.Tensor,  # [num_tokens], 0-based within each sequence
         attn: AttentionBackend,
         metadata: AttentionMetadata,
+        token_type_ids: torch.Tensor | None = None,  # [num_tokens]; None: all type 0
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        hidden_states = self.embeddings(input_ids, positions)
+        hidden_states = self.embeddings(input_ids, positions, token_type_ids)
         for layer in self.encoder.layer:
             hidden_states = layer(hidden_states, attn, metadata)
         return hidden_states

@@ -1,7 +1,7 @@
 """The bf16 quality gate of an embedding model, run at start-up: an engine whose ``dtype`` is
 "auto" and came out bf16 embeds a fixed probe corpus in bf16 and in fp32; if any probe's cosine
 to fp32 is below ``MIN_BF16_COSINE`` the engine runs in fp32 instead (``LLMEngine.dtype_gate``
-says which)."""
+says which). A cross-encoder under "auto" runs fp32."""
 
 from __future__ import annotations
 
@@ -40,6 +40,10 @@ def gate_embedding_dtype(
     if config.dtype != "auto" or runner.dtype == torch.float32:
         return runner, None
     reference = PoolingModelRunner(config, checkpoint, max_position, dtype=torch.float32)
+    if runner.cross_encoder:
+        # One score a pair: a cosine to fp32 says nothing of it (no gate for it yet), so "auto"
+        # serves a cross-encoder in fp32.
+        return reference, None
     token_ids = [tokenize(text, runner.max_len) for text in PROBE_TEXTS]
     report = embedding_agreement(reference, runner, token_ids, min_cosine=MIN_BF16_COSINE)
     return (runner if report.passed else reference), report

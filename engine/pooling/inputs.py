@@ -32,6 +32,9 @@ class EmbeddingSpec:
     matryoshka_dimensions: tuple[int, ...] | None  # the sizes it may be cut to, if any
     normalize: bool  # vectors are L2-normalized (again after a cut)
     truncate: bool  # an input past max_len is cut (``EngineConfig.truncate_embedding_inputs``)
+    # A cross-encoder: each input is a pair of texts (``PoolingParams.token_type_starts``) and
+    # its vector is one relevance score; it serves /v1/score and /v1/rerank, not embeddings.
+    cross_encoder: bool = False
 
 
 def check_dimensions(spec: EmbeddingSpec, dimensions: int | None) -> None:
@@ -98,3 +101,10 @@ def encode_inputs(inputs: Sequence[str | list[int]], tokenize: Tokenize,
                                f"length is {max_len} tokens", index)
         token_ids.append(ids)
     return token_ids
+
+
+def pair_token_ids(first: list[int], second: list[int]) -> tuple[list[int], int]:
+    """A cross-encoder's pair from its two texts' token ids, each with the tokenizer's special
+    tokens (``[CLS] a [SEP]``, ``[CLS] b [SEP]``), as BERT's tokenizer encodes a pair:
+    ``[CLS] a [SEP] b [SEP]``; and where the second text begins (token type 1 from there on)."""
+    return [*first, *second[1:]], len(first)

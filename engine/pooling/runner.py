@@ -5,7 +5,9 @@ A step's sequences go in whole and back to back, as one flat token batch with pe
 offsets and no padding (``engine/layers/packed_attention.py``); no KV cache exists, since a
 pooling request keeps nothing after its step. Out comes one pooled fp32 vector per sequence
 (``engine/layers/pooling.py``), normalized where the model's sentence-transformers files (or
-the engine's ``pooling`` / ``normalize`` options) say so.
+the engine's ``pooling`` / ``normalize`` options) say so. A cross-encoder's sequences are
+pairs of texts, with their token types (``PoolingParams.token_type_starts``); out comes one
+score per pair, its logit through the model's activation, as a one-value vector.
 """
 
 from __future__ import annotations
@@ -26,8 +28,16 @@ from engine.layers.linear import (
     packing_gemm,
 )
 from engine.layers.packed_attention import PackedAttentionBackend
-from engine.layers.pooling import PoolerConfig, PoolingType, pool, read_pooler_config
+from engine.layers.pooling import (
+    PoolerConfig,
+    PoolingType,
+    ScoreActivation,
+    pool,
+    read_pooler_config,
+    read_score_activation,
+)
 from engine.lora.manager import LoRAManager
+from engine.models.bert_classifier import BertForSequenceClassification
 from engine.models.decoder_embedding import DecoderEmbeddingModel
 from engine.models.no_init import no_init_weights
 from engine.models.pooling_registry import build_embedding_model
@@ -61,6 +71,11 @@ class PoolingModelRunner:
         folder = checkpoint.path if isinstance(checkpoint.path, Path) else None
         self.pooler = _with_options(read_pooler_config(folder, default_pooling, hf_config),
                                     config)
+        # A cross-encoder scores pairs: its activation; None for an embedding model.
+        self.score_activation: ScoreActivation | None = None
+        if isinstance(model, BertForSequenceClassification):
+            self.score_activation = read_score_activation(folder, hf_config)
+            self.pooler = PoolerConfig(PoolingType.CLS, False, self.pooler.max_seq_len)
         max_len = min(max_position, getattr(model, "max_position", max_position))
         if self.pooler.max_seq_len is not None and config.max_model_len is None:
             max_len = min(max_len, self.pooler.max_seq_len)
@@ -78,10 +93,17 @@ class PoolingModelRunner:
                 pack_linear_weights(model, gemm=gemm)
                 self.packed_weights = True
 
+    @property
+    def cross_encoder(self) -> bool:
+        return self.score_activation is not None
+
     @torch.inference_mode()
-    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+    def embed(self, token_ids: list[list[int]],
+              token_type_starts: list[int | None] | None = None) -> torch.Tensor:
         """``[len(token_ids), hidden_size]`` fp32 pooled (and normalized) vectors of sequences
-        packed into one pass: the step's computation, without a scheduler."""
+        packed into one pass: the step's computation, without a scheduler. A cross-encoder's:
+        ``[len(token_ids), 1]`` scores, each sequence's tokens from its ``token_type_starts``
+        entry on of type 1 (None: all type 0)."""
         device = self.device
         lens = [len(ids) for ids in token_ids]
         flat = [t for ids in token_ids for t in ids]
@@ -103,9 +125,20 @@ class PoolingModelRunner:
             prefill_query_lens_list=lens,
             prefill_context_lens_list=lens,
         )
-        hidden = self.model(torch.tensor(flat, dtype=torch.int64, device=device),
-                            torch.tensor(positions, dtype=torch.int64, device=device),
-                            self.attn, metadata)  # [num_tokens, hidden_size]
+        input_ids = torch.tensor(flat, dtype=torch.int64, device=device)
+        position_ids = torch.tensor(positions, dtype=torch.int64, device=device)
+        model = self.model
+        if isinstance(model, BertForSequenceClassification):
+            segment_starts = token_type_starts or [None] * len(lens)
+            token_types = [int(start is not None and p >= start)
+                           for n, start in zip(lens, segment_starts, strict=True) for p in range(n)]
+            hidden = model(input_ids, position_ids, self.attn, metadata,
+                           torch.tensor(token_types, dtype=torch.int64, device=device))
+            cls_states = pool(hidden, lens, PoolingType.CLS).to(self.dtype)
+            activation = self.score_activation or ScoreActivation.IDENTITY
+            # [num_seqs, 1] fp32
+            return activation.apply(model.score(cls_states).float())[:, None].cpu()
+        hidden = model(input_ids, position_ids, self.attn, metadata)  # [num_tokens, hidden_size]
         pooled = pool(hidden, lens, self.pooler.pooling_type)  # [num_seqs, hidden_size] fp32
         if self.pooler.normalize:
             pooled = F.normalize(pooled, p=2, dim=-1)
@@ -115,10 +148,21 @@ class PoolingModelRunner:
                 requests: dict[str, Request]) -> ModelRunnerOutput:
         """Every scheduled request is a whole pooling input (the scheduler schedules them so)."""
         scheduled = scheduler_output.scheduled
-        token_ids = [requests[s.request_id].prompt_token_ids for s in scheduled]
-        pooled = self.embed(token_ids)
+        rows = [requests[s.request_id] for s in scheduled]
+        token_ids = [r.prompt_token_ids for r in rows]
+        starts = [_token_type_start(r) for r in rows] if self.cross_encoder else None
+        pooled = self.embed(token_ids, starts)
         return ModelRunnerOutput({}, pooled={s.request_id: pooled[i]
                                              for i, s in enumerate(scheduled)})
+
+
+def _token_type_start(request: Request) -> int | None:
+    """Where a cross-encoder input's second text begins (None: one segment)."""
+    params = request.pooling_params
+    starts = None if params is None else params.token_type_starts
+    if starts is None or request.index >= len(starts):
+        return None
+    return starts[request.index]
 
 
 def _with_options(pooler: PoolerConfig, config: EngineConfig) -> PoolerConfig:

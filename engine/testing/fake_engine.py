@@ -17,7 +17,10 @@ engine: it takes ``PoolingParams`` requests (one input or a list), checks each i
 real engine does, and finishes each in its first step with one ``EMBEDDING_SIZE`` vector per
 input (the input's length and token-id moments, L2-normalized; torch is imported for these
 only), cut to ``dimensions`` when asked; it refuses generation requests, and a generation fake
-refuses embedding ones (``NotAnEmbeddingModel``).
+refuses embedding ones (``NotAnEmbeddingModel``). ``cross_encoder=True`` makes it a
+cross-encoder (an embedding engine whose ``embedding.cross_encoder`` is set): each input, a pair
+of texts, gets a one-value vector, its score (from the input's token ids and its
+``PoolingParams.token_type_starts`` entry).
 
 A step takes ``step_time`` seconds of its clock: steps keep to the clock rather than sleeping a
 fixed time, so the host's work between steps overlaps the "device" time as it does on a GPU (a
@@ -52,7 +55,7 @@ from engine.outputs import (
     RequestProgress,
     TokenLogprob,
 )
-from engine.pooling.inputs import split_inputs
+from engine.pooling.inputs import EmbeddingSpec, split_inputs
 from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.protocol import ChatTemplate, Prompt
 from engine.sampling_params import SamplingParams
@@ -87,7 +90,7 @@ class FakeEngine:
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], None] = time.sleep,
                  before_step: Callable[[], None] | None = None,
-                 is_embedding: bool = False) -> None:
+                 is_embedding: bool = False, cross_encoder: bool = False) -> None:
         if steps_per_request is not None and steps_per_request < 1:
             raise ValueError(f"steps_per_request must be >= 1, got {steps_per_request}")
         if step_time < 0:
@@ -100,7 +103,8 @@ class FakeEngine:
         self.vocab_size = VOCAB_SIZE
         self.chat_template = chat_template
         self.startup_seconds: dict[str, float] = {}
-        self.is_embedding = is_embedding
+        self.is_embedding = is_embedding or cross_encoder
+        self.cross_encoder = cross_encoder
         self.steps_per_request = steps_per_request
         self.answer = answer
         self.step_time = step_time
@@ -222,6 +226,14 @@ class FakeEngine:
         # Waiting in the engine's order: (priority, rank, arrival), lower first (a stable sort).
         self._waiting.sort(key=lambda rid: (self.priorities[rid], self.ranks[rid]))
         self.added.append(request_id)
+
+    @property
+    def embedding(self) -> EmbeddingSpec | None:
+        if not self.is_embedding:
+            return None
+        return EmbeddingSpec(self.model_name, self.max_model_len, VOCAB_SIZE,
+                             1 if self.cross_encoder else EMBEDDING_SIZE, None, True, False,
+                             self.cross_encoder)
 
     def check_embedding(self, inputs: Any, params: PoolingParams) -> EmbeddingInputs:
         if not self.is_embedding:
@@ -356,8 +368,9 @@ class FakeEngine:
                 queue.remove(rid)
         request.metrics.finished_time = self._clock()
         if request.pooling is not None:
-            return RequestOutput(rid, None, [], [], True, request.metrics,
-                                 embeddings=_vectors(request.inputs, request.pooling.dimensions))
+            vectors = (_scores(request.inputs, request.pooling) if self.cross_encoder
+                       else _vectors(request.inputs, request.pooling.dimensions))
+            return RequestOutput(rid, None, [], [], True, request.metrics, embeddings=vectors)
         request.metrics.num_generated_tokens = len(request.generated) * request.params.n
         logprobs = None
         if request.params.logprobs is not None:
@@ -411,6 +424,21 @@ def _vectors(inputs: list[list[int]], dimensions: int | None) -> list[Any]:
         vector = torch.tensor(features[:dimensions or EMBEDDING_SIZE], dtype=torch.float32)
         vectors.append(torch.nn.functional.normalize(vector, dim=0))
     return vectors
+
+
+def _scores(inputs: list[list[int]], params: PoolingParams) -> list[Any]:
+    """A cross-encoder fake's scores: per pair, the share of its second text's token ids that
+    its first text holds too (1.0: every one), as a one-value vector."""
+    import torch
+
+    starts = params.token_type_starts or ()
+    scores = []
+    for index, ids in enumerate(inputs):
+        start = starts[index] if index < len(starts) else len(ids)
+        first, second = set(ids[:start]), ids[start:]
+        score = sum(t in first for t in second) / len(second) if second else 0.0
+        scores.append(torch.tensor([score], dtype=torch.float32))
+    return scores
 
 
 class StepGate:
