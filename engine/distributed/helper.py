@@ -9,12 +9,16 @@ brings. The pipe's end is the driver's: a helper whose driver is gone exits.
 from __future__ import annotations
 
 import multiprocessing
+import sys
 import time
 import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
+from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
 from engine.config import EngineConfig
@@ -90,6 +94,25 @@ class HelperRunner(Protocol):
     def serve(self, conn: Connection) -> None: ...
 
 
+@contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """Start processes without the caller's main script.
+
+    ``multiprocessing``'s spawn imports the parent's main script again in each child (as
+    ``__mp_main__``), so a script that builds a tensor-parallel engine at its top level, without
+    ``if __name__ == "__main__":``, would build it again in every helper, which dies trying to
+    spawn while it starts (exit code 1). A helper needs nothing of that script (its target and
+    arguments are the engine's), so the spawn sees an empty ``__main__`` instead.
+    """
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = ModuleType("__main__")  # no __file__, no __spec__: nothing to run
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
 def start_helpers(config: EngineConfig, world_size: int, port: int, max_position: int,
                   runner_class: type[HelperRunner]) -> list[HelperHandle]:
     context = multiprocessing.get_context("spawn")
@@ -100,7 +123,8 @@ def start_helpers(config: EngineConfig, world_size: int, port: int, max_position
             target=helper_main,
             args=(config, rank, world_size, port, max_position, runner_class, child_end),
             name=f"boxcar-tp-rank{rank}", daemon=True)
-        process.start()
+        with _main_script_hidden():
+            process.start()
         child_end.close()
         helpers.append(HelperHandle(rank, process, parent_end))
     return helpers

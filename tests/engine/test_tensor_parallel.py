@@ -215,3 +215,35 @@ def test_step_messages_rebuild_the_drivers_rows():
     message = step(("a", 11, 1, True))
     assert message.rows[0].new_token_ids == [12]
     assert message.dropped_ids == ["b"] and "b" not in helper.token_ids
+
+
+SCRIPT = """
+from engine import LLM, SamplingParams
+{body}
+"""
+
+
+def _run_script(tmp_path, body: str):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(body=body))
+    root = Path(__file__).resolve().parents[2]
+    return subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(root)})
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_runs_tensor_parallel_with_or_without_the_main_guard(tmp_path, guarded):
+    # Without the guard, spawned helpers used to import the script again and die at start.
+    path = make_checkpoint(tmp_path / "llama", "llama")
+    lines = [f"llm = LLM({str(path)!r}, tensor_parallel_size=2, device='cpu', dtype='float32')",
+             "out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))",
+             "print('tokens', len(out[0].outputs[0].token_ids), flush=True)"]
+    if guarded:
+        lines = ["if __name__ == '__main__':", *(f"    {line}" for line in lines)]
+    done = _run_script(tmp_path, "\n".join(lines) + "\n")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("tokens 3") == 1  # the script ran once, in the driver only
