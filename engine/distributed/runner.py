@@ -44,6 +44,8 @@ from engine.layers.linear import (
     packing_gemm,
 )
 from engine.models.causal_lm import CausalLM
+from engine.models.gemma2 import Gemma2ForCausalLM
+from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
@@ -53,6 +55,11 @@ from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.device import resolve_device
 from engine.runner.input_batch import InputBatch, build_input_batch
 from engine.runner.model_runner import ModelRunner
+
+# The families whose layers shard_model splits (SelfAttention, GatedMLP, a plain embedding and
+# output layer): soft-caps, sandwich norms and windowed layers act on a rank's own heads or on
+# the gathered logits.
+TP_FAMILIES = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)
 
 # How long the driver waits for a dead helper's exit code after a failed collective.
 _REAP_SECONDS = 2.0
@@ -238,9 +245,10 @@ class TPModelRunner(ModelRunner):
 
 def _check_family(checkpoint: Checkpoint) -> type[CausalLM]:
     model_cls = get_model_class(checkpoint.config)
-    if not issubclass(model_cls, LlamaForCausalLM):
+    if not issubclass(model_cls, TP_FAMILIES):
         raise ValueError(f"tensor_parallel_size > 1 is implemented for the Llama family "
-                         f"(Llama, Mistral, Qwen2, Qwen3, Phi-3), not {model_cls.__name__}")
+                         f"(Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2 and 3, not "
+                         f"{model_cls.__name__}")
     return model_cls
 
 

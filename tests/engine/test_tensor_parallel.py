@@ -64,6 +64,12 @@ def run(path, tp: int) -> tuple[list[list[int]], object, torch.Tensor]:
     ("qwen3", {"tie": True, "num_key_value_heads": 1, "vocab_size": 387}),
     # every layer windowed: the windowed block tables travel too, blocks freed behind it
     ("mistral", {"tie": False, "sliding_window": 12}),
+    # soft-caps (attention and final), sandwich norms, tied embeddings, windows on every other
+    # layer (Gemma 2) or local layers with their own rotary base (Gemma 3)
+    ("gemma2", {"tie": True, "sliding_window": 12, "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0}),
+    ("gemma3", {"tie": True, "sliding_window": 12,
+                "layer_types": ["sliding_attention", "full_attention"]}),
 ])
 def test_tp2_equals_tp1(tmp_path, arch, overrides):
     overrides = dict(overrides)
@@ -133,9 +139,11 @@ def test_sizes_that_do_not_split_are_refused(tmp_path):
         EngineConfig(model="x", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="lora_modules with tensor_parallel_size"):
         EngineConfig(model="x", tensor_parallel_size=2, lora_modules=("a=/tmp/a",))
-    gemma = make_checkpoint(tmp_path / "gemma2", "gemma2")
-    with pytest.raises(ValueError, match="Llama family"):
-        LLM(str(gemma), tensor_parallel_size=2, **SCHEDULE)
+    from tests.engine.moe_checkpoints import make_moe_checkpoint
+
+    moe = make_moe_checkpoint(tmp_path / "qwen3-moe", "qwen3_moe")
+    with pytest.raises(ValueError, match="Gemma 2 and 3, not Qwen3MoeForCausalLM"):
+        LLM(str(moe), tensor_parallel_size=2, **SCHEDULE)
 
 
 def test_a_rank_reads_only_its_slices(tmp_path):
