@@ -26,6 +26,18 @@ ObjectId = TypeAdapter(Annotated[str, StringConstraints(
     min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_\-]+(:[0-9]+)?$")])
 
 
+# kombu's Redis transport; ``BOXCAR_BROKER_TRANSPORT_OPTIONS`` is laid over it. Each choice here
+# and below is explained in docs/operations.md ("Broker messages").
+TRANSPORT_OPTIONS: dict[str, Any] = {
+    # Ask for single jobs and control messages before bulk shards.
+    "queue_order_strategy": "priority",
+    # An unacked message is delivered again after this. A message only wakes a worker or starts
+    # a prepare/finalize step that the batch lease guards, so a second run is harmless; and a
+    # message lost with its worker is not waited for (the database polls find the work).
+    "visibility_timeout": 3600,
+}
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     # This worker's model's queues, and the shared control queue.
     queues = queue_names(settings.queue_namespace,
@@ -33,13 +45,20 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     return {
         "broker_url": settings.broker_url,
         "broker_connection_retry_on_startup": True,
-        # Ask for single jobs and control messages before bulk shards.
-        "broker_transport_options": {"queue_order_strategy": "priority",
-                                     "visibility_timeout": 3600},
+        # The worker needs no broker to run (it polls the database): never give up on it.
+        "broker_connection_max_retries": None,
+        "broker_transport_options": {**TRANSPORT_OPTIONS, **settings.broker_transport_options},
         "task_queues": [Queue(queues[name]) for name in ("jobs", "control", "bulk")],
         "task_default_queue": queues["bulk"],
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # A thread cannot be cancelled (Celery would only log that it failed to); the task runs
+        # to its end, and its message, which the lost connection can no longer ack, comes back.
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        # SIGTERM is a warm shutdown: running tasks end (an offer at once, a prepare at its
+        # file's end), then the worker hands its shards back; no cold shutdown to soften.
+        "worker_soft_shutdown_timeout": 0.0,
+        "worker_enable_soft_shutdown_on_idle": False,
         "task_ignore_result": True,
         "task_serializer": "json",
         "accept_content": ["json"],

@@ -155,6 +155,9 @@ class PrivateStack:
     bucket: str = ""
     workers: dict[str, subprocess.Popen] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    # What ``python -m`` runs as ``boxcar`` for a worker (e.g. ``bench.scale_worker``: a fake
+    # engine, or a test's wrapper of it).
+    worker_module: str = "cli.main"
 
     def start(self) -> PrivateStack:
         from service.db import Database
@@ -248,14 +251,15 @@ class PrivateStack:
 
     # -- workers -------------------------------------------------------------------------------
 
-    def start_worker(self, name: str) -> subprocess.Popen:
+    def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        """Start worker ``name`` (``env`` over the stack's) and wait until Celery is ready."""
         log_path = os.path.join(self.logdir, f"{name}.log")
         log = open(log_path, "ab")
         offset = log.tell()
         proc = subprocess.Popen(
-            [sys.executable, "-m", "cli.main", "worker", "--concurrency", "2",
+            [sys.executable, "-m", self.worker_module, "worker", "--concurrency", "2",
              "--hostname", f"{name}@boxcar-fault"],
-            cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            cwd=REPO, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         log.close()
         self.workers[name] = proc
