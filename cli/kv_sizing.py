@@ -43,7 +43,7 @@ def kv_blocks_needed(path: str | Path, *, block_size: int, max_num_seqs: int) ->
         max_tokens = max_output_tokens(fields)
         if max_tokens is None:
             return None
-        n = 1 if "embedding" in fields else fields["sampling"]["n"]
+        n = 1 if "embedding" in fields or "score" in fields else fields["sampling"]["n"]
         blocks = math.ceil((len(raw) + TEMPLATE_TOKENS + max_tokens) / block_size)
         needs.extend([blocks] * min(n, max_num_seqs))
     if not needs:

@@ -32,6 +32,7 @@ from openai_format.parse import BatchLine, CustomIdTracker, LineError, parse_lin
 from openai_format.responses import output_line
 from openai_format.tools import ToolCallMode
 from pipeline.engine_adapter import PrepareError, add_to_engine, prepare, response_body
+from pipeline.scoring import ScoreReadBack
 
 IN_FLIGHT_PER_SEQ = 4
 MAX_LINE_ERRORS = 100
@@ -46,6 +47,7 @@ class _InFlight:
     response_echo: dict[str, Any] | None = None  # a /v1/responses line's
     lora_name: str | None = None  # the adapter the line named as its model
     encoding_format: str | None = None  # an embeddings line's: float or base64
+    score: ScoreReadBack | None = None  # a rerank or score line's
 
 
 @dataclass
@@ -276,7 +278,8 @@ class _Runner:
                              numbered=False, param=engine_input.param)
         self.in_flight[request_id] = _InFlight(parsed, request_id, engine_input.tool_mode,
                                                engine_input.response_echo, lora_name,
-                                               engine_input.encoding_format)
+                                               engine_input.encoding_format,
+                                               engine_input.score)
         return None
 
     def write_error(self, error: LineError, f: IO[str]) -> None:
@@ -297,6 +300,7 @@ class _Runner:
             request_output, endpoint=entry.line.url, model=entry.lora_name or self.model_name,
             engine=self.engine, hex_id=new_id(), tool_mode=entry.tool_mode,
             response_echo=entry.response_echo, encoding_format=entry.encoding_format,
+            score=entry.score,
         )
         _write(f, output_line(entry.line.custom_id, body, request_id=f"req_{entry.request_id}"))
         self.result.num_ok += 1

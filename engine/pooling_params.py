@@ -1,5 +1,6 @@
-"""PoolingParams: what an embedding request asks of the engine beside its inputs; and
-EmbeddingInputs, its inputs once an engine has checked them."""
+"""PoolingParams: what an embedding request asks of the engine beside its inputs;
+EmbeddingInputs, its inputs once an engine has checked them; EmbeddingSpec, what an embedding
+engine admits and returns."""
 
 from __future__ import annotations
 
@@ -38,3 +39,19 @@ class EmbeddingInputs:
     @property
     def num_tokens(self) -> int:
         return sum(len(ids) for ids in self.token_ids)
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """What an embedding engine admits and returns, fixed when its runner is built."""
+
+    model_name: str
+    max_len: int  # the longest input, in tokens
+    vocab_size: int
+    hidden_size: int  # the vector's size
+    matryoshka_dimensions: tuple[int, ...] | None  # the sizes it may be cut to, if any
+    normalize: bool  # vectors are L2-normalized (again after a cut)
+    truncate: bool  # an input past max_len is cut (``EngineConfig.truncate_embedding_inputs``)
+    # A cross-encoder: each input is a pair of texts (``PoolingParams.token_type_starts``) and
+    # its vector is one relevance score; it serves /v1/score and /v1/rerank, not embeddings.
+    cross_encoder: bool = False

@@ -23,8 +23,7 @@ from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.outputs import EngineStats, RequestOutput, RequestProgress
-from engine.pooling.inputs import EmbeddingSpec
-from engine.pooling_params import EmbeddingInputs, PoolingParams
+from engine.pooling_params import EmbeddingInputs, EmbeddingSpec, PoolingParams
 from engine.sampling_params import SamplingParams
 
 # A chat template as Hugging Face stores it: one Jinja text, or named ones ({"default", ...}).

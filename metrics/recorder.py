@@ -27,8 +27,7 @@ from metrics.forecast import StepCost
 if TYPE_CHECKING:  # the engine's contracts, for the types only: importing engine costs nothing
     from engine.config import EngineConfig
     from engine.outputs import EngineStats, RequestOutput, RequestProgress
-    from engine.pooling.inputs import EmbeddingSpec
-    from engine.pooling_params import EmbeddingInputs, PoolingParams
+    from engine.pooling_params import EmbeddingInputs, EmbeddingSpec, PoolingParams
     from engine.protocol import ChatTemplate, Engine, Prompt
     from engine.sampling_params import SamplingParams
 

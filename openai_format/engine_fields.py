@@ -10,9 +10,10 @@ name one type, ``EngineFields``, so mypy checks the keys the writer sets and the
 
 A line's kind is its shape, decided once, here, from its body's type (its endpoint's, at parse):
 ``ChatFields`` (/v1/chat/completions, and /v1/responses as the chat body it runs as),
-``PromptFields`` (/v1/completions) or ``EmbeddingFields`` (/v1/embeddings). Readers tell them
-apart by the key only that kind has (``"embedding" in fields``, ``"messages" in fields``), which
-mypy narrows: the types are final.
+``PromptFields`` (/v1/completions), ``EmbeddingFields`` (/v1/embeddings) or ``ScoreFields``
+(/v1/rerank, /v1/score). Readers tell them apart by the key only that kind has (``"embedding" in
+fields``, ``"score" in fields``, ``"messages" in fields``), which mypy narrows: the types are
+final.
 
 Rows outlive the code that wrote them: these are the keys, with the meanings, every version
 since 0005_scale has written (rows from before it have none: the drain parses their body). A
@@ -27,6 +28,7 @@ from openai_format.embeddings import EmbeddingRequest
 from openai_format.parse import Body
 from openai_format.responses_request import ResponsesRequest
 from openai_format.sampling import Sampling, to_sampling_kwargs
+from openai_format.scoring import RerankRequest, ScoreKind, ScoreRequest
 from openai_format.types import ChatCompletionRequest, CompletionRequest, ToolMode
 
 
@@ -80,7 +82,27 @@ class EmbeddingFields(_LineFields):
     embedding: EmbeddingArgs
 
 
-EngineFields = ChatFields | PromptFields | EmbeddingFields
+class ScoreArgs(TypedDict):
+    """A rerank or score line's pairs: ``text_1`` (a rerank's one query, or a score's texts:
+    one, paired with every ``text_2``, or one per ``text_2``) and ``text_2`` (the documents);
+    a rerank's ``top_n`` (None: every document) and whether its results repeat the documents."""
+
+    kind: ScoreKind
+    text_1: list[str]
+    text_2: list[str]
+    top_n: int | None
+    return_documents: bool
+
+
+@final
+class ScoreFields(_LineFields):
+    """A /v1/rerank or /v1/score line."""
+
+    score: ScoreArgs
+
+
+PoolingFields = EmbeddingFields | ScoreFields
+EngineFields = ChatFields | PromptFields | EmbeddingFields | ScoreFields
 
 # The fields a grammar comes from, as the body spells them (an engine error names them).
 _SCHEMA_FIELD = "body.response_format.json_schema.schema"
@@ -100,6 +122,13 @@ def engine_fields(body: Body, *, lora: str | None = None) -> EngineFields:
 
 
 def _fields(body: Body) -> EngineFields:
+    if isinstance(body, RerankRequest):
+        return {"score": {"kind": "rerank", "text_1": [body.query], "text_2": body.texts(),
+                          "top_n": body.top_n,
+                          "return_documents": body.return_documents is not False}}
+    if isinstance(body, ScoreRequest):
+        return {"score": {"kind": "score", "text_1": body.texts_1(), "text_2": body.texts_2(),
+                          "top_n": None, "return_documents": False}}
     if isinstance(body, EmbeddingRequest):
         return {"embedding": {"input": body.inputs(),
                               "encoding_format": body.encoding_format or "float",
@@ -141,12 +170,14 @@ def max_output_tokens(fields: EngineFields) -> int | None:
     """The most tokens the engine generates for the line, the number it gets: its sampling's
     ``max_tokens``, the body's ``effective_max_tokens`` (``max_completion_tokens``, else
     ``max_tokens``; /v1/completions' default 16; None: up to the model's context); 0 for an
-    embeddings line."""
-    if "embedding" in fields:
+    embeddings, rerank or score line."""
+    if "embedding" in fields or "score" in fields:
         return 0
     return fields["sampling"]["max_tokens"]
 
 
 def ignores_eos(fields: EngineFields) -> bool:
     """Whether the line generates exactly ``max_output_tokens`` (``ignore_eos``)."""
-    return "embedding" not in fields and fields["sampling"]["ignore_eos"]
+    if "embedding" in fields or "score" in fields:
+        return False
+    return fields["sampling"]["ignore_eos"]

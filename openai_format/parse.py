@@ -1,9 +1,9 @@
 """Parse and check one line of an OpenAI Batch input file.
 
 Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions"
-| "/v1/responses" | "/v1/embeddings", "body": {...}}``. ``parse_line`` never raises on user
-input: it returns a ``BatchLine`` or a ``LineError`` whose message names the line and the field
-("line 7: body.temperature must be between 0 and 2").
+| "/v1/responses" | "/v1/embeddings" | "/v1/rerank" | "/v1/score", "body": {...}}``.
+``parse_line`` never raises on user input: it returns a ``BatchLine`` or a ``LineError`` whose
+message names the line and the field ("line 7: body.temperature must be between 0 and 2").
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from openai_format.embeddings import EmbeddingRequest
 from openai_format.responses import failed_line
 from openai_format.responses_request import ResponsesRequest
+from openai_format.scoring import RerankRequest, ScoreRequest
 from openai_format.types import (
     CHAT_URL,
     COMPLETIONS_URL,
@@ -26,16 +27,20 @@ from openai_format.types import (
     ENDPOINTS,
     INVALID_TYPE,
     INVALID_VALUE,
+    RERANK_URL,
     RESPONSES_URL,
+    SCORE_URL,
     ChatCompletionRequest,
     CompletionRequest,
 )
 
-Body = ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingRequest
+Body = (ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingRequest
+        | RerankRequest | ScoreRequest)
 # The body type of each endpoint.
 BODY_TYPES: dict[str, type[Body]] = {
     CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest,
     RESPONSES_URL: ResponsesRequest, EMBEDDINGS_URL: EmbeddingRequest,
+    RERANK_URL: RerankRequest, SCORE_URL: ScoreRequest,
 }
 
 # Line error codes.

@@ -32,7 +32,10 @@ CHAT_URL = "/v1/chat/completions"
 COMPLETIONS_URL = "/v1/completions"
 RESPONSES_URL = "/v1/responses"  # openai_format.responses_request
 EMBEDDINGS_URL = "/v1/embeddings"  # its body type: openai_format.embeddings
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL)
+RERANK_URL = "/v1/rerank"  # its body type, and /v1/score's: openai_format.scoring
+SCORE_URL = "/v1/score"
+SCORING_ENDPOINTS = (RERANK_URL, SCORE_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL, *SCORING_ENDPOINTS)
 GENERATION_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
 
 # Error types raised by the validators below; openai_format.parse maps them to line error codes.

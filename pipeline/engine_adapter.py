@@ -1,6 +1,7 @@
 """The one request pipeline between a request line and the engine, used by the worker's drain
 and by ``boxcar run`` alike: ``prepare`` turns (endpoint, body) into an ``EngineInput`` or a
-``PrepareError``, ``add_to_engine`` hands it to the engine, ``response_body`` turns the finished
+``PrepareError``, ``add_to_engine`` hands it to the engine (a rerank or score line's input is
+``pipeline.scoring``'s), ``response_body`` turns the finished
 ``RequestOutput`` into an OpenAI response body.
 
 ``prepare_fields`` does the same from a stored line's ``EngineFields``
@@ -65,7 +66,18 @@ from openai_format.tools import (
     template_supports_tools,
     tool_calls_from_text,
 )
-from openai_format.types import CHAT_URL, EMBEDDINGS_URL, INVALID_VALUE, RESPONSES_URL
+from openai_format.types import (
+    CHAT_URL,
+    EMBEDDINGS_URL,
+    INVALID_VALUE,
+    RERANK_URL,
+    RESPONSES_URL,
+    SCORE_URL,
+)
+from pipeline.errors import PrepareError
+from pipeline.scoring import ScoreInput, ScoreReadBack, prepare_score
+
+__all__ = ["PrepareError"]  # where its callers have always found it
 
 # A line error code of its own, as the model routing's: the line met a model of the other kind.
 WRONG_MODEL_KIND = "wrong_model_kind"
@@ -95,6 +107,10 @@ class EngineInput:
     def encoding_format(self) -> str | None:
         return None
 
+    @property
+    def score(self) -> ScoreReadBack | None:
+        return None
+
 
 @dataclass(frozen=True)
 class EmbeddingInput:
@@ -108,6 +124,7 @@ class EmbeddingInput:
     format_field: None = None
     response_echo: None = None
     lora_name: None = None
+    score: None = None
 
     @property
     def prompt(self) -> EmbeddingInputs:
@@ -122,15 +139,6 @@ class EmbeddingInput:
         return self.inputs.num_tokens
 
 
-@dataclass(frozen=True)
-class PrepareError:
-    """Why a line cannot run: a line error code, a message naming the field, the field."""
-
-    code: str
-    message: str
-    param: str | None = None
-
-
 def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareError:
     """The typed body (a stored body is validated again into its type)."""
     if not isinstance(body, dict):
@@ -142,7 +150,7 @@ def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareErro
         return PrepareError(code, message)
 
 
-Input = EngineInput | EmbeddingInput
+Input = EngineInput | EmbeddingInput | ScoreInput
 
 
 def prepare(engine: Engine, endpoint: str, body: dict[str, Any] | Body) -> Input | PrepareError:
@@ -173,15 +181,18 @@ def prepare_fields(engine: Engine, fields: EngineFields) -> Input | PrepareError
 
 
 def _prepare_fields(engine: Engine, fields: EngineFields) -> Input | PrepareError:
-    wants_embedding = "embedding" in fields
-    if engine.is_embedding != wants_embedding:
-        return _wrong_kind(engine, wants_embedding)
-    if "embedding" in fields:
+    wrong_kind = _wrong_kind(engine, _line_kind(fields))
+    if wrong_kind is not None:
+        return wrong_kind
+    if "embedding" in fields or "score" in fields:
         lora = fields.get("lora_name")
         if lora is not None:
-            return PrepareError(INVALID_VALUE, f"body.model: {lora!r} is a LoRA adapter; an "
-                                "embeddings line runs on an embedding model, with no adapter",
+            what = "an embeddings" if "embedding" in fields else "a rerank or score"
+            return PrepareError(INVALID_VALUE, f"body.model: {lora!r} is a LoRA adapter; "
+                                f"{what} line runs on a pooling model, with no adapter",
                                 "model")
+        if "score" in fields:
+            return prepare_score(engine, fields["score"])
         return _prepare_embedding(engine, fields["embedding"])
     chat = fields if "messages" in fields else None
     tool_mode = None if chat is None else _tool_call_mode(engine, chat)
@@ -252,13 +263,41 @@ def sampling_params(sampling: Sampling) -> SamplingParams:
     return SamplingParams(**kwargs)
 
 
-def _wrong_kind(engine: Engine, wants_embedding: bool) -> PrepareError:
+# A line's kind, as its engine fields say, and the model kinds that serve it.
+GENERATION_LINE, EMBEDDING_LINE, SCORE_LINE = "generation", "embedding", "score"
+
+
+def _line_kind(fields: EngineFields) -> str:
+    if "embedding" in fields:
+        return EMBEDDING_LINE
+    return SCORE_LINE if "score" in fields else GENERATION_LINE
+
+
+def _wrong_kind(engine: Engine, line_kind: str) -> PrepareError | None:
+    """The line's error when the engine's model is of a kind that cannot serve it: text
+    generation lines need a generating model, embeddings lines an embedding model, rerank and
+    score lines a cross-encoder or an embedding model."""
     model = engine.model_name
-    if wants_embedding:
+    spec = engine.embedding
+    if not engine.is_embedding:
+        if line_kind == GENERATION_LINE:
+            return None
+        url = EMBEDDINGS_URL if line_kind == EMBEDDING_LINE else f"{RERANK_URL} or {SCORE_URL}"
+        to = ("an embedding model" if line_kind == EMBEDDING_LINE
+              else "a cross-encoder or an embedding model")
         return PrepareError(WRONG_MODEL_KIND, f"model {model} generates text and cannot serve "
-                            f"{EMBEDDINGS_URL}: send this line to an embedding model", "model")
+                            f"{url}: send this line to {to}", "model")
+    if spec is not None and spec.cross_encoder:
+        if line_kind == SCORE_LINE:
+            return None
+        what = EMBEDDINGS_URL if line_kind == EMBEDDING_LINE else "chat or completions"
+        return PrepareError(WRONG_MODEL_KIND, f"model {model} is a cross-encoder: it serves "
+                            f"{RERANK_URL} and {SCORE_URL} only, not {what}", "model")
+    if line_kind != GENERATION_LINE:
+        return None
     return PrepareError(WRONG_MODEL_KIND, f"model {model} is an embedding model: it serves "
-                        f"{EMBEDDINGS_URL} only, not chat or completions", "model")
+                        f"{EMBEDDINGS_URL} (and {RERANK_URL}, {SCORE_URL} by cosine), not chat "
+                        "or completions", "model")
 
 
 def _embedding_error(exc: EmbeddingInputError) -> PrepareError:
@@ -293,7 +332,10 @@ def add_to_engine(engine: Engine, request_id: str, engine_input: Input, *,
                            priority=priority, rank=rank,
                            lora_name=lora_name or engine_input.lora_name)
     except NotAnEmbeddingModel:
-        return _wrong_kind(engine, isinstance(engine_input, EmbeddingInput))
+        kind = (EMBEDDING_LINE if isinstance(engine_input, EmbeddingInput) else SCORE_LINE
+                if isinstance(engine_input, ScoreInput) else GENERATION_LINE)
+        return _wrong_kind(engine, kind) or PrepareError(
+            WRONG_MODEL_KIND, f"model {engine.model_name} cannot serve this line", "model")
     except EmbeddingInputError as exc:
         return _embedding_error(exc)
     except StructuredOutputError as exc:
@@ -391,13 +433,19 @@ def _choice(c: CompletionOutput, engine: Engine, tool_mode: ToolCallMode | None,
 def response_body(
     output: RequestOutput, *, endpoint: str, model: str, engine: Engine, hex_id: str,
     tool_mode: ToolCallMode | None = None, response_echo: dict[str, Any] | None = None,
-    encoding_format: str | None = None,
+    encoding_format: str | None = None, score: ScoreReadBack | None = None,
 ) -> tuple[dict[str, Any], Usage]:
     """The chat.completion, text_completion or response object for a finished request, and
     its usage; ``engine`` decodes logprobs' tokens, ``hex_id`` (random hex) makes the object's
     id. ``response_echo``: a /v1/responses line's ``EngineInput.response_echo``. An embedding
     request's is OpenAI's CreateEmbeddingResponse (``encoding_format`` float or base64), its
-    usage the prompt tokens of all its inputs."""
+    usage the prompt tokens of all its inputs; a rerank or score request's (``score``: its
+    ``ScoreInput.score``) is its /v1/rerank or /v1/score body, its usage the same."""
+    if output.embeddings is not None and score is not None:
+        prompt_tokens = output.metrics.num_prompt_tokens
+        body = score.body(output.embeddings, model=model, prompt_tokens=prompt_tokens,
+                          hex_id=hex_id, created=int(time.time()))
+        return body, Usage(prompt_tokens, 0, 0)
     if output.embeddings is not None:
         prompt_tokens = output.metrics.num_prompt_tokens
         body = embedding_body(output.embeddings, model=model, prompt_tokens=prompt_tokens,

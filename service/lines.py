@@ -7,6 +7,7 @@ from typing import Any
 from openai_format.embeddings import EmbeddingRequest
 from openai_format.parse import BatchLine, LineError
 from openai_format.responses_request import ResponsesRequest
+from openai_format.scoring import RerankRequest, ScoreRequest
 from openai_format.types import ChatCompletionRequest
 
 SORT_KEY_CHARS = 200
@@ -26,6 +27,8 @@ def sort_key(line: BatchLine) -> str:
     if isinstance(body, EmbeddingRequest):  # no prefix to share: group by length instead
         inputs = body.inputs()
         return f"\x01embedding {sum(len(i) for i in inputs):010d}"
+    if isinstance(body, RerankRequest | ScoreRequest):  # the same: pooled, no KV cache
+        return f"\x01score {sum(_pair_chars(body)):010d}"
     if isinstance(body, ResponsesRequest):
         body = body.as_chat  # the messages it runs as
     if isinstance(body, ChatCompletionRequest):
@@ -50,6 +53,8 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
     if isinstance(body, EmbeddingRequest):  # prefill only: nothing is generated
         return sum(len(i) // CHARS_PER_TOKEN + 2 if isinstance(i, str) else len(i)
                    for i in body.inputs()), 0
+    if isinstance(body, RerankRequest | ScoreRequest):  # a cross-encoder's pairs; nothing generated
+        return sum(chars // CHARS_PER_TOKEN + 3 for chars in _pair_chars(body)), 0
     if isinstance(body, ResponsesRequest):
         body = body.as_chat
     if isinstance(body, ChatCompletionRequest):
@@ -60,6 +65,14 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
         prompt = len(single) // CHARS_PER_TOKEN + 1 if isinstance(single, str) else len(single)
     max_tokens = body.effective_max_tokens
     return prompt, max_tokens if max_tokens is not None else DEFAULT_OUTPUT_TOKENS
+
+
+def _pair_chars(body: RerankRequest | ScoreRequest) -> list[int]:
+    """Each pair's characters, both texts together."""
+    if isinstance(body, RerankRequest):
+        return [len(body.query) + len(text) for text in body.texts()]
+    texts_1, texts_2 = body.texts_1(), body.texts_2()
+    return [len(texts_1[0 if len(texts_1) == 1 else i]) + len(b) for i, b in enumerate(texts_2)]
 
 
 def enqueued_tokens(line: BatchLine) -> int:

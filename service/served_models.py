@@ -13,8 +13,9 @@ minute) refreshes only when it is older than ``SEEN_REFRESH_FRACTION`` of ``mode
 worker's clean stop sets (its heartbeat row goes with it). So a model is seen until its last
 worker's last heartbeat, or its stop, whether that worker's row is still there or not.
 
-A model is of one kind (``KINDS``): it generates (chat and completions lines) or it embeds
-(embeddings lines). Workers announce the kind with the model; a batch or job whose endpoint the
+A model is of one kind (``KINDS``): it generates (chat and completions lines), it embeds
+(embeddings lines, and rerank and score lines by cosine) or it is a cross-encoder (rerank and
+score lines only). Workers announce the kind with the model; a batch or job whose endpoint the
 model cannot serve is refused at create (``check_endpoint``). A configured model no worker has
 announced yet has no kind, and is not refused (its worker fails such lines instead).
 
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.orm import Session
 
-from openai_format.types import EMBEDDINGS_URL
+from openai_format.types import EMBEDDINGS_URL, GENERATION_ENDPOINTS, SCORING_ENDPOINTS
 from service.db import utcnow
 from service.liveness import is_live
 from service.models import ServedModel, WorkerStatus
@@ -51,7 +52,14 @@ SEEN_REFRESH_FRACTION = 0.1
 
 GENERATION = "generation"
 EMBEDDING = "embedding"
-KINDS = (GENERATION, EMBEDDING)
+CROSS_ENCODER = "cross_encoder"
+KINDS = (GENERATION, EMBEDDING, CROSS_ENCODER)
+# The endpoints each kind serves.
+KIND_ENDPOINTS = {
+    GENERATION: GENERATION_ENDPOINTS,
+    EMBEDDING: (EMBEDDINGS_URL, *SCORING_ENDPOINTS),
+    CROSS_ENCODER: SCORING_ENDPOINTS,
+}
 
 
 def model_id(model: str, served_model_name: str | None = None) -> str:
@@ -132,12 +140,17 @@ class WrongModelKind(Exception):
 
 def check_endpoint(entry: ModelEntry, endpoint: str) -> None:
     """Raise ``WrongModelKind`` when ``entry`` is known not to serve ``endpoint``."""
-    if entry.kind == EMBEDDING and endpoint != EMBEDDINGS_URL:
-        raise WrongModelKind(f"The model {entry.id!r} is an embedding model: it serves "
-                             f"{EMBEDDINGS_URL} only, not {endpoint}.")
-    if entry.kind == GENERATION and endpoint == EMBEDDINGS_URL:
+    if entry.kind is None or endpoint in KIND_ENDPOINTS.get(entry.kind, (endpoint,)):
+        return
+    served = ", ".join(KIND_ENDPOINTS[entry.kind])
+    if entry.kind == GENERATION:
+        to = ("an embedding model" if endpoint == EMBEDDINGS_URL
+              else "a cross-encoder or an embedding model")
         raise WrongModelKind(f"The model {entry.id!r} generates text: it does not serve "
-                             f"{EMBEDDINGS_URL}; name an embedding model.")
+                             f"{endpoint}; name {to}.")
+    what = "an embedding model" if entry.kind == EMBEDDING else "a cross-encoder"
+    raise WrongModelKind(f"The model {entry.id!r} is {what}: it serves {served} only, not "
+                         f"{endpoint}.")
 
 
 def default_model(settings: Settings) -> str:

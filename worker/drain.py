@@ -39,6 +39,7 @@ from pipeline.engine_adapter import (
     prepare_fields,
     response_body,
 )
+from pipeline.scoring import ScoreReadBack
 from service.models import LINE_COMPLETED, LINE_FAILED
 from worker.items import LineResult, LineWork
 from worker.line_queue import LineQueue
@@ -90,7 +91,7 @@ class Drainer:
         # How a line's output is read back, for lines with tool calls, a Response object or
         # an embedding encoding: (tool mode, response echo, encoding format).
         self._read_back: dict[str, tuple[ToolCallMode | None, dict[str, Any] | None,
-                                         str | None]] = {}
+                                         str | None, ScoreReadBack | None]] = {}
         self._drops: list[Callable[[LineWork], bool]] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -214,17 +215,18 @@ class Drainer:
             return
         self._in_engine[work.engine_request_id] = work
         if (engine_input.tool_mode is not None or engine_input.response_echo is not None
-                or engine_input.encoding_format is not None):
+                or engine_input.encoding_format is not None or engine_input.score is not None):
             self._read_back[work.engine_request_id] = (engine_input.tool_mode,
                                                        engine_input.response_echo,
-                                                       engine_input.encoding_format)
+                                                       engine_input.encoding_format,
+                                                       engine_input.score)
         num_tokens = engine_input.num_tokens
         self._avg_prompt_tokens = 0.9 * self._avg_prompt_tokens + 0.1 * num_tokens
 
     def _finish(self, output: RequestOutput) -> None:
         work = self._in_engine.pop(output.request_id, None)
-        tool_mode, response_echo, encoding_format = self._read_back.pop(
-            output.request_id, (None, None, None))
+        tool_mode, response_echo, encoding_format, score = self._read_back.pop(
+            output.request_id, (None, None, None, None))
         if work is None:
             return
         if output.finish_reason == "abort":
@@ -237,7 +239,7 @@ class Drainer:
                 output, endpoint=work.endpoint, model=lora or self.model_name,
                 engine=self.engine, hex_id=hex_id,
                 tool_mode=tool_mode, response_echo=response_echo,
-                encoding_format=encoding_format,
+                encoding_format=encoding_format, score=score,
             )
         except Exception as exc:
             log.exception("could not build the response of %s", work.engine_request_id)

@@ -41,7 +41,13 @@ from service import ids
 from service.db import Database
 from service.models import IN_PROGRESS, Shard
 from service.queue import CeleryQueue, EmbeddedQueue, TaskQueue, make_queue
-from service.served_models import EMBEDDING, GENERATION, model_id, setting_aliases
+from service.served_models import (
+    CROSS_ENCODER,
+    EMBEDDING,
+    GENERATION,
+    model_id,
+    setting_aliases,
+)
 from service.settings import Settings
 from service.storage import ObjectStorage, make_storage
 from worker import claims
@@ -66,6 +72,14 @@ def exit_process(exc: BaseException) -> None:
     log.critical("exiting with status %d: %s", EXIT_ENGINE_FAILED, exc)
     logging.shutdown()
     os._exit(EXIT_ENGINE_FAILED)
+
+
+def model_kind(engine: Engine) -> str:
+    """The kind of model the engine serves, as its worker announces it."""
+    if not engine.is_embedding:
+        return GENERATION
+    spec = engine.embedding
+    return CROSS_ENCODER if spec is not None and spec.cross_encoder else EMBEDDING
 
 
 def new_worker_id() -> str:
@@ -299,7 +313,7 @@ class WorkerService:
                            drainer=drainer, announce_shards=self._announce_shards,
                            on_batches_touched=housekeeper.batches_touched,
                            model=model_name, aliases=aliases,
-                           kind=EMBEDDING if engine.is_embedding else GENERATION,
+                           kind=model_kind(engine),
                            engine_alive=engine_thread.is_alive,
                            on_engine_dead=self._engine_thread_died,
                            on_claims=recorder.observe_claims)

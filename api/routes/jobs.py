@@ -22,7 +22,9 @@ from openai_format.types import (
     COMPLETIONS_URL,
     EMBEDDINGS_URL,
     ENDPOINTS,
+    RERANK_URL,
     RESPONSES_URL,
+    SCORE_URL,
 )
 from service import ids
 from service.lines import enqueued_tokens, sort_key, stored_body
@@ -60,9 +62,14 @@ def _endpoint_of(body: dict[str, Any], ctx: AppContext) -> str:
     """A body's endpoint when the job names none (``JobCreateRequest``). Both /v1/responses and
     /v1/embeddings bodies carry ``input``: the model's kind, as its workers announced it,
     tells them apart (a model of no known kind, or a name no model answers to, is taken as a
-    generation model; ``served_model`` then refuses what it must)."""
+    generation model; ``served_model`` then refuses what it must). A body with ``query`` and
+    ``documents`` is a rerank, one with ``text_1`` and ``text_2`` a score."""
     if "messages" in body:
         return CHAT_URL
+    if "query" in body and "documents" in body:
+        return RERANK_URL
+    if "text_1" in body and "text_2" in body:
+        return SCORE_URL
     if "input" not in body or "prompt" in body:
         return COMPLETIONS_URL
     name = body.get("model")

@@ -6,7 +6,6 @@ model's limits (``EmbeddingSpec``, fixed at start-up) and a tokenize function.""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from engine.errors import (
@@ -16,25 +15,10 @@ from engine.errors import (
     InputTooLong,
     TokenOutOfVocabulary,
 )
+from engine.pooling_params import EmbeddingSpec
 
 # text, max_length (None: no truncation) -> token ids
 Tokenize = Callable[[str, int | None], list[int]]
-
-
-@dataclass(frozen=True)
-class EmbeddingSpec:
-    """What an embedding engine admits and returns, fixed when its runner is built."""
-
-    model_name: str
-    max_len: int  # the longest input, in tokens
-    vocab_size: int
-    hidden_size: int  # the vector's size
-    matryoshka_dimensions: tuple[int, ...] | None  # the sizes it may be cut to, if any
-    normalize: bool  # vectors are L2-normalized (again after a cut)
-    truncate: bool  # an input past max_len is cut (``EngineConfig.truncate_embedding_inputs``)
-    # A cross-encoder: each input is a pair of texts (``PoolingParams.token_type_starts``) and
-    # its vector is one relevance score; it serves /v1/score and /v1/rerank, not embeddings.
-    cross_encoder: bool = False
 
 
 def check_dimensions(spec: EmbeddingSpec, dimensions: int | None) -> None:
