@@ -47,7 +47,9 @@ from engine.models.causal_lm import CausalLM
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
 from engine.models.llama import LlamaForCausalLM
+from engine.models.mixtral import MixtralForCausalLM
 from engine.models.no_init import no_init_weights
+from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.runner.base import Runner
@@ -59,7 +61,10 @@ from engine.runner.model_runner import ModelRunner
 # The families whose layers shard_model splits (SelfAttention, GatedMLP, a plain embedding and
 # output layer): soft-caps, sandwich norms and windowed layers act on a rank's own heads or on
 # the gathered logits.
-TP_FAMILIES = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)
+# OLMoE is not among them: its q/k norms run over every head at once, which a rank's share
+# cannot compute alone.
+TP_FAMILIES = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM,
+               MixtralForCausalLM)
 
 # How long the driver waits for a dead helper's exit code after a failed collective.
 _REAP_SECONDS = 2.0
@@ -247,7 +252,8 @@ def _check_family(checkpoint: Checkpoint) -> type[CausalLM]:
     model_cls = get_model_class(checkpoint.config)
     if not issubclass(model_cls, TP_FAMILIES):
         raise ValueError(f"tensor_parallel_size > 1 is implemented for the Llama family "
-                         f"(Llama, Mistral, Qwen2, Qwen3, Phi-3) and Gemma 2 and 3, not "
+                         f"(Llama, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 and 3 and the "
+                         f"mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, not "
                          f"{model_cls.__name__}")
     return model_cls
 

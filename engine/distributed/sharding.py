@@ -29,6 +29,7 @@ from engine.distributed.group import TPGroup
 from engine.layers.attention import SelfAttention
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
+from engine.layers.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class ShardPlan:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    # A mixture of experts: each expert's intermediate size (``moe_intermediate_size``, else
+    # ``intermediate_size``) and the shared expert's (Qwen2-MoE), split like a dense MLP's.
+    expert_intermediate: int | None = None
+    shared_intermediate: int | None = None
 
     @classmethod
     def of(cls, hf_config: Any, rank: int, world_size: int) -> ShardPlan:
@@ -57,11 +62,22 @@ class ShardPlan:
         if kv_heads % world_size and world_size % kv_heads:
             raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
                              f"num_key_value_heads ({kv_heads}) or be a multiple of it")
-        if inter % world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
-                             f"intermediate_size ({inter})")
+        is_moe = any(getattr(hf_config, f, None) for f in ("num_experts", "num_local_experts"))
+        expert_field = ("moe_intermediate_size" if getattr(hf_config, "moe_intermediate_size", None)
+                        else "intermediate_size")
+        sizes = {"intermediate_size": inter}
+        if is_moe:
+            sizes[expert_field] = getattr(hf_config, expert_field)
+            if getattr(hf_config, "shared_expert_intermediate_size", None):
+                sizes["shared_expert_intermediate_size"] = (
+                    hf_config.shared_expert_intermediate_size)
+        for field, size in sizes.items():
+            if size % world_size:
+                raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
+                                 f"{field} ({size})")
         return cls(rank, world_size, heads, kv_heads, head_dim_of(hf_config), inter,
-                   hf_config.vocab_size)
+                   hf_config.vocab_size, sizes.get(expert_field) if is_moe else None,
+                   sizes.get("shared_expert_intermediate_size"))
 
     @property
     def local_heads(self) -> int:
@@ -98,7 +114,22 @@ class ShardPlan:
         local.head_dim = self.head_dim  # not hidden / local heads
         local.intermediate_size = self.local_intermediate
         local.vocab_size = self.vocab_shard
+        if self.expert_intermediate is not None:
+            if getattr(local, "moe_intermediate_size", None):
+                local.moe_intermediate_size = self.expert_intermediate // self.world_size
+            if self.shared_intermediate is not None:
+                local.shared_expert_intermediate_size = (
+                    self.shared_intermediate // self.world_size)
         return local
+
+    def _mlp_size(self, name: str) -> int:
+        """The intermediate size of the MLP ``name`` belongs to: an expert's, the shared
+        expert's, or the dense one's."""
+        if ".experts." in name and self.expert_intermediate is not None:
+            return self.expert_intermediate
+        if ".shared_expert." in name and self.shared_intermediate is not None:
+            return self.shared_intermediate
+        return self.intermediate_size
 
     def row_slices(self, name: str) -> list[tuple[int, int]] | None:
         """For a column-parallel or vocabulary tensor: the (start, length) row ranges of the
@@ -107,7 +138,8 @@ class ShardPlan:
         hd = self.head_dim
         q = (self.rank * self.local_heads * hd, self.local_heads * hd)
         kv = (self.kv_head_start * hd, self.local_kv_heads * hd)
-        inter = (self.rank * self.local_intermediate, self.local_intermediate)
+        local_inter = self._mlp_size(name) // self.world_size
+        inter = (self.rank * local_inter, local_inter)
         if proj == "q_proj":
             return [q]
         if proj in ("k_proj", "v_proj"):
@@ -115,10 +147,10 @@ class ShardPlan:
         if proj == "qkv_proj":  # stored fused (Phi-3): q rows, then k, then v
             q_rows, kv_rows = self.num_heads * hd, self.num_kv_heads * hd
             return [q, (q_rows + kv[0], kv[1]), (q_rows + kv_rows + kv[0], kv[1])]
-        if proj in ("gate_proj", "up_proj"):
-            return [inter]
+        if proj in ("gate_proj", "up_proj") or (proj in ("w1", "w3") and ".experts." in name):
+            return [inter]  # (Mixtral's experts: w1 the gate, w3 the up projection)
         if proj == "gate_up_proj":  # stored fused (Phi-3): gate rows, then up
-            return [inter, (self.intermediate_size + inter[0], inter[1])]
+            return [inter, (self._mlp_size(name) + inter[0], inter[1])]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start = self.vocab_start
             return [(start, max(min(self.vocab_shard, self.vocab_size - start), 0))]
@@ -128,8 +160,10 @@ class ShardPlan:
         """For a row-parallel weight: the (start, length) range of its input columns."""
         if name.endswith("o_proj.weight"):
             return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
-        if name.endswith("down_proj.weight"):
-            return self.rank * self.local_intermediate, self.local_intermediate
+        if name.endswith("down_proj.weight") or (name.endswith(".w2.weight")
+                                                  and ".experts." in name):
+            local_inter = self._mlp_size(name) // self.world_size
+            return self.rank * local_inter, local_inter
         return None
 
 
@@ -168,10 +202,34 @@ class VocabParallelHead(Linear):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # [rows, vocab_size]
 
 
+class ParallelMoeBlock(SparseMoeBlock):
+    """A ``SparseMoeBlock`` whose experts (and shared expert) hold this rank's slice of their
+    intermediate size: the router runs whole on every rank, each expert's partial sum and the
+    shared expert's add up here, and one all-reduce completes them, as for a dense MLP."""
+
+    group: TPGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
 def shard_model(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
-    """Give the rank's model its collectives: the row-parallel projections all-reduce, the
-    embedding and the output layer work on this rank's vocabulary rows."""
+    """Give the rank's model its collectives: the row-parallel projections all-reduce (a
+    mixture-of-experts block once, after its experts and shared expert), the embedding and the
+    output layer work on this rank's vocabulary rows."""
+    in_moe: set[int] = set()
     for module in model.modules():
+        if isinstance(module, SparseMoeBlock):
+            if module.experts.w13_bias is not None:
+                raise ValueError("tensor parallelism does not split expert biases yet "
+                                 "(gpt-oss)")
+            in_moe.update(id(m) for m in module.modules() if m is not module)
+            module.__class__ = ParallelMoeBlock
+            assert isinstance(module, ParallelMoeBlock)
+            module.group = group
+    for module in model.modules():
+        if id(module) in in_moe:
+            continue  # the shared expert's partial sum joins the experts' before the all-reduce
         if isinstance(module, SelfAttention | GatedMLP):
             proj = module.o_proj if isinstance(module, SelfAttention) else module.down_proj
             if proj.bias is not None:

@@ -84,6 +84,21 @@ def test_tp2_equals_tp1(tmp_path, arch, overrides):
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_tp2_equals_tp1_for_mixtures_of_experts(tmp_path, family):
+    # Each expert's gate/up split by rows and down by columns, the router whole on each rank,
+    # one all-reduce a block (the shared expert's partial sum joins the experts'); Qwen3-MoE
+    # with a dense layer, Qwen2-MoE with a gated shared expert, Mixtral's w1/w2/w3 names.
+    from tests.engine.moe_checkpoints import make_moe_checkpoint
+
+    path = make_moe_checkpoint(tmp_path / family, family)
+    expected, stats1, scores1 = run(path, 1)
+    got, stats2, scores2 = run(path, 2)
+    assert got == expected
+    torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-5)
+    assert stats2.num_preemptions > 0 and stats2.prefix_cache_hits > 0
+
+
 def test_a_killed_rank_fails_the_step_loudly(tmp_path):
     path = make_checkpoint(tmp_path / "llama", "llama")
     llm = LLM(str(path), tensor_parallel_size=2, **SCHEDULE)
@@ -141,9 +156,15 @@ def test_sizes_that_do_not_split_are_refused(tmp_path):
         EngineConfig(model="x", tensor_parallel_size=2, lora_modules=("a=/tmp/a",))
     from tests.engine.moe_checkpoints import make_moe_checkpoint
 
-    moe = make_moe_checkpoint(tmp_path / "qwen3-moe", "qwen3_moe")
-    with pytest.raises(ValueError, match="Gemma 2 and 3, not Qwen3MoeForCausalLM"):
-        LLM(str(moe), tensor_parallel_size=2, **SCHEDULE)
+    for family, name in (("gpt_oss", "GptOssForCausalLM"), ("olmoe", "OlmoeForCausalLM")):
+        refused = make_moe_checkpoint(tmp_path / family, family)
+        with pytest.raises(ValueError, match=f"Mixtral, not {name}"):
+            LLM(str(refused), tensor_parallel_size=2, **SCHEDULE)
+    moe = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+                         "intermediate_size": 96, "vocab_size": 99, "num_experts": 8,
+                         "moe_intermediate_size": 30})
+    with pytest.raises(ValueError, match="divide the model's moe_intermediate_size \\(30\\)"):
+        ShardPlan.of(moe, 0, 4)
 
 
 def test_a_rank_reads_only_its_slices(tmp_path):
