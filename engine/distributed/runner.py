@@ -46,6 +46,7 @@ from engine.layers.linear import (
 from engine.models.causal_lm import CausalLM
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
+from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.no_init import no_init_weights
@@ -64,7 +65,7 @@ from engine.runner.model_runner import ModelRunner
 # OLMoE is not among them: its q/k norms run over every head at once, which a rank's share
 # cannot compute alone.
 TP_FAMILIES = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM,
-               MixtralForCausalLM)
+               MixtralForCausalLM, GptOssForCausalLM)
 
 # How long the driver waits for a dead helper's exit code after a failed collective.
 _REAP_SECONDS = 2.0
@@ -253,7 +254,7 @@ def _check_family(checkpoint: Checkpoint) -> type[CausalLM]:
     if not issubclass(model_cls, TP_FAMILIES):
         raise ValueError(f"tensor_parallel_size > 1 is implemented for the Llama family "
                          f"(Llama, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 and 3 and the "
-                         f"mixtures of experts Qwen3-MoE, Qwen2-MoE and Mixtral, not "
+                         f"mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss, not "
                          f"{model_cls.__name__}")
     return model_cls
 

@@ -30,6 +30,7 @@ from engine.layers.attention import SelfAttention
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
+from engine.models.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,14 @@ class ShardPlan:
             if size % world_size:
                 raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
                                  f"{field} ({size})")
+        quant = getattr(hf_config, "quantization_config", None) or {}
+        if is_moe and (quant.get("quant_method") if isinstance(quant, dict) else None) == "mxfp4":
+            expert_size = sizes[expert_field]
+            if (expert_size // world_size) % MXFP4_GROUP:
+                raise ValueError(
+                    f"tensor_parallel_size={world_size} splits the MXFP4 experts' "
+                    f"{expert_field} ({expert_size}) into {expert_size // world_size} columns a "
+                    f"rank, not a whole number of {MXFP4_GROUP}-value groups")
         return cls(rank, world_size, heads, kv_heads, head_dim_of(hf_config), inter,
                    hf_config.vocab_size, sizes.get(expert_field) if is_moe else None,
                    sizes.get("shared_expert_intermediate_size"))
@@ -151,10 +160,37 @@ class ShardPlan:
             return [inter]  # (Mixtral's experts: w1 the gate, w3 the up projection)
         if proj == "gate_up_proj":  # stored fused (Phi-3): gate rows, then up
             return [inter, (self._mlp_size(name) + inter[0], inter[1])]
+        if name.endswith("self_attn.sinks"):  # one learned sink logit a query head (gpt-oss)
+            return [(self.rank * self.local_heads, self.local_heads)]
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             start = self.vocab_start
             return [(start, max(min(self.vocab_shard, self.vocab_size - start), 0))]
         return None
+
+    def stacked_expert_slice(self, name: str) -> tuple[int, int, int] | None:
+        """For experts stored stacked (gpt-oss: ``gate_up_proj [E, hidden, 2 * inter]`` with
+        gate and up columns interleaved, ``down_proj [E, inter, hidden]``): (dim, start,
+        length) of this rank's share. Interleaved pairs keep a rank's gate and up columns side
+        by side, so its share of both is one run of columns."""
+        if ".experts." not in name or self.expert_intermediate is None:
+            return None
+        local = self.expert_intermediate // self.world_size
+        stored = name.rsplit(".", 1)[-1]
+        if stored == "gate_up_proj":
+            return 2, 2 * self.rank * local, 2 * local
+        if stored in ("gate_up_proj_bias", "gate_up_proj_blocks", "gate_up_proj_scales"):
+            return 1, 2 * self.rank * local, 2 * local  # MXFP4: [E, out, groups(, 16)]
+        if stored == "down_proj":
+            return 1, self.rank * local, local
+        if stored in ("down_proj_blocks", "down_proj_scales"):  # groups of 32 inputs
+            return 2, self.rank * local // MXFP4_GROUP, local // MXFP4_GROUP
+        return None
+
+    def is_row_parallel_bias(self, name: str) -> bool:
+        """A bias added after a row-parallel product: rank 0 keeps it, the others hold zeros,
+        so the all-reduce adds it once."""
+        return (name.endswith(("o_proj.bias", "down_proj.bias"))
+                or (".experts." in name and name.endswith("down_proj_bias")))
 
     def column_slice(self, name: str) -> tuple[int, int] | None:
         """For a row-parallel weight: the (start, length) range of its input columns."""
@@ -220,9 +256,6 @@ def shard_model(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
     in_moe: set[int] = set()
     for module in model.modules():
         if isinstance(module, SparseMoeBlock):
-            if module.experts.w13_bias is not None:
-                raise ValueError("tensor parallelism does not split expert biases yet "
-                                 "(gpt-oss)")
             in_moe.update(id(m) for m in module.modules() if m is not module)
             module.__class__ = ParallelMoeBlock
             assert isinstance(module, ParallelMoeBlock)
@@ -232,10 +265,8 @@ def shard_model(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
             continue  # the shared expert's partial sum joins the experts' before the all-reduce
         if isinstance(module, SelfAttention | GatedMLP):
             proj = module.o_proj if isinstance(module, SelfAttention) else module.down_proj
-            if proj.bias is not None:
-                raise ValueError("tensor parallelism does not split a row-parallel bias "
-                                 "(o_proj / down_proj with bias)")
-            proj.__class__ = RowParallelLinear
+            proj.__class__ = RowParallelLinear  # a bias: rank 0's only (is_row_parallel_bias)
+            assert isinstance(proj, RowParallelLinear)
             proj.group = group
     embed = model.get_submodule("model.embed_tokens")
     if type(embed) is not nn.Embedding:

@@ -36,6 +36,14 @@ def iter_shard_weights(checkpoint: Checkpoint, plan: ShardPlan,
 
 
 def _read_slice(stored, name: str, plan: ShardPlan) -> torch.Tensor:
+    if plan.is_row_parallel_bias(name) and plan.rank != 0:
+        return torch.zeros_like(stored[:])  # a bias: small
+    stacked = plan.stacked_expert_slice(name)
+    if stacked is not None:
+        dim, start, length = stacked
+        index = [slice(None)] * len(stored.get_shape())
+        index[dim] = slice(start, start + length)
+        return stored[tuple(index)]
     rows = plan.row_slices(name)
     if rows is not None:
         parts = [stored[start:start + length] for start, length in rows]

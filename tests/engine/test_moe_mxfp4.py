@@ -61,10 +61,16 @@ def test_a_half_pair_is_named():
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
     """(reference folder with the dequantised experts in fp32, the same model in MXFP4)."""
-    random = make_moe_checkpoint(tmp_path_factory.mktemp("gpt-oss-random"), "gpt_oss",
-                                 tie_router_rows=True)
-    reference = tmp_path_factory.mktemp("gpt-oss-reference")
-    quantized = tmp_path_factory.mktemp("gpt-oss-mxfp4")
+    return write_mxfp4_gpt_oss(tmp_path_factory.mktemp("gpt-oss"), tie_router_rows=True)
+
+
+def write_mxfp4_gpt_oss(folder: Path, **overrides) -> tuple[Path, Path]:
+    """A random gpt-oss under ``folder``: (its experts dequantised, in fp32; the same model in
+    MXFP4, as the released checkpoints store it)."""
+    random = make_moe_checkpoint(folder / "random", "gpt_oss", **overrides)
+    reference, quantized = folder / "reference", folder / "mxfp4"
+    reference.mkdir()
+    quantized.mkdir()
     model = transformers.AutoModelForCausalLM.from_pretrained(random, dtype=torch.float32)
     packed: dict[str, torch.Tensor] = {}
     with torch.no_grad():

@@ -84,11 +84,13 @@ def test_tp2_equals_tp1(tmp_path, arch, overrides):
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
 def test_tp2_equals_tp1_for_mixtures_of_experts(tmp_path, family):
     # Each expert's gate/up split by rows and down by columns, the router whole on each rank,
     # one all-reduce a block (the shared expert's partial sum joins the experts'); Qwen3-MoE
-    # with a dense layer, Qwen2-MoE with a gated shared expert, Mixtral's w1/w2/w3 names.
+    # with a dense layer, Qwen2-MoE with a gated shared expert, Mixtral's w1/w2/w3 names,
+    # gpt-oss's sinks per head, biases (row-parallel ones on rank 0 only), stacked interleaved
+    # experts and alternating windows.
     from tests.engine.moe_checkpoints import make_moe_checkpoint
 
     path = make_moe_checkpoint(tmp_path / family, family)
@@ -97,6 +99,24 @@ def test_tp2_equals_tp1_for_mixtures_of_experts(tmp_path, family):
     assert got == expected
     torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-5)
     assert stats2.num_preemptions > 0 and stats2.prefix_cache_hits > 0
+
+
+def test_tp2_splits_mxfp4_experts_by_whole_groups(tmp_path):
+    # gpt-oss as released: MXFP4 experts, split without dequantising a whole expert per rank
+    # (gate/up rows, down's 32-value groups); 64 intermediate columns: 32 a rank, one group.
+    from tests.engine.test_moe_mxfp4 import write_mxfp4_gpt_oss
+
+    _, quantized = write_mxfp4_gpt_oss(tmp_path, intermediate_size=64)
+    expected, _, scores1 = run(quantized, 1)
+    got, _, scores2 = run(quantized, 2)
+    assert got == expected
+    torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-5)
+    config = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2,
+                            "hidden_size": 64, "intermediate_size": 64, "vocab_size": 99,
+                            "num_local_experts": 4,
+                            "quantization_config": {"quant_method": "mxfp4"}})
+    with pytest.raises(ValueError, match="not a whole number of 32-value groups"):
+        ShardPlan.of(config, 0, 4)
 
 
 def test_a_killed_rank_fails_the_step_loudly(tmp_path):
@@ -156,10 +176,9 @@ def test_sizes_that_do_not_split_are_refused(tmp_path):
         EngineConfig(model="x", tensor_parallel_size=2, lora_modules=("a=/tmp/a",))
     from tests.engine.moe_checkpoints import make_moe_checkpoint
 
-    for family, name in (("gpt_oss", "GptOssForCausalLM"), ("olmoe", "OlmoeForCausalLM")):
-        refused = make_moe_checkpoint(tmp_path / family, family)
-        with pytest.raises(ValueError, match=f"Mixtral, not {name}"):
-            LLM(str(refused), tensor_parallel_size=2, **SCHEDULE)
+    olmoe = make_moe_checkpoint(tmp_path / "olmoe", "olmoe")
+    with pytest.raises(ValueError, match="gpt-oss, not OlmoeForCausalLM"):
+        LLM(str(olmoe), tensor_parallel_size=2, **SCHEDULE)
     moe = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
                          "intermediate_size": 96, "vocab_size": 99, "num_experts": 8,
                          "moe_intermediate_size": 30})
