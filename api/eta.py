@@ -22,7 +22,9 @@ estimate: the tokens left (the same per-line figures times the open lines, plus 
 over the tokens per second the workers computed in the last ``RATE_WINDOW_S`` seconds of their
 timelines.
 
-Null while unknown: a batch still validating (no lines yet) or no worker has stepped recently.
+A batch still validating has no lines yet: its file's line count and its estimates at create
+(``api.create_eta``) stand for them, and it queues as an in-progress batch would. Null while
+unknown: no worker has stepped recently.
 A batch's open lines, finished lines and usage come from its counter rows (``service.counters``)
 (while its prepare still commits chunks, the open lines are the file's lines not finished),
 so a read costs a few rows per live batch whatever the batches' sizes; it is cached ``CACHE_S``
@@ -52,7 +54,7 @@ from metrics.cost import Cost
 from service import counters
 from service.counters import CounterDelta
 from service.liveness import live_workers
-from service.models import FINALIZING, IN_PROGRESS, Batch
+from service.models import FINALIZING, IN_PROGRESS, VALIDATING, Batch
 from service.queue_order import bulk_rank
 
 log = logging.getLogger(__name__)
@@ -194,14 +196,17 @@ def _from_forecasts(b: LiveBatch, live: list[LiveBatch], forecasts: list[WorkerF
     own = _pool_seconds(forecasts, pending, b.prompt, b.output)
     queued = 0.0
     for o in live:
-        if o.id == b.id or o.model != b.model or o.status != IN_PROGRESS or o.rank > b.rank:
+        if (o.id == b.id or o.model != b.model or o.status not in QUEUED_STATUSES
+                or o.rank > b.rank):
             continue
         seconds = _pool_seconds(forecasts, max(o.remaining - held(o), 0), o.prompt, o.output)
         queued += seconds if o.rank < b.rank else min(seconds, own)
     return max(held_end, start + queued + own)
 
 
-LIVE_STATUSES = (IN_PROGRESS, FINALIZING)  # the batches ``estimate`` estimates
+# Batches whose open lines wait for the workers: a validating batch's lines are about to.
+QUEUED_STATUSES = (VALIDATING, IN_PROGRESS)
+LIVE_STATUSES = (*QUEUED_STATUSES, FINALIZING)  # the batches ``estimate`` estimates
 
 
 class BatchFields(Protocol):
@@ -268,7 +273,7 @@ def forecast(live: list[LiveBatch], workers: Sequence[tuple[str | None, dict[str
             result[b.id] = BatchEta(None, b.deadline, b.work_left)
             continue
         same_model = [o for o in live if o.id != b.id and o.model == b.model
-                      and o.status == IN_PROGRESS]
+                      and o.status in QUEUED_STATUSES]
         ahead = sum(o.work_left for o in same_model if o.rank < b.rank)
         shared = sum(min(o.work_left, b.work_left) for o in same_model if o.rank == b.rank)
         result[b.id] = BatchEta(now + (ahead + shared + b.work_left) / rate, b.deadline,

@@ -86,6 +86,10 @@ class Settings(BaseSettings):
     max_priority: int = 10
     # False (OpenAI's rule): a line's url must be the batch's endpoint; True: either endpoint.
     mixed_endpoints: bool = False
+    # A batch whose estimate at create passes the end of its completion window: False, it is
+    # created with a ``completion_window_at_risk`` warning; True, it fails its validation
+    # (``completion_window_infeasible``). api.create_eta.
+    refuse_at_risk: bool = False
     bootstrap_api_key: str | None = None  # ensured to exist (tenant "default") at start
     # Seconds an API process trusts a key it has checked before asking the database again (a
     # status poll then makes no auth query): a revoked key works at most this long in an API

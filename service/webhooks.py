@@ -21,7 +21,9 @@ from service.db import utcnow
 from service.models import Tenant, WebhookDelivery, WebhookEndpoint
 from service.webhook_verify import Webhook
 
-BATCH_EVENTS = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
+# batch.at_risk: once, at create, for a batch whose estimate passes its window (api.create_eta).
+BATCH_EVENTS = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled",
+                "batch.at_risk")
 JOB_EVENTS = ("job.completed", "job.failed")
 EVENTS = BATCH_EVENTS + JOB_EVENTS
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -12,9 +13,10 @@ from sqlalchemy import bindparam, select, update
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from api.create_eta import at_risk, create_estimate, line_estimates
 from api.deps import AppContext, ContextDep, TenantDep, TenantRef
 from api.errors import ApiError, not_found
-from api.eta import BatchEta
+from api.eta import LIVE_STATUSES, BatchEta
 from api.pagination import paginate
 from api.poll_reads import POLL_STATEMENT, batch_and_sums
 from api.routes.files import get_file
@@ -30,7 +32,6 @@ from service.models import (
     CANCELLED,
     CANCELLING,
     FAILED,
-    FINALIZING,
     IN_PROGRESS,
     VALIDATING,
     Batch,
@@ -47,6 +48,8 @@ from service.served_models import (
 )
 from service.settings import parse_completion_window
 from service.webhooks import check_url_literal, queue_event
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(tags=["batches"])
 
@@ -128,9 +131,9 @@ def render(session: Session, row: Batch, ctx: AppContext,
 
 
 def estimated(row: Batch) -> str | None:
-    """The id a poll names to ``ctx.etas`` (``api.eta.EtaCache``): a batch in progress or
-    finalizing, which every estimate covers, so a value without it predates its start."""
-    return row.id if row.status in (IN_PROGRESS, FINALIZING) else None
+    """The id a poll names to ``ctx.etas`` (``api.eta.EtaCache``): a batch validating, in
+    progress or finalizing, which every estimate covers, so a value without it predates it."""
+    return row.id if row.status in LIVE_STATUSES else None
 
 
 def live_object(row: Batch, totals: LineTotals, etas: dict[str, BatchEta]) -> dict:
@@ -230,9 +233,20 @@ def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, win
                 row.status, row.failed_at, row.enqueued_tokens = FAILED, now, 0
                 row.errors = [{"code": TOKEN_LIMIT_EXCEEDED, "message": str(exc),
                                "param": None, "line": None}]
+            eta = _estimate_at_create(session, ctx, row, file)
+            risk = None if eta is None else at_risk(eta)
+            if risk is not None and settings.refuse_at_risk:
+                row.status, row.failed_at, row.enqueued_tokens = FAILED, now, 0
+                row.errors = [risk.error()]
             session.add(row)
             session.flush()
-            body = batch_object(row)
+            body = batch_object(
+                row, estimated_completion_at=None if eta is None else eta.estimated_completion_at,
+                deadline_at_risk=risk is not None)
+            if risk is not None and row.status != FAILED:
+                body["boxcar_warnings"] = [risk.warning()]
+                queue_event(session, tenant_id=tenant_id, event_type="batch.at_risk",
+                            object_id=row.id, data=body, object_url=row.webhook_url)
             if row.status == FAILED:
                 queue_event(session, tenant_id=tenant_id, event_type="batch.failed",
                             object_id=row.id, data=body, object_url=row.webhook_url)
@@ -241,6 +255,23 @@ def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, win
         if inline_file is not None:  # its row is rolled back: drop its bytes too
             ctx.storage.delete(inline_file.storage_key)
         raise
+
+
+def _estimate_at_create(session: Session, ctx: AppContext, row: Batch,
+                        file: File) -> BatchEta | None:
+    """The estimate of a batch being created (``api.create_eta``); None when it failed its
+    validation already, or the estimate cannot be made (a storage error: logged, the batch is
+    created without one)."""
+    if row.status != VALIDATING:
+        return None
+    try:
+        row.est_prompt_tokens_per_line, row.est_output_tokens_per_line = line_estimates(
+            ctx.storage, file)
+        return create_estimate(session, row,
+                               worker_metrics_interval=ctx.settings.worker_metrics_interval)
+    except Exception:  # noqa: BLE001 - an estimate is a courtesy; the batch is still created
+        log.exception("estimating batch %s at create failed", row.id)
+        return None
 
 
 def served_model(session: Session, ctx: AppContext, name: str | None, endpoint: str) -> str:

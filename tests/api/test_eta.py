@@ -225,19 +225,20 @@ def test_a_forecast_of_none_of_a_batch_s_lines_from_a_worker_with_room_is_provis
 
 def test_a_poll_gets_a_new_estimate_soon_when_its_batch_s_is_missing_or_provisional(
         client, ctx):
-    """The cache's value was made while the batch validated (none for it), then while no worker
-    held its lines (provisional): each is made again after SOON_S, not after the whole TTL;
-    a held batch's estimate keeps the TTL."""
+    """The cache's value was made while the batch validated, then while no worker held its
+    lines (provisional both times: a worker with room claims them within moments): each is made
+    again after SOON_S, not after the whole TTL; a held batch's estimate keeps the TTL."""
     clock = [0.0]
     ctx.etas = EtaCache(2.0, ttl=2.0, clock=lambda: clock[0])  # the poll computes it itself
     created = make_batch(client).json()
     a, model = created["id"], created["model"]
     now = time.time()
     _worker(ctx, model, rate=100.0, forecast=_forecast(now, 0.0, {}))
-    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] is None
-    _start(ctx, a, open_lines=10)  # in progress now: none for it in the cached value
+    validating = client.get(f"/v1/batches/{a}").json()["estimated_completion_at"]
+    assert validating is not None  # from its file's lines, before prepare (api.create_eta)
+    _start(ctx, a, open_lines=10)  # in progress now: the cached value is the validating one
     clock[0] = SOON_S / 2
-    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] is None
+    assert client.get(f"/v1/batches/{a}").json()["estimated_completion_at"] == validating
     clock[0] = SOON_S + 0.01
     guess = client.get(f"/v1/batches/{a}").json()["estimated_completion_at"]
     assert guess is not None  # made again: the worker's lines-to-come guess, provisional
