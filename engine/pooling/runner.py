@@ -76,6 +76,7 @@ class PoolingModelRunner:
         if isinstance(model, BertForSequenceClassification):
             self.score_activation = read_score_activation(folder, hf_config)
             self.pooler = PoolerConfig(PoolingType.CLS, False, self.pooler.max_seq_len)
+            self.hidden_size = 1  # its vector: one score
         max_len = min(max_position, getattr(model, "max_position", max_position))
         if self.pooler.max_seq_len is not None and config.max_model_len is None:
             max_len = min(max_len, self.pooler.max_seq_len)

@@ -141,3 +141,10 @@ def test_more_than_one_label_is_refused(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="num_labels=2"):
         LLMEngine(EngineConfig(model=str(path), dtype="float32"))
+
+
+def test_auto_dtype_serves_a_cross_encoder_in_fp32(tmp_path):
+    path = make_cross_encoder(tmp_path / "ce")
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="auto"))
+    assert engine.model_runner.dtype == torch.float32
+    assert engine.embedding is not None and engine.embedding.hidden_size == 1
