@@ -56,7 +56,9 @@ def error_body(
     return {
         "error": {
             "message": message,
-            "type": _TYPES.get(status_code, "server_error"),
+            # A 4xx of the framework's (405, 406, 415) is the client's error too.
+            "type": _TYPES.get(status_code,
+                               "invalid_request_error" if status_code < 500 else "server_error"),
             "param": param,
             "code": code,
         }
