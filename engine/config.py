@@ -43,6 +43,9 @@ class EngineConfig:
     # Ranks one model is split over (tensor parallel, docs/tensor-parallel.md): this process
     # drives, and starts tensor_parallel_size - 1 helper processes, one per further device.
     tensor_parallel_size: int = 1
+    # A mixture of experts' experts spread whole over the tensor_parallel_size ranks (vLLM's
+    # --enable-expert-parallel) instead of each expert split across them (docs/moe.md).
+    expert_parallel: bool = False
     # While an unfinished request is more urgent than others, the less urgent requests' tokens
     # (the running ones' decodes and prompt chunks in queue order, then admissions) share at
     # most this many per step; the rest skip the step, keeping their blocks. Keeps the urgent
@@ -106,6 +109,10 @@ class EngineConfig:
             raise ValueError(
                 f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}"
             )
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            raise ValueError("expert_parallel spreads the experts over tensor_parallel_size "
+                             "ranks: set tensor_parallel_size > 1, or leave expert_parallel "
+                             "off")
         if self.tensor_parallel_size > 1 and self.lora_modules:
             raise ValueError(
                 "lora_modules with tensor_parallel_size > 1: LoRA adapters are not sharded "

@@ -175,7 +175,8 @@ def helper_main(config: EngineConfig, rank: int, world_size: int, port: int,
         group = TPGroup(store, rank, world_size, device)
         # the driver has converted a GGUF file already: this finds its folder
         checkpoint = load_checkpoint(config.model, config.tokenizer)
-        plan = ShardPlan.of(checkpoint.config, rank, world_size)
+        plan = ShardPlan.of(checkpoint.config, rank, world_size,
+                            expert_parallel=config.expert_parallel)
         runner = runner_class(config, checkpoint, max_position, group, plan, [])
         conn.send(("ready", runner.num_kv_blocks))
     except BaseException:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import nullcontext
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
@@ -43,6 +44,7 @@ from engine.layers.linear import (
     pack_linear_weights,
     packing_gemm,
 )
+from engine.layers.moe import held_experts
 from engine.models.causal_lm import CausalLM
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
@@ -97,7 +99,8 @@ class TPModelRunner(ModelRunner):
         """Rank 0: start the helper ranks, build this rank's share, wait until they have
         theirs."""
         world_size = config.tensor_parallel_size
-        plan = ShardPlan.of(checkpoint.config, 0, world_size)  # bad sizes fail before a spawn
+        plan = ShardPlan.of(checkpoint.config, 0, world_size,  # bad sizes fail before a spawn
+                            expert_parallel=config.expert_parallel)
         _check_family(checkpoint)
         device = resolve_device(config.device)
         if device.type == "cuda" and torch.cuda.device_count() < world_size:
@@ -126,7 +129,9 @@ class TPModelRunner(ModelRunner):
         vocabulary layers joined by collectives, its slices read from the checkpoint."""
         model_cls = _check_family(checkpoint)
         local_config = self.plan.local_config(checkpoint.config)
-        with torch.device(self.device), no_init_weights():
+        held = self.plan.held_experts
+        with (torch.device(self.device), no_init_weights(),
+              held_experts(*held) if held is not None else nullcontext()):
             model = model_cls(local_config, max_position)
         model.to(dtype=self.dtype)
         model.keep_fp32()

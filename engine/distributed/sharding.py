@@ -18,6 +18,7 @@ names, one collective added).
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,9 @@ from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.models.mxfp4 import GROUP_SIZE as MXFP4_GROUP
+
+# A per-expert checkpoint tensor: ``<head><expert index><tail>``.
+_PER_EXPERT = re.compile(r"^(?P<head>.*\.experts\.)(?P<expert>\d+)(?P<tail>\..*)$")
 
 
 @dataclass(frozen=True)
@@ -49,9 +53,14 @@ class ShardPlan:
     # ``intermediate_size``) and the shared expert's (Qwen2-MoE), split like a dense MLP's.
     expert_intermediate: int | None = None
     shared_intermediate: int | None = None
+    # Expert parallel: the experts spread whole over the ranks, not each split across them.
+    num_experts: int | None = None
+    expert_parallel: bool = False
+    split_intermediate: bool = True  # False: intermediate_size sizes only whole experts
 
     @classmethod
-    def of(cls, hf_config: Any, rank: int, world_size: int) -> ShardPlan:
+    def of(cls, hf_config: Any, rank: int, world_size: int, *,
+           expert_parallel: bool = False) -> ShardPlan:
         from engine.models.llama import head_dim_of
 
         heads = hf_config.num_attention_heads
@@ -63,21 +72,36 @@ class ShardPlan:
         if kv_heads % world_size and world_size % kv_heads:
             raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
                              f"num_key_value_heads ({kv_heads}) or be a multiple of it")
-        is_moe = any(getattr(hf_config, f, None) for f in ("num_experts", "num_local_experts"))
+        experts_field = next((f for f in ("num_experts", "num_local_experts")
+                              if getattr(hf_config, f, None)), None)
+        is_moe = experts_field is not None
+        num_experts = getattr(hf_config, experts_field) if experts_field else None
+        if expert_parallel:
+            architecture = (getattr(hf_config, "architectures", None) or ["this model"])[0]
+            if num_experts is None:
+                raise ValueError(f"expert_parallel spreads a mixture of experts' experts over "
+                                 f"the ranks; {architecture} is dense: leave expert_parallel off")
+            if num_experts % world_size:
+                raise ValueError(f"expert_parallel: tensor_parallel_size={world_size} must "
+                                 f"divide the model's {experts_field} ({num_experts})")
         expert_field = ("moe_intermediate_size" if getattr(hf_config, "moe_intermediate_size", None)
                         else "intermediate_size")
-        sizes = {"intermediate_size": inter}
-        if is_moe:
+        # Mixtral, OLMoE and gpt-oss size their experts by intermediate_size and have no dense
+        # MLP: under expert parallel nothing of that size is split.
+        split_intermediate = not (expert_parallel and is_moe
+                                  and expert_field == "intermediate_size")
+        sizes = {"intermediate_size": inter} if split_intermediate else {}
+        if is_moe and not expert_parallel:  # (expert parallel keeps each expert whole)
             sizes[expert_field] = getattr(hf_config, expert_field)
-            if getattr(hf_config, "shared_expert_intermediate_size", None):
-                sizes["shared_expert_intermediate_size"] = (
-                    hf_config.shared_expert_intermediate_size)
+        if is_moe and getattr(hf_config, "shared_expert_intermediate_size", None):
+            sizes["shared_expert_intermediate_size"] = hf_config.shared_expert_intermediate_size
         for field, size in sizes.items():
             if size % world_size:
                 raise ValueError(f"tensor_parallel_size={world_size} must divide the model's "
                                  f"{field} ({size})")
         quant = getattr(hf_config, "quantization_config", None) or {}
-        if is_moe and (quant.get("quant_method") if isinstance(quant, dict) else None) == "mxfp4":
+        if (is_moe and not expert_parallel
+                and (quant.get("quant_method") if isinstance(quant, dict) else None) == "mxfp4"):
             expert_size = sizes[expert_field]
             if (expert_size // world_size) % MXFP4_GROUP:
                 raise ValueError(
@@ -85,8 +109,30 @@ class ShardPlan:
                     f"{expert_field} ({expert_size}) into {expert_size // world_size} columns a "
                     f"rank, not a whole number of {MXFP4_GROUP}-value groups")
         return cls(rank, world_size, heads, kv_heads, head_dim_of(hf_config), inter,
-                   hf_config.vocab_size, sizes.get(expert_field) if is_moe else None,
-                   sizes.get("shared_expert_intermediate_size"))
+                   hf_config.vocab_size,
+                   sizes.get(expert_field) if is_moe and not expert_parallel else None,
+                   sizes.get("shared_expert_intermediate_size"), num_experts, expert_parallel,
+                   split_intermediate)
+
+    @property
+    def held_experts(self) -> tuple[int, int] | None:
+        """Expert parallel: (first, count) of the experts this rank holds whole; else None."""
+        if not self.expert_parallel or self.num_experts is None:
+            return None
+        count = self.num_experts // self.world_size
+        return self.rank * count, count
+
+    def local_expert_name(self, name: str) -> str | None:
+        """Expert parallel: a per-expert checkpoint name (``...experts.7.w1.weight``) with the
+        expert's index on this rank, None for another rank's expert; other names unchanged."""
+        held = self.held_experts
+        match = _PER_EXPERT.match(name) if held is not None else None
+        if match is None or held is None:
+            return name
+        local = int(match["expert"]) - held[0]
+        if not 0 <= local < held[1]:
+            return None
+        return f"{match['head']}{local}{match['tail']}"
 
     @property
     def local_heads(self) -> int:
@@ -104,6 +150,8 @@ class ShardPlan:
 
     @property
     def local_intermediate(self) -> int:
+        if not self.split_intermediate:
+            return self.intermediate_size
         return self.intermediate_size // self.world_size
 
     @property
@@ -123,12 +171,10 @@ class ShardPlan:
         local.head_dim = self.head_dim  # not hidden / local heads
         local.intermediate_size = self.local_intermediate
         local.vocab_size = self.vocab_shard
-        if self.expert_intermediate is not None:
-            if getattr(local, "moe_intermediate_size", None):
-                local.moe_intermediate_size = self.expert_intermediate // self.world_size
-            if self.shared_intermediate is not None:
-                local.shared_expert_intermediate_size = (
-                    self.shared_intermediate // self.world_size)
+        if self.expert_intermediate is not None and getattr(local, "moe_intermediate_size", None):
+            local.moe_intermediate_size = self.expert_intermediate // self.world_size
+        if self.shared_intermediate is not None:
+            local.shared_expert_intermediate_size = self.shared_intermediate // self.world_size
         return local
 
     def _mlp_size(self, name: str) -> int:
@@ -143,6 +189,8 @@ class ShardPlan:
     def row_slices(self, name: str) -> list[tuple[int, int]] | None:
         """For a column-parallel or vocabulary tensor: the (start, length) row ranges of the
         stored tensor this rank keeps, concatenated; None if it is not split by rows."""
+        if self.expert_parallel and ".experts." in name:
+            return None  # each expert whole on the rank that holds it
         proj = name.split(".")[-2] if "." in name else name
         hd = self.head_dim
         q = (self.rank * self.local_heads * hd, self.local_heads * hd)
@@ -172,7 +220,12 @@ class ShardPlan:
         gate and up columns interleaved, ``down_proj [E, inter, hidden]``): (dim, start,
         length) of this rank's share. Interleaved pairs keep a rank's gate and up columns side
         by side, so its share of both is one run of columns."""
-        if ".experts." not in name or self.expert_intermediate is None:
+        if ".experts." not in name:
+            return None
+        held = self.held_experts
+        if held is not None:  # every stacked expert tensor: this rank's experts, whole
+            return (0, *held) if _PER_EXPERT.match(name) is None else None
+        if self.expert_intermediate is None:
             return None
         local = self.expert_intermediate // self.world_size
         stored = name.rsplit(".", 1)[-1]
@@ -189,11 +242,14 @@ class ShardPlan:
     def is_row_parallel_bias(self, name: str) -> bool:
         """A bias added after a row-parallel product: rank 0 keeps it, the others hold zeros,
         so the all-reduce adds it once."""
-        return (name.endswith(("o_proj.bias", "down_proj.bias"))
-                or (".experts." in name and name.endswith("down_proj_bias")))
+        if ".experts." in name:  # (expert parallel: an expert's bias goes with the expert)
+            return name.endswith("down_proj_bias") and not self.expert_parallel
+        return name.endswith(("o_proj.bias", "down_proj.bias"))
 
     def column_slice(self, name: str) -> tuple[int, int] | None:
         """For a row-parallel weight: the (start, length) range of its input columns."""
+        if self.expert_parallel and ".experts." in name:
+            return None
         if name.endswith("o_proj.weight"):
             return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
         if name.endswith("down_proj.weight") or (name.endswith(".w2.weight")

@@ -31,8 +31,11 @@ def iter_shard_weights(checkpoint: Checkpoint, plan: ShardPlan,
             for name in stored.keys():
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
+                local_name = plan.local_expert_name(name)
+                if local_name is None:
+                    continue  # (expert parallel) another rank's expert
                 tensor = _read_slice(stored.get_slice(name), name, plan)
-                yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+                yield local_name, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def _read_slice(stored, name: str, plan: ShardPlan) -> torch.Tensor:

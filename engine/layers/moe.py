@@ -31,6 +31,9 @@ biases; models fill them from whatever layout their checkpoint stores.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal
 
@@ -152,13 +155,31 @@ def swiglu_clamped(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+# The experts a block built inside ``held_experts`` holds: (first, count) of the router's
+# num_experts (expert parallel: a rank holds a contiguous run of them, whole).
+_HELD_EXPERTS: ContextVar[tuple[int, int] | None] = ContextVar("held_experts", default=None)
+
+
+@contextmanager
+def held_experts(start: int, count: int) -> Iterator[None]:
+    """Build ``FusedExperts`` holding experts ``[start, start + count)`` only."""
+    token = _HELD_EXPERTS.set((start, count))
+    try:
+        yield
+    finally:
+        _HELD_EXPERTS.reset(token)
+
+
 class FusedExperts(nn.Module):
-    """Every expert's gated MLP, stacked; computed grouped by expert (module docstring)."""
+    """Every expert's gated MLP, stacked; computed grouped by expert (module docstring). Built
+    inside ``held_experts``, it holds a run of the router's experts (``expert_start``,
+    ``num_held``) and ``forward_held`` computes only the (token, expert) pairs routed to them."""
 
     def __init__(self, config: MoeConfig) -> None:
         super().__init__()
         self.config = config
-        e, h, i = config.num_experts, config.hidden_size, config.intermediate_size
+        self.expert_start, self.num_held = _HELD_EXPERTS.get() or (0, config.num_experts)
+        e, h, i = self.num_held, config.hidden_size, config.intermediate_size
         self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))  # gate rows, then up rows
         self.w2 = nn.Parameter(torch.empty(e, h, i))
         self.w13_bias = nn.Parameter(torch.empty(e, 2 * i)) if config.expert_bias else None
@@ -198,6 +219,19 @@ class FusedExperts(nn.Module):
                                  self.w13_bias, self.w2_bias, self.activation)
         return experts_grouped(x, self.w13, self.w2, topk_weights, topk_ids, self.w13_bias,
                                self.w2_bias, self.activation, self.packed)
+
+    def forward_held(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor) -> torch.Tensor:
+        """``forward`` over the pairs whose expert this module holds (router ids), the other
+        tokens' rows zero: a partial sum that the other ranks' experts complete."""
+        local = topk_ids - self.expert_start
+        held = (local >= 0) & (local < self.num_held)
+        token_ids = held.nonzero()[:, 0]  # [num_pairs]: the token of each held pair
+        if token_ids.numel() == 0:  # nothing routed here this step
+            return torch.zeros_like(x)
+        pairs = self(x.index_select(0, token_ids), topk_weights[held].unsqueeze(-1),
+                     local[held].unsqueeze(-1))  # [num_pairs, hidden]
+        return torch.zeros_like(x).index_add_(0, token_ids, pairs)
 
 
 def experts_grouped(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -239,7 +273,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        if self.experts.num_held == self.config.num_experts:
+            out = self.experts(x, topk_weights, topk_ids)
+        else:
+            out = self.experts.forward_held(x, topk_weights, topk_ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -116,7 +116,7 @@ class MoeForCausalLM(CausalLM):
         stacked = param.removesuffix("_bias")
         projs = [p for p, (t, _) in self.EXPERT_PROJECTIONS.items() if t == stacked]
         return tuple(f"{prefix}.{e}.{p}.{kind}"
-                     for e in range(experts.config.num_experts) for p in projs)
+                     for e in range(experts.num_held) for p in projs)
 
     def _expected(self) -> list[str]:
         """Every name the checkpoint must account for, per expert where experts are stacked."""
@@ -167,7 +167,7 @@ class MoeForCausalLM(CausalLM):
         prefix, expert, proj, kind = (match["prefix"], int(match["expert"]), match["proj"],
                                       match["kind"])
         experts = self._experts_of(prefix)
-        num_experts = experts.config.num_experts
+        num_experts = experts.num_held
         if expert >= num_experts:
             raise ValueError(f"checkpoint tensor {name!r} is expert {expert}, but the config says "
                              f"num_experts (num_local_experts) = {num_experts}")

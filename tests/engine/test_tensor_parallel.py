@@ -42,8 +42,8 @@ def prompts(vocab: int) -> list[list[int]]:
     return [shared + tail if i % 2 == 0 else tail + shared for i, tail in enumerate(tails)]
 
 
-def run(path, tp: int) -> tuple[list[list[int]], object, torch.Tensor]:
-    llm = LLM(str(path), tensor_parallel_size=tp, **SCHEDULE)
+def run(path, tp: int, **options) -> tuple[list[list[int]], object, torch.Tensor]:
+    llm = LLM(str(path), tensor_parallel_size=tp, **SCHEDULE, **options)
     runner = llm.engine.model_runner
     assert isinstance(runner, TPModelRunner) == (tp > 1)
     try:
@@ -99,6 +99,36 @@ def test_tp2_equals_tp1_for_mixtures_of_experts(tmp_path, family):
     assert got == expected
     torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-5)
     assert stats2.num_preemptions > 0 and stats2.prefix_cache_hits > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
+def test_expert_parallel_equals_one_rank(tmp_path, family):
+    # Each rank holds half the experts whole (per-expert and stacked tensors read by index) and
+    # computes only the pairs routed to them; the router is whole on both, so the routing, and
+    # the greedy tokens, are one rank's.
+    from tests.engine.moe_checkpoints import make_moe_checkpoint
+
+    path = make_moe_checkpoint(tmp_path / family, family)
+    expected, _, scores1 = run(path, 1)
+    got, stats, scores2 = run(path, 2, expert_parallel=True)
+    assert got == expected
+    torch.testing.assert_close(scores2, scores1, rtol=1e-5, atol=1e-5)
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+
+
+def test_expert_parallel_is_refused_where_it_cannot_run(tmp_path):
+    with pytest.raises(ValueError, match="expert_parallel spreads the experts over "
+                                         "tensor_parallel_size ranks"):
+        EngineConfig(model="x", expert_parallel=True)
+    dense = make_checkpoint(tmp_path / "llama", "llama")
+    with pytest.raises(ValueError, match="LlamaForCausalLM is dense: leave expert_parallel off"):
+        LLM(str(dense), tensor_parallel_size=2, expert_parallel=True, **SCHEDULE)
+    moe = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
+                         "intermediate_size": 96, "vocab_size": 99, "num_experts": 6,
+                         "moe_intermediate_size": 30})
+    with pytest.raises(ValueError, match="must divide the model's num_experts \\(6\\)"):
+        ShardPlan.of(moe, 0, 4, expert_parallel=True)
+    assert ShardPlan.of(moe, 1, 2, expert_parallel=True).held_experts == (3, 3)
 
 
 def test_tp2_splits_mxfp4_experts_by_whole_groups(tmp_path):
