@@ -52,6 +52,7 @@ from engine.models.gpt_oss import GptOssForCausalLM
 from engine.models.llama import LlamaForCausalLM
 from engine.models.mixtral import MixtralForCausalLM
 from engine.models.no_init import no_init_weights
+from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
@@ -64,10 +65,8 @@ from engine.runner.model_runner import ModelRunner
 # The families whose layers shard_model splits (SelfAttention, GatedMLP, a plain embedding and
 # output layer): soft-caps, sandwich norms and windowed layers act on a rank's own heads or on
 # the gathered logits.
-# OLMoE is not among them: its q/k norms run over every head at once, which a rank's share
-# cannot compute alone.
 TP_FAMILIES = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM,
-               MixtralForCausalLM, GptOssForCausalLM)
+               MixtralForCausalLM, OlmoeForCausalLM, GptOssForCausalLM)
 
 # How long the driver waits for a dead helper's exit code after a failed collective.
 _REAP_SECONDS = 2.0
@@ -259,8 +258,8 @@ def _check_family(checkpoint: Checkpoint) -> type[CausalLM]:
     if not issubclass(model_cls, TP_FAMILIES):
         raise ValueError(f"tensor_parallel_size > 1 is implemented for the Llama family "
                          f"(Llama, Mistral, Qwen2, Qwen3, Phi-3), Gemma 2 and 3 and the "
-                         f"mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral and gpt-oss, not "
-                         f"{model_cls.__name__}")
+                         f"mixtures of experts Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE and "
+                         f"gpt-oss, not {model_cls.__name__}")
     return model_cls
 
 

@@ -31,6 +31,7 @@ from engine.layers.attention import SelfAttention
 from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
+from engine.layers.norm import RMSNorm
 from engine.models.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 
 # A per-expert checkpoint tensor: ``<head><expert index><tail>``.
@@ -215,6 +216,16 @@ class ShardPlan:
             return [(start, max(min(self.vocab_shard, self.vocab_size - start), 0))]
         return None
 
+    def norm_rows(self, name: str, size: int) -> tuple[int, int] | None:
+        """For a q/k norm over every head at once (OLMoE; ``size`` values, not one head's):
+        the (start, length) of this rank's heads' values."""
+        hd = self.head_dim
+        if name.endswith("self_attn.q_norm.weight") and size == self.num_heads * hd != hd:
+            return self.rank * self.local_heads * hd, self.local_heads * hd
+        if name.endswith("self_attn.k_norm.weight") and size == self.num_kv_heads * hd != hd:
+            return self.kv_head_start * hd, self.local_kv_heads * hd
+        return None
+
     def stacked_expert_slice(self, name: str) -> tuple[int, int, int] | None:
         """For experts stored stacked (gpt-oss: ``gate_up_proj [E, hidden, 2 * inter]`` with
         gate and up columns interleaved, ``down_proj [E, inter, hidden]``): (dim, start,
@@ -294,6 +305,23 @@ class VocabParallelHead(Linear):
         return torch.cat(parts, dim=-1)[..., : self.vocab_size]  # [rows, vocab_size]
 
 
+class ParallelHeadsNorm(RMSNorm):
+    """An RMS norm over every head's values at once (OLMoE's q/k norms) when a rank holds only
+    its heads': the sum of squares is all-reduced, so each rank scales by the whole vector's
+    mean. ``replicas``: how many ranks hold each of its heads (KV heads fewer than ranks)."""
+
+    group: TPGroup
+    full_size: int
+    replicas: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        squares = self.group.all_reduce(x.float().pow(2).sum(dim=-1, keepdim=True))
+        normed = x.float() * torch.rsqrt(squares / (self.replicas * self.full_size) + self.eps)
+        if x.dtype == torch.float32:
+            return normed * self.weight
+        return self.weight * normed.to(x.dtype)
+
+
 class ParallelMoeBlock(SparseMoeBlock):
     """A ``SparseMoeBlock`` whose experts (and shared expert) hold this rank's slice of their
     intermediate size: the router runs whole on every rank, each expert's partial sum and the
@@ -319,6 +347,8 @@ def shard_model(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
     for module in model.modules():
         if id(module) in in_moe:
             continue  # the shared expert's partial sum joins the experts' before the all-reduce
+        if isinstance(module, SelfAttention):
+            _share_heads_norms(module, plan, group)
         if isinstance(module, SelfAttention | GatedMLP):
             proj = module.o_proj if isinstance(module, SelfAttention) else module.down_proj
             proj.__class__ = RowParallelLinear  # a bias: rank 0's only (is_row_parallel_bias)
@@ -334,3 +364,17 @@ def shard_model(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
     head.__class__ = VocabParallelHead
     assert isinstance(head, VocabParallelHead)
     head.group, head.vocab_size = group, plan.vocab_size
+
+
+def _share_heads_norms(attention: SelfAttention, plan: ShardPlan, group: TPGroup) -> None:
+    """Turn q/k norms over all of the layer's heads (not one head's ``head_dim`` values) into
+    ``ParallelHeadsNorm``s."""
+    if not attention.norms_span_heads:
+        return  # no q/k norms, or one head's (Qwen3): a rank computes them alone
+    for name, num_heads in (("q_norm", plan.num_heads), ("k_norm", plan.num_kv_heads)):
+        norm = getattr(attention, name)
+        assert isinstance(norm, RMSNorm)
+        norm.__class__ = ParallelHeadsNorm
+        assert isinstance(norm, ParallelHeadsNorm)
+        norm.group, norm.full_size = group, num_heads * plan.head_dim
+        norm.replicas = max(plan.world_size // num_heads, 1)

@@ -47,6 +47,9 @@ def _read_slice(stored, name: str, plan: ShardPlan) -> torch.Tensor:
         index = [slice(None)] * len(stored.get_shape())
         index[dim] = slice(start, start + length)
         return stored[tuple(index)]
+    norm = plan.norm_rows(name, stored.get_shape()[0])
+    if norm is not None:
+        return stored[norm[0]:norm[0] + norm[1]]
     rows = plan.row_slices(name)
     if rows is not None:
         parts = [stored[start:start + length] for start, length in rows]

@@ -71,6 +71,10 @@ class Attention(nn.Module):
 class SelfAttention(nn.Module):
     """Projections, rotary and the attention op of one decoder layer."""
 
+    # q_norm / k_norm (where there are) run over one head's values; a family whose norms run
+    # over every head at once (OLMoE) says so, and tensor parallel all-reduces them.
+    norms_span_heads = False
+
     def __init__(
         self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
         rotary: RotaryEmbedding, *, scale: float | None = None, qkv_bias: bool = False,

@@ -20,16 +20,18 @@ from engine.models.qwen3_moe import check_silu
 
 
 class OlmoeAttention(SelfAttention):
+    norms_span_heads = True
+
     def __init__(self, config, rotary: RotaryEmbedding, window: int | None) -> None:
         bias = bool(config.attention_bias)
         super().__init__(config.hidden_size, config.num_attention_heads,
                          config.num_key_value_heads, head_dim_of(config), rotary,
                          qkv_bias=bias, o_bias=bias, sliding_window=window)
         self.clip_qkv: float | None = getattr(config, "clip_qkv", None)
-        # transformers sizes them by hidden_size (and hidden // heads per kv head)
-        self.q_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.k_norm = RMSNorm((config.hidden_size // self.num_heads) * self.num_kv_heads,
-                              config.rms_norm_eps)
+        # over every head's q (k) at once: transformers sizes them by hidden_size (and
+        # hidden // heads per kv head), the same sizes
+        self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
                 kv_cache: tuple[torch.Tensor, torch.Tensor], attn: AttentionBackend,

@@ -84,13 +84,14 @@ def test_tp2_equals_tp1(tmp_path, arch, overrides):
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
 def test_tp2_equals_tp1_for_mixtures_of_experts(tmp_path, family):
     # Each expert's gate/up split by rows and down by columns, the router whole on each rank,
     # one all-reduce a block (the shared expert's partial sum joins the experts'); Qwen3-MoE
     # with a dense layer, Qwen2-MoE with a gated shared expert, Mixtral's w1/w2/w3 names,
-    # gpt-oss's sinks per head, biases (row-parallel ones on rank 0 only), stacked interleaved
-    # experts and alternating windows.
+    # OLMoE's q/k norms over all heads (their sum of squares all-reduced), gpt-oss's sinks per
+    # head, biases (row-parallel ones on rank 0 only), stacked interleaved experts and
+    # alternating windows.
     from tests.engine.moe_checkpoints import make_moe_checkpoint
 
     path = make_moe_checkpoint(tmp_path / family, family)
@@ -101,7 +102,7 @@ def test_tp2_equals_tp1_for_mixtures_of_experts(tmp_path, family):
     assert stats2.num_preemptions > 0 and stats2.prefix_cache_hits > 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "gpt_oss"])
 def test_expert_parallel_equals_one_rank(tmp_path, family):
     # Each rank holds half the experts whole (per-expert and stacked tensors read by index) and
     # computes only the pairs routed to them; the router is whole on both, so the routing, and
@@ -204,11 +205,6 @@ def test_sizes_that_do_not_split_are_refused(tmp_path):
         EngineConfig(model="x", tensor_parallel_size=0)
     with pytest.raises(ValueError, match="lora_modules with tensor_parallel_size"):
         EngineConfig(model="x", tensor_parallel_size=2, lora_modules=("a=/tmp/a",))
-    from tests.engine.moe_checkpoints import make_moe_checkpoint
-
-    olmoe = make_moe_checkpoint(tmp_path / "olmoe", "olmoe")
-    with pytest.raises(ValueError, match="gpt-oss, not OlmoeForCausalLM"):
-        LLM(str(olmoe), tensor_parallel_size=2, **SCHEDULE)
     moe = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
                          "intermediate_size": 96, "vocab_size": 99, "num_experts": 8,
                          "moe_intermediate_size": 30})
