@@ -37,7 +37,8 @@ def build_context(
             settings.storage_url, endpoint_url=settings.s3_endpoint_url,
             region=settings.s3_region, create_bucket=settings.s3_create_bucket,
         ),
-        queue=queue or make_queue(settings.broker_url, namespace=settings.queue_namespace),
+        queue=queue or make_queue(settings.broker_url, namespace=settings.queue_namespace,
+                                  transport_options=settings.broker_transport_options),
     )
 
 

@@ -12,12 +12,31 @@ import logging
 import re
 import threading
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 TASK_BATCH_CHANGED = "boxcar.batch_changed"
 TASK_RUN_SHARD = "boxcar.run_shard"
+
+# kombu's Redis transport, for the API's and the workers' connections alike;
+# ``BOXCAR_BROKER_TRANSPORT_OPTIONS`` is laid over it. docs/operations.md ("Broker messages")
+# says why each value is what it is.
+TRANSPORT_OPTIONS: dict[str, Any] = {
+    # Workers ask for single jobs and control messages before bulk shards.
+    "queue_order_strategy": "priority",
+    # An unacked message is delivered again after this. A message only wakes a worker or starts
+    # a prepare/finalize step that the batch lease guards, so a second run is harmless; and a
+    # message lost with its worker is not waited for (the database polls find the work).
+    "visibility_timeout": 3600,
+    # A broker that stops answering without closing the connection (a partition, a paused
+    # host) fails a send or a read after this, instead of holding the thread forever.
+    "socket_timeout": 5.0,
+    "socket_connect_timeout": 5.0,
+}
+# A doorbell is tried twice at most: when it is lost, polling finds the work.
+PUBLISH_RETRY_POLICY = {"max_retries": 1, "interval_start": 0, "interval_step": 0.2,
+                        "interval_max": 0.2}
 
 
 def queue_names(namespace: str, model: str) -> dict[str, str]:
@@ -72,18 +91,25 @@ class EmbeddedQueue:
 class CeleryQueue:
     """Sends task messages by name, so the API needs Celery but not the worker's code."""
 
-    def __init__(self, broker_url: str, *, namespace: str = "boxcar") -> None:
+    def __init__(self, broker_url: str, *, namespace: str = "boxcar",
+                 transport_options: dict[str, Any] | None = None) -> None:
         from celery import Celery
 
         self._app = Celery("boxcar-api", broker=broker_url, set_as_current=False)
-        self._app.conf.update(broker_connection_retry_on_startup=True, task_ignore_result=True)
+        self._app.conf.update(
+            broker_connection_retry_on_startup=True, task_ignore_result=True,
+            broker_transport_options={**TRANSPORT_OPTIONS, **(transport_options or {})},
+            task_publish_retry_policy=PUBLISH_RETRY_POLICY)
         self._namespace = namespace
 
-    def _send(self, name: str, arg: str, queue: str) -> None:
+    def _send(self, name: str, arg: str, queue: str) -> bool:
         try:
             self._app.send_task(name, args=[arg], queue=queue)
-        except Exception:  # the row is committed: polling picks the work up anyway
-            log.exception("could not send %s(%s) to %s", name, arg, queue)
+        except Exception as exc:  # the row is committed: polling picks the work up anyway
+            log.warning("could not send %s(%s) to %s (%s: %s); the workers' polling finds it",
+                        name, arg, queue, type(exc).__name__, exc)
+            return False
+        return True
 
     def batch_changed(self, batch_id: str) -> None:
         self._send(TASK_BATCH_CHANGED, batch_id, f"{self._namespace}.control")
@@ -94,13 +120,15 @@ class CeleryQueue:
             return
         queue = queue_names(self._namespace, model)["jobs" if jobs else "bulk"]
         for shard_id in shard_ids:
-            self._send(TASK_RUN_SHARD, shard_id, queue)
+            if not self._send(TASK_RUN_SHARD, shard_id, queue):
+                return  # the broker is away: each of the rest would wait as long; polling
 
     def close(self) -> None:
         self._app.close()
 
 
-def make_queue(broker_url: str | None, *, namespace: str = "boxcar") -> TaskQueue:
+def make_queue(broker_url: str | None, *, namespace: str = "boxcar",
+               transport_options: dict[str, Any] | None = None) -> TaskQueue:
     if not broker_url:
         return EmbeddedQueue()
-    return CeleryQueue(broker_url, namespace=namespace)
+    return CeleryQueue(broker_url, namespace=namespace, transport_options=transport_options)

@@ -43,7 +43,7 @@ class Settings(BaseSettings):
     database_url: str = "sqlite:///.boxcar/boxcar.db"
     broker_url: str | None = None  # None or "": embedded queue (workers poll the database)
     queue_namespace: str = "boxcar"  # prefix of the Celery queue names
-    # kombu transport options laid over the worker's (worker.celery_app.TRANSPORT_OPTIONS),
+    # kombu transport options laid over boxcar's (service.queue.TRANSPORT_OPTIONS),
     # JSON: e.g. {"visibility_timeout": 600}; docs/operations.md says why each default is so.
     broker_transport_options: dict[str, Any] = Field(default_factory=dict)
     storage_url: str = ".boxcar/storage"  # a folder, or s3://bucket/prefix

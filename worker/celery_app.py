@@ -15,7 +15,7 @@ from celery import Celery, signals
 from kombu import Queue
 from pydantic import StringConstraints, TypeAdapter
 
-from service.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, queue_names
+from service.queue import TASK_BATCH_CHANGED, TASK_RUN_SHARD, TRANSPORT_OPTIONS, queue_names
 from service.served_models import model_id
 from service.settings import Settings, get_settings
 from worker.process import WorkerService, exit_process
@@ -24,18 +24,6 @@ log = logging.getLogger(__name__)
 
 ObjectId = TypeAdapter(Annotated[str, StringConstraints(
     min_length=1, max_length=100, pattern=r"^[A-Za-z0-9_\-]+(:[0-9]+)?$")])
-
-
-# kombu's Redis transport; ``BOXCAR_BROKER_TRANSPORT_OPTIONS`` is laid over it. Each choice here
-# and below is explained in docs/operations.md ("Broker messages").
-TRANSPORT_OPTIONS: dict[str, Any] = {
-    # Ask for single jobs and control messages before bulk shards.
-    "queue_order_strategy": "priority",
-    # An unacked message is delivered again after this. A message only wakes a worker or starts
-    # a prepare/finalize step that the batch lease guards, so a second run is harmless; and a
-    # message lost with its worker is not waited for (the database polls find the work).
-    "visibility_timeout": 3600,
-}
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -47,6 +35,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_connection_retry_on_startup": True,
         # The worker needs no broker to run (it polls the database): never give up on it.
         "broker_connection_max_retries": None,
+        # service.queue.TRANSPORT_OPTIONS says why each is so.
         "broker_transport_options": {**TRANSPORT_OPTIONS, **settings.broker_transport_options},
         "task_queues": [Queue(queues[name]) for name in ("jobs", "control", "bulk")],
         "task_default_queue": queues["bulk"],

@@ -162,7 +162,8 @@ class WorkerService:
             settings.storage_url, endpoint_url=settings.s3_endpoint_url,
             region=settings.s3_region, create_bucket=settings.s3_create_bucket,
         )
-        self.queue = queue or make_queue(settings.broker_url, namespace=settings.queue_namespace)
+        self.queue = queue or make_queue(settings.broker_url, namespace=settings.queue_namespace,
+                                         transport_options=settings.broker_transport_options)
         self.worker_id = worker_id or new_worker_id()
         self.model_id = model_id(settings.model, settings.served_model_name)
         self.engine = engine

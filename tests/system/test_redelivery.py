@@ -7,7 +7,10 @@ several seconds:
   (``tests/system/slow_task_worker.py``), so kombu delivers each a second time and its task body
   (wake a claim, prepare a batch) runs twice;
 - a worker loses its broker connection mid-shard (its Redis goes through a proxy the test
-  cuts) for longer than the visibility timeout, while the other worker's broker stays up.
+  cuts) for longer than the visibility timeout, while the other worker's broker stays up;
+- the broker goes silent without closing the connection: a doorbell's send gives up after the
+  socket timeout instead of holding its thread (the API's request, a worker's lease thread)
+  for as long as the silence lasts.
 
 Either way the shard's lease in the database, not the broker, decides who runs a line: the
 cut-off worker keeps its shards and writes their results, nobody takes them over, and the
@@ -25,6 +28,7 @@ import time
 
 import pytest
 
+from service.queue import CeleryQueue
 from tests.conftest_services import chat_line, free_port, wait_for
 from tests.figures import record
 from tests.system.test_faults import create_batch, outcome, sql, upload
@@ -116,11 +120,13 @@ def test_tasks_and_shards_outlive_the_visibility_timeout(stack):
 
 class CuttableProxy:
     """A TCP proxy to ``127.0.0.1:port`` that the test can cut (every connection closed, new
-    ones refused) and restore, on the same port."""
+    ones refused) and restore, on the same port, or freeze (connections stay open, nothing
+    goes through: a partition, a paused host)."""
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
         self.port = free_port()
+        self.frozen = threading.Event()
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
         self._listener: socket.socket | None = None
@@ -172,10 +178,11 @@ class CuttableProxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
         try:
             while data := source.recv(65536):
+                while self.frozen.is_set():
+                    time.sleep(0.05)
                 sink.sendall(data)
         except OSError:
             pass
@@ -243,3 +250,32 @@ def test_worker_loses_its_broker_mid_shard(stack):
     finally:
         proxy.close()
         stack.stop_workers()
+
+
+def test_a_silent_broker_holds_no_sender(stack):
+    proxy = CuttableProxy(stack.redis.port)
+    queue = CeleryQueue(proxy.url, namespace="bxsilent")
+    try:
+        queue.batch_changed("batch_warm")  # connected, then the broker goes quiet
+        proxy.frozen.set()
+        took: list[float] = []
+
+        def ring() -> None:
+            started = time.monotonic()
+            queue.batch_changed("batch_silent")
+            queue.shards_ready([f"batch_silent:{i}" for i in range(50)], model="m")
+            took.append(time.monotonic() - started)
+
+        thread = threading.Thread(target=ring, daemon=True)
+        thread.start()
+        thread.join(60)
+        record(TABLE, fault="broker silent (connection open, no answer)", status="-",
+               lines=0, lost=0, duplicates=0, redelivered_runs=None, first_line_s=None,
+               batch_s=None, note=f"51 doorbells gave up after {took[0]:.1f} s" if took
+               else "a send still held after 60 s")
+        assert took, "a send to a silent broker held its thread for 60 s"
+        assert took[0] < 30, took
+    finally:
+        proxy.frozen.clear()
+        proxy.close()
+        queue.close()
