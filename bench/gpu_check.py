@@ -413,6 +413,30 @@ def bench_tp() -> list[Row]:
     agree = sum(a == b for x, y in zip(one.token_ids, two.token_ids, strict=True)
                 for a, b in zip(x, y, strict=True)) / max(sum(map(len, one.token_ids)), 1)
     rows.append(Row("tp", "bf16 greedy agreement TP=2 vs TP=1", f"{agree:.1%}"))
+    rows += bench_tp_moe()
+    return rows
+
+
+def bench_tp_moe() -> list[Row]:
+    """A mixture of experts at TP=2, its experts split (tensor parallel) and spread whole
+    (expert parallel): fp32 greedy tokens against TP=1, and each mode's decode step."""
+    from bench.random_model import write_random_model
+    from bench.tp import measure
+
+    rows: list[Row] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = write_random_model(Path(tmp) / "qwen3-moe", "qwen3_moe")
+        one, split, spread = (
+            measure(folder, tp, batch=32, prompt_len=256, steps=32, threads=None,
+                    device="cuda", dtype="float32", expert_parallel=ep)
+            for tp, ep in ((1, False), (2, False), (2, True)))
+    for name, run in (("TP", split), ("EP", spread)):
+        equal = run.token_ids == one.token_ids
+        rows.append(Row("tp", f"MoE fp32 greedy TP=2 {name} vs TP=1",
+                        "equal" if equal else "differ", "equal", equal))
+        rows.append(Row("tp", f"MoE decode step TP=1 / TP=2 {name}",
+                        f"{one.decode_ms:.2f} / {run.decode_ms:.2f} ms, all-reduce "
+                        f"{run.reduce_share:.1%}"))
     return rows
 
 

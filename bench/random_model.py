@@ -1,6 +1,7 @@
 """Write a random-weight checkpoint folder of any family, for benchmarks (no hub download).
 
-``python -m bench.random_model OUT [--family gemma2|gemma3|phi3|llama] [--seed 0]``
+``python -m bench.random_model OUT [--family gemma2|gemma3|phi3|llama|qwen3_moe|mixtral|gpt_oss]
+[--seed 0]``
 
 The default is a Gemma-2-like model of ~100M parameters (hidden 768, 8 layers, 4 heads of 128
 dims over 2 KV heads, GeGLU 3072, sliding window 4096 on every other layer, attention and final
@@ -28,6 +29,17 @@ FAMILIES = {
         layer_types=["sliding_attention"] * 5 + ["full_attention"] + ["sliding_attention"] * 2)),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(tie_word_embeddings=False)),
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(tie_word_embeddings=True)),
+    # Mixtures of experts at the same attention shape: 16 experts, top-2 (top-4 for Qwen3-MoE),
+    # 768 expert columns, so a token's expert work is about the dense MLP's.
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_experts=16, num_experts_per_tok=4, moe_intermediate_size=768, norm_topk_prob=True,
+        tie_word_embeddings=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, intermediate_size=1536,
+        tie_word_embeddings=True)),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_local_experts=16, num_experts_per_tok=2, intermediate_size=1536,
+        sliding_window=512, tie_word_embeddings=True)),
 }
 
 
@@ -42,7 +54,7 @@ def write_random_model(out: Path, family: str = "gemma2", seed: int = 0) -> Path
     config = getattr(transformers, config_name)(
         vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        **SHAPE, **extra)
+        **{**SHAPE, **extra})  # a family's own values win (the experts' sizes)
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).float().eval()
     out.mkdir(parents=True, exist_ok=True)
