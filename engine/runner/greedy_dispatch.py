@@ -27,15 +27,21 @@ def sample_tokens(
     if not full:  # every row plain greedy (most steps): the ids are the tokens, in order
         return _argmax(model, screen, sampler, hidden).tolist(), logprobs
     tokens: list[int] = [0] * len(requests)
-    if len(full) < len(requests):
-        full_set = set(full)
-        plain = [i for i in range(len(requests)) if i not in full_set]
-        for i, token in zip(plain, _argmax(model, screen, sampler, hidden[plain]).tolist(),
-                            strict=True):
-            tokens[i] = token
+    full_set = set(full)
+    plain = [i for i in range(len(requests)) if i not in full_set]
+    if screen is None:
+        # One output-layer product for every row (split across ranks: one gather, the one each
+        # helper rank joins), the plain rows' argmax taken where the logits are.
+        logits = model.compute_logits(hidden)
+        plain_ids = logits[:, : sampler.vocab_size].argmax(-1)[plain]
+        if plain:
+            logits = logits[full]
+    else:
+        plain_ids = screen.argmax(hidden[plain])
+        logits = model.compute_logits(hidden[full] if plain else hidden)
+    for i, token in zip(plain, plain_ids.tolist(), strict=True):
+        tokens[i] = token
     full_requests = [requests[i] for i in full]
-    rows = hidden if len(full) == len(requests) else hidden[full]
-    logits = model.compute_logits(rows)
     token_ids, row_logprobs = sampler(logits.float().cpu(), full_requests)
     for i, request, token, lp in zip(full, full_requests, token_ids, row_logprobs,
                                      strict=True):

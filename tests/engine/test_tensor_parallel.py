@@ -48,10 +48,15 @@ def run(path, tp: int, **options) -> tuple[list[list[int]], object, torch.Tensor
     assert isinstance(runner, TPModelRunner) == (tp > 1)
     try:
         vocab = llm.engine.vocab_size
-        outs = llm.generate(prompts(vocab), [
-            SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+                  for n in MAX_TOKENS]
+        # n > 1 sampled from the gathered logits: its children share the prompt's blocks
+        params[1] = SamplingParams(n=2, temperature=0.8, top_p=0.9, seed=7, ignore_eos=True,
+                                   max_tokens=MAX_TOKENS[1])
+        outs = llm.generate(prompts(vocab), params)
         scores = runner.score_tokens(prompts(vocab)[3])  # teacher forcing: gathered logits
-        return [o.token_ids for o in outs], llm.engine.get_stats(), scores
+        tokens = [list(c.token_ids) for o in outs for c in o.outputs]
+        return tokens, llm.engine.get_stats(), scores
     finally:
         if tp > 1:
             runner.close()
