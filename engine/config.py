@@ -113,11 +113,6 @@ class EngineConfig:
             raise ValueError("expert_parallel spreads the experts over tensor_parallel_size "
                              "ranks: set tensor_parallel_size > 1, or leave expert_parallel "
                              "off")
-        if self.tensor_parallel_size > 1 and self.lora_modules:
-            raise ValueError(
-                "lora_modules with tensor_parallel_size > 1: LoRA adapters are not sharded "
-                "across ranks yet; serve adapters with tensor_parallel_size=1"
-            )
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:

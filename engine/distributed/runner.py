@@ -32,7 +32,12 @@ from engine.distributed.helper import (
     stop_helpers,
     wait_joined,
 )
-from engine.distributed.sharding import ShardPlan, shard_model
+from engine.distributed.sharding import (
+    RowParallelLinear,
+    ShardPlan,
+    reduce_after_lora,
+    shard_model,
+)
 from engine.distributed.step_message import (
     HeldRequests,
     ScoreMessage,
@@ -45,6 +50,8 @@ from engine.layers.linear import (
     packing_gemm,
 )
 from engine.layers.moe import held_experts
+from engine.lora.adapter import ShardLoRA
+from engine.lora.layers import lora_batch
 from engine.models.causal_lm import CausalLM
 from engine.models.gemma2 import Gemma2ForCausalLM
 from engine.models.gemma3 import Gemma3ForCausalLM
@@ -138,6 +145,37 @@ class TPModelRunner(ModelRunner):
         model.load_weights(iter_shard_weights(checkpoint, self.plan, self.dtype))
         return model
 
+    def _lora_shard(self) -> ShardLoRA:
+        """An adapter's share on this rank, split as its module's base weight is: B's rows
+        for a column-parallel projection (q/k/v, gate/up: A whole), A's columns for a
+        row-parallel one (o, down: B whole, the delta a partial sum like the product)."""
+        plan = self.plan
+
+        def shard(module: str, a: torch.Tensor, b: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+            rows = plan.row_slices(f"{module}.weight")
+            if rows is not None:
+                b = torch.cat([b[start:start + length] for start, length in rows])
+            columns = plan.column_slice(f"{module}.weight")
+            if columns is not None:
+                a = a[:, columns[0]:columns[0] + columns[1]]
+            return a, b
+
+        return shard
+
+    def _enable_lora(self, checkpoint: Checkpoint) -> None:
+        """As one device's, then: a row-parallel projection's LoRA delta joins its product
+        before the all-reduce (``RowParallelLoRALinear``), and adapters are fixed at start
+        (every rank reads its share of each)."""
+        super()._enable_lora(checkpoint)
+        assert self.lora is not None
+        for linear in self.lora.linears:
+            if isinstance(linear.base, RowParallelLinear):
+                reduce_after_lora(linear, self.group)
+        self.lora.fixed_reason = ("tensor_parallel_size > 1 serves the adapters registered at "
+                                  "start (every rank reads its share): restart with it in "
+                                  "lora_modules")
+
     def _pack_weights(self) -> None:
         """Pack the shares' linear weights; no greedy screen (it wants the whole output
         layer: the gathered logits give the argmax instead)."""
@@ -160,7 +198,7 @@ class TPModelRunner(ModelRunner):
     def execute(self, scheduler_output: SchedulerOutput,
                 requests: dict[str, Request]) -> ModelRunnerOutput:
         self._check_alive()
-        message = self._messages.step(scheduler_output, requests)
+        message = self._messages.step(self._ordered(scheduler_output, requests), requests)
         try:
             self._send(message)
             return super().execute(scheduler_output, requests)
@@ -240,7 +278,13 @@ class TPModelRunner(ModelRunner):
         rows = self._held.apply(message)
         batch = build_input_batch(rows, self.block_size, self.device,
                                   with_window=self.kv_window is not None)
-        hidden = self._forward(batch)
+        lora = None
+        if self.lora is not None:  # the driver's segments: its rows, decodes first
+            flat = ([d for d in message.rows if d.num_new_tokens == 1]
+                    + [d for d in message.rows if d.num_new_tokens > 1])
+            lora = self.lora.step_batch([(d.lora_name, d.num_new_tokens) for d in flat])
+        with lora_batch(lora):
+            hidden = self._forward(batch)
         if batch.sample_indices:  # the driver samples; the gather needs every rank
             index = torch.tensor(batch.sample_indices, dtype=torch.int64, device=self.device)
             self.model.compute_logits(hidden.index_select(0, index))

@@ -32,6 +32,7 @@ from engine.layers.linear import Linear
 from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import RMSNorm
+from engine.lora.layers import LoRALinear
 from engine.models.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 
 # A per-expert checkpoint tensor: ``<head><expert index><tail>``.
@@ -378,3 +379,22 @@ def _share_heads_norms(attention: SelfAttention, plan: ShardPlan, group: TPGroup
         assert isinstance(norm, ParallelHeadsNorm)
         norm.group, norm.full_size = group, num_heads * plan.head_dim
         norm.replicas = max(plan.world_size // num_heads, 1)
+
+
+class RowParallelLoRALinear(LoRALinear):
+    """A row-parallel projection with LoRA: the rank's product and its partial delta (this
+    rank's columns of A), summed by one all-reduce after both, as ``RowParallelLinear`` sums
+    the product alone."""
+
+    group: TPGroup
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(super().forward(x))
+
+
+def reduce_after_lora(linear: LoRALinear, group: TPGroup) -> None:
+    """Move a ``RowParallelLinear``'s all-reduce out to the ``LoRALinear`` that wraps it."""
+    linear.base.__class__ = Linear
+    linear.__class__ = RowParallelLoRALinear
+    assert isinstance(linear, RowParallelLoRALinear)
+    linear.group = group

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.core.request import Request
-from engine.outputs import SchedulerOutput
+from engine.outputs import ScheduledRequest
 from engine.runner.input_batch import StepRow
 
 
@@ -27,6 +27,7 @@ class RowDelta:
     new_block_ids: list[int]
     num_window_blocks_kept: int
     new_window_block_ids: list[int]
+    lora_name: str | None  # the adapter it runs under (None: the base model)
 
 
 @dataclass
@@ -61,13 +62,15 @@ class StepMessages:
     def __init__(self) -> None:
         self._sent: dict[str, _Sent] = {}
 
-    def step(self, scheduler_output: SchedulerOutput,
+    def step(self, scheduled: list[ScheduledRequest],
              requests: dict[str, Request]) -> StepMessage:
+        """``scheduled`` in the order the driver lays the step out (by adapter with LoRA on),
+        so a helper lays it out the same."""
         dropped = [rid for rid in self._sent if rid not in requests]
         for rid in dropped:
             del self._sent[rid]
         rows = []
-        for s in scheduler_output.scheduled:
+        for s in scheduled:
             request = requests[s.request_id]
             sent = self._sent.setdefault(s.request_id, _Sent())
             end = s.num_computed_tokens + s.num_new_tokens
@@ -78,7 +81,8 @@ class StepMessages:
             sent.block_ids = list(request.block_ids)
             sent.window_block_ids = list(request.window_block_ids)
             rows.append(RowDelta(s.request_id, s.num_computed_tokens, s.num_new_tokens,
-                                 s.sample, new_tokens, keep, tail, window_keep, window_tail))
+                                 s.sample, new_tokens, keep, tail, window_keep, window_tail,
+                                 request.lora_name))
         return StepMessage(rows, dropped)
 
 

@@ -19,6 +19,7 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,10 +106,16 @@ def _pattern_value(patterns: dict[str, Any], module: str, default: Any) -> Any:
     return default
 
 
+# (module name, A [rank, in], B [out, rank]) -> this rank's share of them (tensor parallel)
+ShardLoRA = Callable[[str, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
 def load_adapter(name: str, path: str | Path, *, targets: dict[str, LoRATarget],
                  linears: list[LoRALinear], max_rank: int, base_names: set[str],
-                 dtype: torch.dtype) -> LoRAAdapter:
-    """Read and check one adapter folder against the model's linears (``wrap_lora_linears``)."""
+                 dtype: torch.dtype, shard: ShardLoRA | None = None) -> LoRAAdapter:
+    """Read and check one adapter folder against the model's linears (``wrap_lora_linears``);
+    ``shard``: under tensor parallel, the rank's slice of each module's A and B, taken the way
+    the module's base weight is split."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -151,6 +158,8 @@ def load_adapter(name: str, path: str | Path, *, targets: dict[str, LoRATarget],
         if set(ab) != {"A", "B"}:
             raise LoRAError(name, f"{module} has lora_{''.join(ab)} but not both A and B")
         a, b = ab["A"], ab["B"]
+        if shard is not None:
+            a, b = shard(module, a, b)
         target = targets[module]
         linear = target.linear
         out = (linear.out_features if target.slice_id is None

@@ -21,15 +21,19 @@ import torch
 
 from engine.config import EngineConfig
 from engine.errors import LoRAError
-from engine.lora.adapter import LoRAAdapter, load_adapter
+from engine.lora.adapter import LoRAAdapter, ShardLoRA, load_adapter
 from engine.lora.layers import LoRABatch, LoRALinear, LoRASegment, LoRATarget
 
 
 class LoRAManager:
     def __init__(self, config: EngineConfig, linears: list[LoRALinear],
                  targets: dict[str, LoRATarget], *, dtype: torch.dtype, device: torch.device,
-                 base_names: set[str], stacked: bool, kernel: ModuleType | None = None) -> None:
+                 base_names: set[str], stacked: bool, kernel: ModuleType | None = None,
+                 shard: ShardLoRA | None = None) -> None:
         self.linears = linears
+        self.shard = shard  # tensor parallel: each adapter's share on this rank
+        # Why an adapter cannot be added while the engine runs (None: it can).
+        self.fixed_reason: str | None = None
         self.targets = targets
         self.dtype = dtype
         self.device = device
@@ -61,6 +65,8 @@ class LoRAManager:
         """Register (or re-register) ``name``; its folder is read and checked now."""
         if not name or name in self.base_names:
             raise LoRAError(name, "an adapter needs a name other than the base model's")
+        if self.fixed_reason is not None:
+            raise LoRAError(name, self.fixed_reason)
         adapter = self._load(name, path)
         self.paths[name] = path
         self.slots.pop(name, None)  # a re-registered adapter's slot holds the old weights
@@ -88,7 +94,7 @@ class LoRAManager:
         self.num_loads += 1
         return load_adapter(name, path, targets=self.targets, linears=self.linears,
                             max_rank=self.max_rank, base_names=self.base_names,
-                            dtype=self.dtype)
+                            dtype=self.dtype, shard=self.shard)
 
     def _remember(self, adapter: LoRAAdapter) -> None:
         self.loaded[adapter.name] = adapter

@@ -24,6 +24,7 @@ from engine.layers.attention_metadata import AttentionBackend
 from engine.layers.linear import pack_linear_weights, packing_gemm
 from engine.layers.moe import pack_experts
 from engine.layers.torch_attention import TorchAttentionBackend
+from engine.lora.adapter import ShardLoRA
 from engine.lora.layers import lora_batch, wrap_lora_linears
 from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
@@ -83,7 +84,11 @@ class ModelRunner:
         self.lora = LoRAManager(self.config, linears, targets, dtype=self.dtype,
                                 device=self.device, base_names=base_model_names(
                                     self.config.model, checkpoint), stacked=stacked,
-                                kernel=kernel)
+                                kernel=kernel, shard=self._lora_shard())
+
+    def _lora_shard(self) -> ShardLoRA | None:
+        """Each adapter's share on this device: all of it (a tensor-parallel rank slices)."""
+        return None
 
     def _build_model(self, checkpoint: Checkpoint, max_position: int) -> CausalLM:
         """The family's model with the checkpoint's weights (``engine.distributed.runner``

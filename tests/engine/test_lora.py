@@ -208,3 +208,26 @@ def test_decode_graphs_with_adapters_match_peft(lora_reference):
     for out, (prompt, _, name) in zip(outs, subset, strict=True):
         assert out.token_ids == expected[name][prompts.index(prompt)][:4], name
     assert written and all(len(b.segments) <= 3 for b in written)  # decode steps replayed
+
+
+@pytest.mark.parametrize("mode", ["default", "two-adapters-a-step", "lru-of-two"])
+def test_tensor_parallel_adapters_match_peft(lora_reference, mode):
+    # Each rank holds its share of every adapter (B's rows on q/k/v/gate/up, A's columns on
+    # o/down, whose delta joins the all-reduce): the same tokens as PEFT on one device.
+    from engine.distributed.runner import TPModelRunner
+    from engine.errors import LoRAError
+
+    path, adapters, prompts, lines, expected = lora_reference
+    llm = LLM(str(path), dtype="float32", lora_modules=lora_modules(adapters),
+              tensor_parallel_size=2, **LORA_MODES[mode])
+    runner = llm.engine.model_runner
+    assert isinstance(runner, TPModelRunner)
+    try:
+        outs = llm.generate([p for p, _, _ in lines], [greedy(n) for _, n, _ in lines],
+                            lora_name=[name for _, _, name in lines])
+        for out, (prompt, _, name) in zip(outs, lines, strict=True):
+            assert out.token_ids == expected[name][prompts.index(prompt)], (mode, name)
+        with pytest.raises(LoRAError, match="registered at start"):
+            llm.engine.add_lora("late", adapters["qv-r4"])
+    finally:
+        runner.close()

@@ -208,8 +208,6 @@ def test_sizes_that_do_not_split_are_refused(tmp_path):
     assert plan.vocab_shard == 50 and plan.row_slices("lm_head.weight") == [(50, 49)]
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         EngineConfig(model="x", tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="lora_modules with tensor_parallel_size"):
-        EngineConfig(model="x", tensor_parallel_size=2, lora_modules=("a=/tmp/a",))
     moe = type("C", (), {"num_attention_heads": 4, "num_key_value_heads": 2, "hidden_size": 64,
                          "intermediate_size": 96, "vocab_size": 99, "num_experts": 8,
                          "moe_intermediate_size": 30})
@@ -257,20 +255,22 @@ def test_step_messages_rebuild_the_drivers_rows():
     from types import SimpleNamespace
 
     from engine.distributed.step_message import HeldRequests, StepMessages
-    from engine.outputs import ScheduledRequest, SchedulerOutput
+    from engine.outputs import ScheduledRequest
 
-    a = SimpleNamespace(token_ids=list(range(10)), block_ids=[1, 2], window_block_ids=[])
-    b = SimpleNamespace(token_ids=list(range(50, 53)), block_ids=[3], window_block_ids=[4])
+    a = SimpleNamespace(token_ids=list(range(10)), block_ids=[1, 2], window_block_ids=[],
+                        lora_name=None)
+    b = SimpleNamespace(token_ids=list(range(50, 53)), block_ids=[3], window_block_ids=[4],
+                        lora_name="adapter")
     requests = {"a": a, "b": b}
     driver, helper = StepMessages(), HeldRequests()
 
     def step(*scheduled: tuple[str, int, int, bool]):
-        out = SchedulerOutput([ScheduledRequest(*s) for s in scheduled],
-                              sum(s[2] for s in scheduled))
-        message = driver.step(out, requests)  # type: ignore[arg-type]
+        message = driver.step([ScheduledRequest(*s) for s in scheduled],
+                              requests)  # type: ignore[arg-type]
         rows = helper.apply(message)
-        for s, row in zip(scheduled, rows, strict=True):
+        for s, row, delta in zip(scheduled, rows, message.rows, strict=True):
             request = requests[s[0]]
+            assert delta.lora_name == request.lora_name
             end = s[1] + s[2]
             assert row.token_ids[s[1]:end] == request.token_ids[s[1]:end]
             assert row.block_ids == request.block_ids
