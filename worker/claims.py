@@ -274,10 +274,11 @@ def load_lines(session: Session, claimed: list[ClaimedShard]) -> list[Claim]:
             line_pk=r.pk, shard_id=r.shard_id, tenant_id=r.tenant_id, batch_id=r.batch_id,
             job_id=r.job_id, endpoint=r.endpoint, body=r.body or {},
             engine_fields=r.engine_fields, priority=shard.priority,
-            deadline=deadlines.get(shard.batch_id or "")))
+            deadline=deadlines.get(shard.batch_id or ""), attempt=shard.attempts))
     return [
         Claim(HeldShard(c.id, c.tenant_id, c.batch_id, c.job_id, c.priority,
-                        {w.line_pk for w in lines[c.id]}), lines[c.id], c.attempts)
+                        {w.line_pk for w in lines[c.id]}, attempt=c.attempts), lines[c.id],
+              c.attempts)
         for c in claimed
     ]
 

@@ -38,6 +38,9 @@ class LineWork:
     # The validated fields stored at prepare (``openai_format.engine_fields``); None for rows
     # from before them (0005_scale), whose ``body`` is parsed instead.
     engine_fields: EngineFields | None = None
+    # Which claim of its shard loaded it (``Shard.attempts``): when this worker loses a shard's
+    # lease and claims the shard again, dropping the lost claim's lines leaves the new claim's.
+    attempt: int = 1
 
     @property
     def is_job(self) -> bool:
@@ -77,6 +80,7 @@ class HeldShard:
     job_id: str | None
     priority: int
     open_line_pks: set[int] = field(default_factory=set)
+    attempt: int = 1  # which claim of the shard this is (``Shard.attempts``)
 
     @property
     def is_job(self) -> bool:

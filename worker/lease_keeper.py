@@ -265,8 +265,10 @@ class LeaseKeeper(RoundLoop):
             statuses = claims.batch_statuses(session, self.held.batch_ids())
         if lost:
             log.warning("lost the lease of %d shards: %s", len(lost), sorted(lost))
-            self.held.remove(lost)
-            self.drainer.drop(lambda work: work.shard_id in lost)
+            # The drop applies at the drain loop's next turn, maybe after this thread claimed
+            # a lost shard again: it names the lost claims, not the shards.
+            claims_lost = {(shard.id, shard.attempt) for shard in self.held.remove(lost)}
+            self.drainer.drop(lambda work: (work.shard_id, work.attempt) in claims_lost)
         stopped = {bid for bid, status in statuses.items() if status != IN_PROGRESS}
         if stopped:
             log.info("batches %s stopped (%s); dropping their lines", sorted(stopped),

@@ -8,6 +8,7 @@ several seconds:
   (wake a claim, prepare a batch) runs twice;
 - a worker loses its broker connection mid-shard (its Redis goes through a proxy the test
   cuts) for longer than the visibility timeout, while the other worker's broker stays up;
+- a worker is paused (SIGSTOP) past its lease and the visibility timeout, then resumes;
 - the broker goes silent without closing the connection: a doorbell's send gives up after the
   socket timeout instead of holding its thread (the API's request, a worker's lease thread)
   for as long as the silence lasts.
@@ -21,7 +22,9 @@ messages").
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -279,3 +282,50 @@ def test_a_silent_broker_holds_no_sender(stack):
         proxy.frozen.clear()
         proxy.close()
         queue.close()
+
+
+def test_worker_paused_past_its_lease(stack):
+    """A worker frozen (SIGSTOP) past its lease and the visibility timeout, then thawed: its
+    shards were reaped meanwhile (and taken by the other worker, or by itself again once
+    thawed), its late results lose to the new owner's or are written once, and it drops the
+    claims it lost (the "retry outlived its lock" trap). Before the fix in
+    worker/lease_keeper.py a shard it claimed again was held, heartbeated and never run: the
+    batch stayed in_progress (tests/worker/test_reclaim.py)."""
+    stack.stop_workers()
+    w1 = stack.start_worker("w1")
+    stack.start_worker("w2")
+    try:
+        client = stack.client()
+        lines = lines_of("pause", 320)
+        batch = create_batch(client, upload(client, lines))
+        owner = f"%:{w1.pid}:%"
+        wait_for(lambda: sql(stack, "SELECT 1 FROM shards WHERE batch_id = :b AND "
+                             "status = 'running' AND lease_owner LIKE :o",
+                             b=batch["id"], o=owner), 60, 0.1, "w1 to run a shard")
+        held = {r[0] for r in sql(stack, "SELECT id FROM shards WHERE status = 'running' AND "
+                                  "lease_owner LIKE :o", o=owner)}
+        os.killpg(w1.pid, signal.SIGSTOP)
+        try:
+            wait_for(lambda: not sql(stack, "SELECT 1 FROM shards WHERE id = ANY(:s) AND "
+                                     "lease_owner LIKE :o", s=list(held), o=owner),
+                     60, 0.2, "w1's shards to be taken over")
+            time.sleep(VISIBILITY_S)
+        finally:
+            os.killpg(w1.pid, signal.SIGCONT)
+        final = wait_done(client, batch["id"])
+        result = outcome(client, batch["id"], [x["custom_id"] for x in lines])
+        writers = sql(stack, "SELECT worker_id LIKE :o, COUNT(*) FROM request_lines WHERE "
+                      "shard_id = ANY(:s) GROUP BY 1", o=owner, s=list(held))
+        by_w1 = sum(n for mine, n in writers if mine)
+        wait_for(lambda: "lost the lease" in stack.log_of("w1"), 30, 0.2,
+                 "w1 to notice it lost its shards")
+        record(TABLE, fault="w1 SIGSTOPped past its lease", status=final["status"],
+               lines=len(lines), lost=result["lost"], duplicates=result["duplicates"],
+               redelivered_runs=None, first_line_s=None, batch_s=None,
+               note=f"its {len(held)} shards' {sum(n for _, n in writers)} lines: {by_w1} "
+                    "written by w1 (before the pause, or after claiming one again)")
+        assert final["status"] == "completed", final
+        assert result["lost"] == result["duplicates"] == result["unknown"] == 0, result
+        assert w1.poll() is None, stack.log_of("w1")[-3000:]
+    finally:
+        stack.stop_workers()
