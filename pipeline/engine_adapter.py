@@ -32,7 +32,7 @@ from engine.errors import (
     StructuredOutputError,
 )
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.pooling_params import EmbeddingInputs, PoolingParams
+from engine.pooling_params import PoolingParams
 from engine.protocol import Engine
 from engine.sampling_params import SamplingParams, StructuredOutputParams
 from openai_format.embeddings import embedding_body
@@ -43,6 +43,7 @@ from openai_format.engine_fields import (
     PromptFields,
     engine_fields,
 )
+from openai_format.message_object import message_object
 from openai_format.parse import (
     BODY_TYPES,
     CONTEXT_LENGTH_EXCEEDED,
@@ -70,11 +71,13 @@ from openai_format.types import (
     CHAT_URL,
     EMBEDDINGS_URL,
     INVALID_VALUE,
+    MESSAGES_URL,
     RERANK_URL,
     RESPONSES_URL,
     SCORE_URL,
 )
 from pipeline.errors import PrepareError
+from pipeline.pooled_input import PooledInput
 from pipeline.scoring import ScoreInput, ScoreReadBack, prepare_score
 
 __all__ = ["PrepareError"]  # where its callers have always found it
@@ -112,31 +115,12 @@ class EngineInput:
         return None
 
 
-@dataclass(frozen=True)
-class EmbeddingInput:
-    """What the engine gets for one /v1/embeddings line: its inputs as the engine checked them
-    (token ids and params; ``add_request`` does not check them again)."""
+@dataclass(frozen=True, kw_only=True)
+class EmbeddingInput(PooledInput):
+    """What the engine gets for one /v1/embeddings line."""
 
-    inputs: EmbeddingInputs
     encoding_format: str = "float"
-    # EngineInput's fields that an embedding line never has.
-    tool_mode: None = None
-    format_field: None = None
-    response_echo: None = None
-    lora_name: None = None
     score: None = None
-
-    @property
-    def prompt(self) -> EmbeddingInputs:
-        return self.inputs
-
-    @property
-    def params(self) -> PoolingParams:
-        return self.inputs.params
-
-    @property
-    def num_tokens(self) -> int:
-        return self.inputs.num_tokens
 
 
 def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareError:
@@ -146,7 +130,7 @@ def parse_body(endpoint: str, body: dict[str, Any] | Body) -> Body | PrepareErro
     try:
         return BODY_TYPES[endpoint].model_validate(body)
     except ValidationError as exc:
-        code, message = describe_validation_error(exc)
+        code, message = describe_validation_error(exc, root=BODY_TYPES[endpoint].body_name)
         return PrepareError(code, message)
 
 
@@ -318,7 +302,7 @@ def _prepare_embedding(engine: Engine, args: EmbeddingArgs) -> EmbeddingInput | 
                                          PoolingParams(dimensions=args["dimensions"]))
     except EmbeddingInputError as exc:
         return _embedding_error(exc)
-    return EmbeddingInput(checked, args["encoding_format"])
+    return EmbeddingInput(inputs=checked, encoding_format=args["encoding_format"])
 
 
 def add_to_engine(engine: Engine, request_id: str, engine_input: Input, *,
@@ -425,7 +409,8 @@ def _choice(c: CompletionOutput, engine: Engine, tool_mode: ToolCallMode | None,
         text = content or ""
     return ChoiceResult(
         index=c.index, text=text, num_tokens=len(c.token_ids),
-        finish_reason=c.finish_reason, logprobs=_logprobs(engine, c.logprobs),
+        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+        logprobs=_logprobs(engine, c.logprobs),
         tool_calls=tool_calls, reasoning=reasoning, reasoning_tokens=reasoning_tokens,
     )
 
@@ -453,7 +438,7 @@ def response_body(
         return body, Usage(prompt_tokens, 0, 0)
     # gpt-oss (harmony): a chat answer splits into the final channel and the reasoning
     harmony = (harmony_tokens(engine.special_token_id)
-               if endpoint in (CHAT_URL, RESPONSES_URL) else None)
+               if endpoint in (CHAT_URL, RESPONSES_URL, MESSAGES_URL) else None)
     choices = [_choice(c, engine, tool_mode, harmony) for c in output.outputs]
     prompt_tokens = output.metrics.num_prompt_tokens or len(output.prompt_token_ids)
     cached_tokens = output.metrics.num_cached_tokens
@@ -464,6 +449,10 @@ def response_body(
         body = response_object(choices[0], echo=response_echo, model=model,
                                prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
                                response_id="resp_" + hex_id, created=int(time.time()))
+        return body, usage
+    if endpoint == MESSAGES_URL:
+        body = message_object(choices[0], model=model, prompt_tokens=prompt_tokens,
+                              cached_tokens=cached_tokens, message_id="msg_" + hex_id)
         return body, usage
     build = chat_completion_body if endpoint == CHAT_URL else text_completion_body
     prefix = "chatcmpl-" if endpoint == CHAT_URL else "cmpl-"

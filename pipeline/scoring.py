@@ -16,13 +16,14 @@ from typing import Any
 
 from engine.errors import EmbeddingInputError, InputTooLong
 from engine.pooling.inputs import pair_token_ids
-from engine.pooling_params import EmbeddingInputs, PoolingParams
+from engine.pooling_params import PoolingParams
 from engine.protocol import Engine
 from openai_format.engine_fields import ScoreArgs
 from openai_format.parse import CONTEXT_LENGTH_EXCEEDED
 from openai_format.scoring import ScoreKind, rerank_body, score_body
 from openai_format.types import INVALID_VALUE
 from pipeline.errors import PrepareError
+from pipeline.pooled_input import PooledInput
 
 
 @dataclass(frozen=True)
@@ -59,30 +60,12 @@ class ScoreReadBack:
                           score_id="score-" + hex_id, created=created)
 
 
-@dataclass(frozen=True)
-class ScoreInput:
+@dataclass(frozen=True, kw_only=True)
+class ScoreInput(PooledInput):
     """What the engine gets for one rerank or score line, and how its output is read back."""
 
-    inputs: EmbeddingInputs
     score: ScoreReadBack
-    # EngineInput's fields that a rerank or score line never has.
     encoding_format: None = None
-    tool_mode: None = None
-    format_field: None = None
-    response_echo: None = None
-    lora_name: None = None
-
-    @property
-    def prompt(self) -> EmbeddingInputs:
-        return self.inputs
-
-    @property
-    def params(self) -> PoolingParams:
-        return self.inputs.params
-
-    @property
-    def num_tokens(self) -> int:
-        return self.inputs.num_tokens
 
 
 def _field(args: ScoreArgs, side: int, index: int) -> tuple[str, str]:
@@ -126,7 +109,8 @@ def prepare_score(engine: Engine, args: ScoreArgs) -> ScoreInput | PrepareError:
             field, param = _field(args, 2, index)
             first, _ = _field(args, 1, 0 if len(texts_1) == 1 else index)
             return _error(exc, field, param, f" (paired with {first})")
-        return ScoreInput(checked, ScoreReadBack(args["kind"], None, args["top_n"], documents))
+        return ScoreInput(inputs=checked,
+                          score=ScoreReadBack(args["kind"], None, args["top_n"], documents))
     num_1 = len(texts_1)
     try:
         checked = engine.check_embedding([*texts_1, *texts_2], PoolingParams())
@@ -135,5 +119,5 @@ def prepare_score(engine: Engine, args: ScoreArgs) -> ScoreInput | PrepareError:
         side, at = (1, index) if index < num_1 else (2, index - num_1)
         return _error(exc, *_field(args, side, at))
     vector_pairs = tuple((0 if num_1 == 1 else i, num_1 + i) for i in range(len(texts_2)))
-    return ScoreInput(checked, ScoreReadBack(args["kind"], vector_pairs, args["top_n"],
+    return ScoreInput(inputs=checked, score=ScoreReadBack(args["kind"], vector_pairs, args["top_n"],
                                              documents))
