@@ -152,7 +152,7 @@ def test_every_object_route_is_fuzzed_for_isolation():
             assert operation.path not in AFTER_KINDS, operation.path
     targeted = [o for o in operations if _object_params(o) or (
         o.method.upper() == "GET" and o.path in AFTER_KINDS)]
-    assert len(targeted) == 10, [(o.method, o.path) for o in targeted]
+    assert len(targeted) >= 10, [(o.method, o.path) for o in targeted]
 
 
 def _with_objects(case, objects: dict[str, str]) -> list[str]:
