@@ -144,7 +144,10 @@ def test_every_object_route_is_fuzzed_for_isolation():
     operations = [result.ok() for result in schema.get_all_operations()]
     for operation in operations:
         for name in _object_params(operation):
-            assert name in OBJECT_PARAMS, (operation.method, operation.path, name)
+            assert name in OBJECT_PARAMS, (
+                f"{operation.method.upper()} {operation.path}: {name!r} names a kind of object "
+                "the isolation fuzz does not know: add it to OBJECT_PARAMS and make one for each "
+                "tenant in _objects (or to SHARED_PARAMS if every tenant shares it)")
         after = "after" in {p.name for p in operation.query}
         if after and operation.path != "/v1/webhook_deliveries":  # that one's is a message id
             assert operation.path in AFTER_KINDS, operation.path
