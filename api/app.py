@@ -14,7 +14,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from api.deps import AppContext
 from api.errors import RETRY_AFTER_SECONDS, error_body, install_error_handlers
 from api.metrics import metrics_registry
-from api.routes import batches, files, health, jobs, models, status, ui, webhooks
+from api.routes import (
+    batches,
+    files,
+    health,
+    jobs,
+    message_batches,
+    models,
+    status,
+    ui,
+    webhooks,
+)
 from api.timing import ServerTiming, time_statements
 from service.db import Database
 from service.queue import TaskQueue, make_queue
@@ -64,7 +74,7 @@ def create_app(
     app.state.context = context
     install_error_handlers(app)
     app.add_middleware(SchemaGateMiddleware, context=context)
-    for module in (files, batches, jobs, models, webhooks, health, status, ui):
+    for module in (files, batches, message_batches, jobs, models, webhooks, health, status, ui):
         app.include_router(module.router)
     app.mount("/metrics", make_asgi_app(metrics_registry(
         context.db, context.settings.worker_metrics_interval,

@@ -112,9 +112,16 @@ def bearer_key(request: Request) -> str:
     return key.strip()
 
 
+def request_key(request: Request) -> str:
+    """The request's API key: Anthropic's ``x-api-key`` header where sent (its client's way),
+    else OpenAI's ``Authorization: Bearer``; the same keys and tenants either way."""
+    key = request.headers.get("x-api-key", "").strip()
+    return key or bearer_key(request)
+
+
 async def get_tenant(request: Request, ctx: ContextDep) -> TenantRef:
     # async: a key in the cache is answered on the event loop, without a hop to a thread.
-    key = bearer_key(request)
+    key = request_key(request)
     key_hash = hash_key(key)
     tenant = ctx.keys.get(key_hash)
     if tenant is None:

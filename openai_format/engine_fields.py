@@ -9,7 +9,8 @@ forecast reads from them the output budget the engine gets (``max_output_tokens`
 name one type, ``EngineFields``, so mypy checks the keys the writer sets and the readers read.
 
 A line's kind is its shape, decided once, here, from its body's type (its endpoint's, at parse):
-``ChatFields`` (/v1/chat/completions, and /v1/responses as the chat body it runs as),
+``ChatFields`` (/v1/chat/completions, and /v1/responses and /v1/messages as the chat bodies they
+run as),
 ``PromptFields`` (/v1/completions), ``EmbeddingFields`` (/v1/embeddings) or ``ScoreFields``
 (/v1/rerank, /v1/score). Readers tell them apart by the key only that kind has (``"embedding" in
 fields``, ``"score" in fields``, ``"messages" in fields``), which mypy narrows: the types are
@@ -25,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Literal, NotRequired, TypedDict, final
 
 from openai_format.embeddings import EmbeddingRequest
+from openai_format.messages_request import MessagesRequest
 from openai_format.parse import Body
 from openai_format.responses_request import ResponsesRequest
 from openai_format.sampling import Sampling, to_sampling_kwargs
@@ -109,6 +111,7 @@ _SCHEMA_FIELD = "body.response_format.json_schema.schema"
 _TOOL_FIELD = "body.tools[].function.parameters"
 _RESPONSES_SCHEMA_FIELD = "body.text.format.schema"
 _RESPONSES_TOOL_FIELD = "body.tools[].parameters"
+_MESSAGES_TOOL_FIELD = "params.tools[].input_schema"
 
 
 def engine_fields(body: Body, *, lora: str | None = None) -> EngineFields:
@@ -139,6 +142,11 @@ def _fields(body: Body) -> EngineFields:
         if "format_field" in chat:
             chat["format_field"] = (_RESPONSES_TOOL_FIELD if "tool_name" in chat
                                     else _RESPONSES_SCHEMA_FIELD)
+        return chat
+    if isinstance(body, MessagesRequest):
+        chat = _chat_fields(body.as_chat)
+        if "format_field" in chat:  # only a forced tool makes a grammar
+            chat["format_field"] = _MESSAGES_TOOL_FIELD
         return chat
     if isinstance(body, ChatCompletionRequest):
         return _chat_fields(body)

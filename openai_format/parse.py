@@ -1,7 +1,8 @@
 """Parse and check one line of an OpenAI Batch input file.
 
 Input line: ``{"custom_id", "method": "POST", "url": "/v1/chat/completions" | "/v1/completions"
-| "/v1/responses" | "/v1/embeddings" | "/v1/rerank" | "/v1/score", "body": {...}}``.
+| "/v1/responses" | "/v1/embeddings" | "/v1/rerank" | "/v1/score" | "/v1/messages", "body": {...}}``
+(a /v1/messages body is Anthropic's ``params``, and its errors name it so).
 ``parse_line`` never raises on user input: it returns a ``BatchLine`` or a ``LineError`` whose
 message names the line and the field ("line 7: body.temperature must be between 0 and 2").
 """
@@ -17,6 +18,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from openai_format.embeddings import EmbeddingRequest
+from openai_format.messages_request import MessagesRequest
 from openai_format.responses import failed_line
 from openai_format.responses_request import ResponsesRequest
 from openai_format.scoring import RerankRequest, ScoreRequest
@@ -27,6 +29,7 @@ from openai_format.types import (
     ENDPOINTS,
     INVALID_TYPE,
     INVALID_VALUE,
+    MESSAGES_URL,
     RERANK_URL,
     RESPONSES_URL,
     SCORE_URL,
@@ -35,12 +38,12 @@ from openai_format.types import (
 )
 
 Body = (ChatCompletionRequest | CompletionRequest | ResponsesRequest | EmbeddingRequest
-        | RerankRequest | ScoreRequest)
+        | RerankRequest | ScoreRequest | MessagesRequest)
 # The body type of each endpoint.
 BODY_TYPES: dict[str, type[Body]] = {
     CHAT_URL: ChatCompletionRequest, COMPLETIONS_URL: CompletionRequest,
     RESPONSES_URL: ResponsesRequest, EMBEDDINGS_URL: EmbeddingRequest,
-    RERANK_URL: RerankRequest, SCORE_URL: ScoreRequest,
+    RERANK_URL: RerankRequest, SCORE_URL: ScoreRequest, MESSAGES_URL: MessagesRequest,
 }
 
 # Line error codes.
@@ -189,19 +192,19 @@ def parse_line(
     try:
         parsed = BODY_TYPES[url].model_validate(body)
     except ValidationError as exc:
-        code, what = describe_validation_error(exc)
+        code, what = describe_validation_error(exc, root=BODY_TYPES[url].body_name)
         return error(code, what, custom_id)
     return BatchLine(custom_id, url, parsed, line_no)
 
 
-def describe_validation_error(exc: ValidationError) -> tuple[str, str]:
-    """The first pydantic error as (code, "body.field must be ...")."""
+def describe_validation_error(exc: ValidationError, *, root: str = "body") -> tuple[str, str]:
+    """The first pydantic error as (code, "body.field must be ..."); ``root`` names the body."""
     err = exc.errors(include_url=False)[0]
-    path = _path(err["loc"])
+    path = _path(err["loc"], root)
     kind = err["type"]
     if kind == INVALID_VALUE:
         # Model-level checks already name their fields.
-        return INVALID_VALUE, err["msg"] if path == "body" else f"{path} {err['msg']}"
+        return INVALID_VALUE, err["msg"] if path == root else f"{path} {err['msg']}"
     if kind == INVALID_TYPE:
         return INVALID_REQUEST, f"{path} {err['msg']}"
     if kind == "missing":
@@ -244,8 +247,8 @@ _TYPE_NAMES = {
 }
 
 
-def _path(loc: Sequence[int | str]) -> str:
-    path = "body"
+def _path(loc: Sequence[int | str], root: str) -> str:
+    path = root
     for part in loc:
         path += f"[{part}]" if isinstance(part, int) else f".{part}"
     return path

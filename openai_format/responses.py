@@ -39,6 +39,8 @@ class ChoiceResult:
     # message's ``reasoning_content``; ``reasoning_tokens`` of ``num_tokens`` were spent on it.
     reasoning: str | None = None
     reasoning_tokens: int | None = None
+    # The stop string (or stop token id) that ended it, where one did.
+    stop_reason: str | int | None = None
 
 
 def _finish_reason(reason: str | None) -> str:

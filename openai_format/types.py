@@ -34,9 +34,11 @@ RESPONSES_URL = "/v1/responses"  # openai_format.responses_request
 EMBEDDINGS_URL = "/v1/embeddings"  # its body type: openai_format.embeddings
 RERANK_URL = "/v1/rerank"  # its body type, and /v1/score's: openai_format.scoring
 SCORE_URL = "/v1/score"
+MESSAGES_URL = "/v1/messages"  # Anthropic's Messages API: openai_format.messages_request
 SCORING_ENDPOINTS = (RERANK_URL, SCORE_URL)
-ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL, *SCORING_ENDPOINTS)
-GENERATION_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL)
+ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, EMBEDDINGS_URL, *SCORING_ENDPOINTS,
+             MESSAGES_URL)
+GENERATION_ENDPOINTS = (CHAT_URL, COMPLETIONS_URL, RESPONSES_URL, MESSAGES_URL)
 
 # Error types raised by the validators below; openai_format.parse maps them to line error codes.
 INVALID_VALUE = "invalid_value"
@@ -149,6 +151,8 @@ class _Body(_Strict):
     # Known fields refused with the reason, and fields accepted without effect.
     unsupported_fields: ClassVar[dict[str, str]] = UNSUPPORTED_FIELDS
     neutral_fields: ClassVar[frozenset[str]] = OUTPUT_NEUTRAL_FIELDS
+    # What the errors call the body (Anthropic's Messages API calls it ``params``).
+    body_name: ClassVar[str] = "body"
 
     @model_validator(mode="before")
     @classmethod
@@ -160,9 +164,10 @@ class _Body(_Strict):
             return data
         for name in data:
             if name in cls.unsupported_fields:
-                raise _invalid(f"body.{name} is not supported ({cls.unsupported_fields[name]})")
+                raise _invalid(f"{cls.body_name}.{name} is not supported "
+                               f"({cls.unsupported_fields[name]})")
             if name not in names and name not in cls.neutral_fields:
-                raise _invalid(f"body.{name} is not a supported parameter")
+                raise _invalid(f"{cls.body_name}.{name} is not a supported parameter")
         return {k: v for k, v in data.items() if k in names}
 
 

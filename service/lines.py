@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from openai_format.embeddings import EmbeddingRequest
+from openai_format.messages_request import MessagesRequest
 from openai_format.parse import BatchLine, LineError
 from openai_format.responses_request import ResponsesRequest
 from openai_format.scoring import RerankRequest, ScoreRequest
@@ -29,7 +30,7 @@ def sort_key(line: BatchLine) -> str:
         return f"\x01embedding {sum(len(i) for i in inputs):010d}"
     if isinstance(body, RerankRequest | ScoreRequest):  # the same: pooled, no KV cache
         return f"\x01score {sum(_pair_chars(body)):010d}"
-    if isinstance(body, ResponsesRequest):
+    if isinstance(body, ResponsesRequest | MessagesRequest):
         body = body.as_chat  # the messages it runs as
     if isinstance(body, ChatCompletionRequest):
         # The roles and texts of ``template_messages``, without building its dicts (prepare
@@ -55,7 +56,7 @@ def estimate_tokens(line: BatchLine) -> tuple[int, int]:
                    for i in body.inputs()), 0
     if isinstance(body, RerankRequest | ScoreRequest):  # a cross-encoder's pairs; nothing generated
         return sum(chars // CHARS_PER_TOKEN + 3 for chars in _pair_chars(body)), 0
-    if isinstance(body, ResponsesRequest):
+    if isinstance(body, ResponsesRequest | MessagesRequest):
         body = body.as_chat
     if isinstance(body, ChatCompletionRequest):
         chars = sum(len(m.text) for m in body.messages)
@@ -122,6 +123,7 @@ class ModelTracker:
             return None
         if name == self.model:
             return None
-        return LineError(MODEL_MISMATCH, f"body.model {name!r} differs from {self.model!r}, the "
-                         "model of the file's other lines: a batch's lines all name one model",
+        return LineError(MODEL_MISMATCH, f"{line.body.body_name}.model {name!r} differs from "
+                         f"{self.model!r}, the model of the file's other lines: a batch's lines "
+                         "all name one model",
                          line.line_no, line.custom_id)

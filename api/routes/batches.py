@@ -180,16 +180,26 @@ def create_batch(request: BatchCreateRequest, tenant: TenantDep, ctx: ContextDep
         raise ApiError(400, f"requests holds more than {settings.max_inline_requests} items; "
                        "upload a file instead.", param="requests", code="invalid_request")
 
-    body = _create(request, tenant, ctx, window, output_lifetime)
-    if ctx.polls is not None:  # the tenant's list in this process shows it from now on
-        ctx.polls.forget(tenant_id=tenant.id)
-    BATCHES_CREATED.inc()
-    ctx.queue.batch_changed(body["id"])
+    body = create_from_request(request, tenant, ctx, window, output_lifetime)
+    announce_created(ctx, tenant_id=tenant.id, batch_id=body["id"])
     return body
 
 
-def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, window: int,
-            output_lifetime: int | None) -> dict:
+def announce_created(ctx: AppContext, *, tenant_id: str, batch_id: str) -> None:
+    """After a create's commit: the tenant's list in this process shows the batch from now on,
+    and a worker is woken to prepare it."""
+    if ctx.polls is not None:
+        ctx.polls.forget(tenant_id=tenant_id)
+    BATCHES_CREATED.inc()
+    ctx.queue.batch_changed(batch_id)
+
+
+def create_from_request(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext,
+                        window: int, output_lifetime: int | None, *,
+                        max_bytes: int | None = None, max_lines: int | None = None) -> dict:
+    """The batch row (and, for inline ``requests``, its input file) of a checked create
+    request, committed; its batch object. ``max_bytes`` / ``max_lines``: an inline file's
+    limits where they are not the service's (Anthropic's Message Batches)."""
     settings = ctx.settings
     tenant_id = tenant.id
     inline_file: File | None = None
@@ -199,7 +209,8 @@ def _create(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext, win
                 file = inline_file = store_inline_requests(
                     session, ctx.storage, tenant_id=tenant_id, endpoint=request.endpoint,
                     requests=(r.model_dump() for r in request.requests),
-                    max_bytes=settings.max_file_bytes, max_lines=settings.max_file_lines,
+                    max_bytes=max_bytes or settings.max_file_bytes,
+                    max_lines=max_lines or settings.max_file_lines,
                     expires_after=settings.file_expires_after,
                     max_embedding_inputs=settings.max_batch_embedding_inputs,
                 )
