@@ -36,7 +36,7 @@ REFUSED: dict[str, int] = {}  # operation -> a second tenant's ids refused with 
 OPERATOR_KEY = "fuzz-operator-key-0123456789"
 # The path parameters that name a tenant's object, by the kind of object.
 OBJECT_PARAMS = {"file_id": "file", "batch_id": "batch", "job_id": "job",
-                 "endpoint_id": "endpoint"}
+                 "endpoint_id": "endpoint", "message_batch_id": "message_batch"}
 # Path parameters that name something every tenant shares.
 SHARED_PARAMS = {"model"}
 # Lists whose ``after`` cursor is an object id, and the kind of that object.
@@ -52,7 +52,8 @@ class LiveApi:
 
 
 def _objects(base_url: str, key: str, tag: str) -> dict[str, str]:
-    """A file, a batch (validating: no worker), a queued job and a webhook endpoint."""
+    """A file, a batch (validating: no worker), a queued job, a webhook endpoint and a
+    Message Batch."""
     with httpx.Client(base_url=base_url, timeout=30,
                       headers={"Authorization": f"Bearer {key}"}) as c:
         lines = [chat_line(f"{tag}-{i}", f"hello {i}") for i in range(3)]
@@ -63,7 +64,11 @@ def _objects(base_url: str, key: str, tag: str) -> dict[str, str]:
         job_id = c.post("/v1/jobs", json={"body": {"prompt": "hi", "max_tokens": 2}}).json()["id"]
         endpoint_id = c.post("/v1/webhook_endpoints",
                              json={"url": "https://example.com/hook"}).json()["id"]
-    return {"file": file_id, "batch": batch_id, "job": job_id, "endpoint": endpoint_id}
+        message_batch_id = c.post("/v1/messages/batches", json={"requests": [
+            {"custom_id": tag, "params": {"max_tokens": 2, "messages": [
+                {"role": "user", "content": "hi"}]}}]}).json()["id"]
+    return {"file": file_id, "batch": batch_id, "job": job_id, "endpoint": endpoint_id,
+            "message_batch": message_batch_id}
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +111,21 @@ def test_the_schema_is_the_served_one(live_api):
     assert httpx.get(f"{live_api.base_url}/openapi.json").json() == schema.raw_schema
 
 
+def _anthropic(path: str) -> bool:
+    """Whether the route is Anthropic's (``/v1/messages/...``), whose errors are in its shape."""
+    return path.startswith("/v1/messages")
+
+
 def _error_shape(ctx, response, case) -> bool | None:
-    """A 4xx answer is OpenAI's ``{"error": {"message", "type", "param", "code"}}``."""
+    """A 4xx answer is OpenAI's ``{"error": {"message", "type", "param", "code"}}`` (Anthropic's
+    ``{"type": "error", "error": {"type", "message"}}`` under its routes)."""
     COUNTS[str(response.status_code)] = COUNTS.get(str(response.status_code), 0) + 1
     if 400 <= response.status_code < 500:
         body = response.json()
+        if _anthropic(case.path):
+            assert body["type"] == "error" and set(body["error"]) == {"type", "message"}, body
+            assert body["error"]["message"] and body["error"]["type"] != "api_error", body
+            return None
         assert set(body["error"]) == {"message", "type", "param", "code"}, body
         assert body["error"]["message"], body
         assert body["error"]["type"] != "server_error", body  # a 405 too is the client's
@@ -187,12 +202,14 @@ def test_real_objects_fuzzed_and_another_tenants_are_404(case, live_api):
     COUNTS[str(response.status_code)] = COUNTS.get(str(response.status_code), 0) + 1
     answer = (case.method, case.formatted_path, case.query, response.status_code, response.text)
     if response.status_code == 404:
-        assert response.json()["error"]["code"] == "not_found", answer
+        error = response.json()["error"]
+        assert error["type" if _anthropic(case.path) else "code"] in (
+            "not_found", "not_found_error"), answer
         operation = f"{case.method} {case.path}"
         REFUSED[operation] = REFUSED.get(operation, 0) + 1
     else:  # refused first for another generated parameter (a bad limit): never 200 or 403
         assert response.status_code == 400, answer
-        assert response.json()["error"]["param"] not in (*_object_params(case.operation),
+        assert response.json()["error"].get("param") not in (*_object_params(case.operation),
                                                          "after"), answer
     for object_id in set(live_api.other.values()) - set(named):
         assert object_id not in response.text, (case.formatted_path, object_id)
