@@ -79,8 +79,9 @@ def start(config: EngineConfig) -> Started:
     model_name = _model_name(config.model, checkpoint)
     embedding = dtype_gate = None
     if isinstance(model_runner, PoolingModelRunner):
-        model_runner, dtype_gate = gate_embedding_dtype(
-            config, checkpoint, model_runner, partial(tokenize, tokenizer), model_len)
+        if config.tensor_parallel_size == 1:  # (its fp32 reference would be the whole model)
+            model_runner, dtype_gate = gate_embedding_dtype(
+                config, checkpoint, model_runner, partial(tokenize, tokenizer), model_len)
         embedding = EmbeddingSpec(
             model_name, model_runner.max_len, model_runner.vocab_size, model_runner.hidden_size,
             model_runner.pooler.matryoshka_dimensions, model_runner.pooler.normalize,
@@ -107,10 +108,12 @@ def _build_runner(
     kernel_seconds = cpu_decode_attention.load_seconds
     model_runner: ModelRunner | PoolingModelRunner | TPModelRunner
     if is_embedding_model(config, checkpoint):
-        if config.tensor_parallel_size > 1:
-            raise ValueError("tensor_parallel_size > 1 is for generation models; an embedding "
-                             "model runs on one device (tensor_parallel_size=1)")
-        model_runner = PoolingModelRunner(config, checkpoint, model_len)
+        if config.tensor_parallel_size > 1:  # a decoder embedder over several devices
+            from engine.distributed.pooling_runner import TPPoolingRunner
+
+            model_runner = TPPoolingRunner.start_driver(config, checkpoint, model_len)
+        else:
+            model_runner = PoolingModelRunner(config, checkpoint, model_len)
         model_len = model_runner.max_len
     elif config.tensor_parallel_size > 1:  # this process drives; helper ranks hold the rest
         from engine.distributed.runner import TPModelRunner

@@ -12,26 +12,19 @@ gathered logits. A rank that dies makes a collective fail: the driver's step rai
 
 from __future__ import annotations
 
-import time
-import weakref
 from contextlib import nullcontext
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from engine.checkpoint.loader import Checkpoint
 from engine.config import EngineConfig
 from engine.core.request import Request
-from engine.distributed.group import RankFailure, TPGroup
+from engine.distributed.group import TPGroup
 from engine.distributed.helper import (
-    STORE_TIMEOUT,
     HelperHandle,
-    start_helpers,
-    stop_helpers,
-    wait_joined,
 )
+from engine.distributed.ranks import Ranks
 from engine.distributed.sharding import (
     RowParallelLinear,
     ShardPlan,
@@ -65,7 +58,6 @@ from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.runner.base import Runner
 from engine.runner.cuda_graphs import CUDAGraphRunner
-from engine.runner.device import resolve_device
 from engine.runner.input_batch import InputBatch, build_input_batch
 from engine.runner.model_runner import ModelRunner
 
@@ -75,60 +67,23 @@ from engine.runner.model_runner import ModelRunner
 TP_FAMILIES = (LlamaForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, Qwen3MoeForCausalLM,
                MixtralForCausalLM, OlmoeForCausalLM, GptOssForCausalLM)
 
-# How long the driver waits for a dead helper's exit code after a failed collective.
-_REAP_SECONDS = 2.0
-
-
-class TPModelRunner(ModelRunner):
+class TPModelRunner(Ranks, ModelRunner):
     """A ``ModelRunner`` over this rank's share of the model (``sharding.py``)."""
 
     head_is_split = True
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint, max_position: int,
                  group: TPGroup, plan: ShardPlan, helpers: list[HelperHandle]) -> None:
-        self.group = group
-        self.plan = plan
-        self.helpers = helpers
+        self.join_ranks(group, plan, helpers)
         self._messages = StepMessages()
-        self._failed: BaseException | None = None
-        self._store: dist.Store | None = None  # the driver's: the ranks' rendezvous
         self._held = HeldRequests()  # a helper's copy of the requests, from the messages
-        super().__init__(config, checkpoint, max_position)
-        if helpers:
-            self._finalizer = weakref.finalize(self, stop_helpers, helpers)
+        ModelRunner.__init__(self, config, checkpoint, max_position)
 
     # ---- building ---------------------------------------------------------------------------
 
-    @classmethod
-    def start_driver(cls, config: EngineConfig, checkpoint: Checkpoint,
-                     max_position: int) -> TPModelRunner:
-        """Rank 0: start the helper ranks, build this rank's share, wait until they have
-        theirs."""
-        world_size = config.tensor_parallel_size
-        plan = ShardPlan.of(checkpoint.config, 0, world_size,  # bad sizes fail before a spawn
-                            expert_parallel=config.expert_parallel)
+    @staticmethod
+    def check_checkpoint(checkpoint: Checkpoint) -> None:
         _check_family(checkpoint)
-        device = resolve_device(config.device)
-        if device.type == "cuda" and torch.cuda.device_count() < world_size:
-            raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs; "
-                             f"{torch.cuda.device_count()} are visible")
-        store = dist.TCPStore("127.0.0.1", 0, world_size, True, timeout=STORE_TIMEOUT,
-                              wait_for_workers=False)
-        helpers = start_helpers(config, world_size, store.port, max_position, cls)
-        try:
-            wait_joined(store, helpers)
-            group = TPGroup(store, 0, world_size, device)
-            runner = cls(config, checkpoint, max_position, group, plan, helpers)
-            for helper in helpers:
-                num_blocks = helper.wait_ready()
-                if num_blocks != runner.num_kv_blocks:
-                    raise RankFailure(f"rank {helper.rank} sized its KV cache at {num_blocks} "
-                                      f"blocks, the driver at {runner.num_kv_blocks}")
-        except BaseException:
-            stop_helpers(helpers)
-            raise
-        runner._store = store  # kept as long as the group
-        return runner
 
     def _build_model(self, checkpoint: Checkpoint, max_position: int) -> CausalLM:
         """This rank's share: the family class at the local sizes, its row-parallel and
@@ -215,64 +170,16 @@ class TPModelRunner(ModelRunner):
         except BaseException as error:
             raise self._fail(error) from error
 
-    def close(self) -> None:
-        """Stop the helper ranks (their shards go with their processes)."""
-        stop_helpers(self.helpers)
-
-    def _send(self, message: StepMessage | ScoreMessage) -> None:
-        for helper in self.helpers:
-            helper.conn.send(message)
-
-    def _check_alive(self) -> None:
-        if self._failed is not None:
-            raise RankFailure("the tensor-parallel ranks stopped after a failed step") \
-                from self._failed
-        for helper in self.helpers:
-            if helper.process.exitcode is not None:
-                raise self._fail(RankFailure(helper.describe_exit()))
-
-    def _fail(self, error: BaseException) -> BaseException:
-        """After a failed step: name the dead rank if one died, and kill the others (a step
-        half done leaves the ranks out of step: the engine cannot go on)."""
-        self._failed = error
-        collective = isinstance(error, RankFailure | RuntimeError | OSError)
-        deadline = time.monotonic() + (_REAP_SECONDS if collective else 0.0)
-        dead = None
-        while True:
-            dead = next((h for h in self.helpers if h.process.exitcode is not None), None)
-            if dead is not None or time.monotonic() >= deadline:
-                break
-            time.sleep(0.05)
-        stop_helpers(self.helpers, kill=True)
-        if isinstance(error, RankFailure):
-            return error
-        if dead is not None:
-            return RankFailure(dead.describe_exit())
-        if collective:
-            return RankFailure(f"a tensor-parallel step failed with every rank alive (one "
-                               f"stopped answering, or the driver broke): "
-                               f"{type(error).__name__}: {error}")
-        return error
-
     # ---- a helper -----------------------------------------------------------------------------
 
-    def serve(self, conn: Connection) -> None:
-        """A helper's loop: run each step the driver sends until it says stop or is gone."""
-        while True:
+    def serve_one(self, message: object) -> None:
+        if isinstance(message, StepMessage):
+            self._helper_step(message)
+        elif isinstance(message, ScoreMessage):
             try:
-                message = conn.recv()
-            except (EOFError, OSError):
-                return  # the driver is gone
-            if message is None:
-                return
-            with torch.inference_mode():
-                if isinstance(message, StepMessage):
-                    self._helper_step(message)
-                else:
-                    try:
-                        ModelRunner.score_tokens(self, message.token_ids)
-                    except ValueError:
-                        pass  # the driver refused it too, before any collective
+                ModelRunner.score_tokens(self, message.token_ids)
+            except ValueError:
+                pass  # the driver refused it too, before any collective
 
     def _helper_step(self, message: StepMessage) -> None:
         rows = self._held.apply(message)

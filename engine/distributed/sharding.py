@@ -39,6 +39,12 @@ from engine.models.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 _PER_EXPERT = re.compile(r"^(?P<head>.*\.experts\.)(?P<expert>\d+)(?P<tail>\..*)$")
 
 
+def is_vocabulary(name: str) -> bool:
+    """The embedding or the output layer (a base-model checkpoint names its embedding without
+    the ``model.`` prefix)."""
+    return name in ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight")
+
+
 @dataclass(frozen=True)
 class ShardPlan:
     """Rank ``rank`` of ``world_size``: the ranges of heads, KV heads, intermediate columns and
@@ -212,7 +218,7 @@ class ShardPlan:
             return [inter, (self._mlp_size(name) + inter[0], inter[1])]
         if name.endswith("self_attn.sinks"):  # one learned sink logit a query head (gpt-oss)
             return [(self.rank * self.local_heads, self.local_heads)]
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if is_vocabulary(name):
             start = self.vocab_start
             return [(start, max(min(self.vocab_shard, self.vocab_size - start), 0))]
         return None
@@ -361,6 +367,8 @@ def shard_model(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
     embed.__class__ = VocabParallelEmbedding
     assert isinstance(embed, VocabParallelEmbedding)
     embed.group, embed.vocab_start = group, plan.vocab_start
+    if not hasattr(model, "lm_head"):
+        return  # an embedder's decoder: no output layer
     head = model.get_submodule("lm_head")
     head.__class__ = VocabParallelHead
     assert isinstance(head, VocabParallelHead)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint.loader import Checkpoint, safetensors_files
-from engine.distributed.sharding import ShardPlan
+from engine.distributed.sharding import ShardPlan, is_vocabulary
 
 
 def iter_shard_weights(checkpoint: Checkpoint, plan: ShardPlan,
@@ -54,7 +54,7 @@ def _read_slice(stored, name: str, plan: ShardPlan) -> torch.Tensor:
     if rows is not None:
         parts = [stored[start:start + length] for start, length in rows]
         tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
-        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        if is_vocabulary(name):
             missing = plan.vocab_shard - tensor.shape[0]  # the last rank's padding rows
             if missing:
                 tensor = torch.cat([tensor, tensor.new_zeros(missing, *tensor.shape[1:])])

@@ -40,7 +40,7 @@ from engine.lora.manager import LoRAManager
 from engine.models.bert_classifier import BertForSequenceClassification
 from engine.models.decoder_embedding import DecoderEmbeddingModel
 from engine.models.no_init import no_init_weights
-from engine.models.pooling_registry import build_embedding_model
+from engine.models.pooling_registry import EmbeddingModel, build_embedding_model
 from engine.outputs import ModelRunnerOutput, SchedulerOutput
 from engine.runner.base import Runner
 from engine.runner.device import resolve_device, resolve_dtype
@@ -59,12 +59,7 @@ class PoolingModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = dtype or resolve_dtype(config.dtype, self.device)
         hf_config = checkpoint.config
-        with torch.device(self.device), no_init_weights():
-            model, default_pooling = build_embedding_model(hf_config, max_position)
-        model.to(dtype=self.dtype)
-        if isinstance(model, DecoderEmbeddingModel):
-            model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
-        model.load_weights(checkpoint.iter_weights(self.dtype))
+        model, default_pooling = self._build_model(checkpoint, max_position)
         self.model = model.eval()
         self.vocab_size: int = hf_config.vocab_size
         self.hidden_size: int = model.hidden_size
@@ -93,6 +88,18 @@ class PoolingModelRunner:
             if gemm is not None:
                 pack_linear_weights(model, gemm=gemm)
                 self.packed_weights = True
+
+    def _build_model(self, checkpoint: Checkpoint,
+                     max_position: int) -> tuple[EmbeddingModel, PoolingType]:
+        """The model with the checkpoint's weights, and the pooling its kind defaults to
+        (``engine.distributed.pooling_runner`` builds a rank's share instead)."""
+        with torch.device(self.device), no_init_weights():
+            model, default_pooling = build_embedding_model(checkpoint.config, max_position)
+        model.to(dtype=self.dtype)
+        if isinstance(model, DecoderEmbeddingModel):
+            model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
+        model.load_weights(checkpoint.iter_weights(self.dtype))
+        return model, default_pooling
 
     @property
     def cross_encoder(self) -> bool:

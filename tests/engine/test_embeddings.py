@@ -298,3 +298,41 @@ def test_a_sentence_transformers_decoder_folder_embeds_without_options(tmp_path)
                   hf_embeddings(base, prompts, "last", True))
     generating = LLMEngine(EngineConfig(model=str(path), dtype="float32", task="generate"))
     assert not generating.is_embedding
+
+
+@pytest.mark.parametrize("kind", ["qwen3-base", "gemma2-windowed-soft-capped-as-embedder"])
+def test_a_decoder_embedder_over_two_ranks_equals_one(tmp_path, kind):
+    # The decoder split as its generating family is (heads, MLP columns, vocabulary rows; a
+    # base-model checkpoint's unprefixed names too); the driver pools the whole final state.
+    from engine.distributed.pooling_runner import TPPoolingRunner
+
+    if kind == "qwen3-base":
+        causal = make_checkpoint(tmp_path / "lm", "qwen3", vocab_size=387)  # odd: padded rows
+        base = transformers.Qwen3ForCausalLM.from_pretrained(causal).model.float()
+        base.config.architectures = ["Qwen3Model"]
+        base.save_pretrained(tmp_path / "base")
+        transformers.AutoTokenizer.from_pretrained(causal).save_pretrained(tmp_path / "base")
+        path, options = tmp_path / "base", {}
+    else:
+        path = make_checkpoint(tmp_path / "lm", "gemma2", sliding_window=16,
+                               attn_logit_softcapping=20.0)
+        options = {"task": "embed"}
+    prompts = inputs(300, seed=4)
+    one = LLMEngine(EngineConfig(model=str(path), dtype="float32", **options))
+    expected = embed_all(one, prompts, seed=5, group=3)
+    two = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2,
+                                 **options, **MODES["tiny-budget"]))
+    runner = two.model_runner
+    assert isinstance(runner, TPPoolingRunner)
+    try:
+        got = embed_all(two, prompts, seed=5, group=3)
+    finally:
+        runner.close()
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_an_encoder_is_refused_over_two_ranks(bert_cls):
+    path, _, _ = bert_cls
+    with pytest.raises(ValueError, match="BertModel is not one: an encoder such as BERT runs "
+                                         "on one device"):
+        LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))

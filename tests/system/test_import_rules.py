@@ -61,7 +61,7 @@ ENGINE_WINGS: dict[str, set[str]] = {
     "core": {"contracts"},  # scheduler-side bookkeeping never reaches the device side
     "runner": {"core", "models", "lora", "checkpoint"} | MODEL_SIDE,
     "pooling": {"runner", "core", "models", "lora", "checkpoint"} | MODEL_SIDE,
-    "distributed": {"runner", "core", "models", "lora", "checkpoint"} | MODEL_SIDE,
+    "distributed": {"runner", "pooling", "core", "models", "lora", "checkpoint"} | MODEL_SIDE,
     "testing": {"contracts", "pooling"},  # the fake engine: torch-free (see below)
     "front": {"contracts", "core", "runner", "pooling", "checkpoint", "lora", "models", "layers",
               "kernels", "distributed", "testing"},
