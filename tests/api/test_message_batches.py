@@ -4,6 +4,8 @@ bad input with Anthropic's error shape naming the field. The batch runs on the t
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import pytest
 from anthropic.types.messages import MessageBatch, MessageBatchIndividualResponse
@@ -169,3 +171,23 @@ def test_the_same_keys_and_anthropics_auth(app, key):
         assert made.status_code == 200, made.text
         missing = http.get(f"/v1/messages/batches/{made.json()['id']}", headers=headers)
         assert missing.status_code == 404 and missing.json()["type"] == "error"
+
+
+def test_a_messages_job_and_an_openai_batch_of_messages_lines(app, key, settings,
+                                                              tiny_worker):  # noqa: F811
+    """A /v1/messages body also runs as a job and as a line of an OpenAI batch: the same
+    pipeline answers with the same Message."""
+    with TestClient(app, headers={"Authorization": f"Bearer {key}"}) as http:
+        job = http.post("/v1/jobs", json={"endpoint": "/v1/messages", "body": params()}).json()
+        done = wait_for(lambda: (j := http.get(f"/v1/jobs/{job['id']}").json())["status"]
+                        in ("completed", "failed") and j, 60, 0.1, "the job")
+        assert done["status"] == "completed", done
+        assert anthropic.types.Message.model_validate(done["result"]).usage.output_tokens <= 4
+        batch = http.post("/v1/batches", json={"endpoint": "/v1/messages", "requests": [
+            {"custom_id": "m", "url": "/v1/messages", "body": params()}]}).json()
+        ended = wait_for(lambda: (b := http.get(f"/v1/batches/{batch['id']}").json())["status"]
+                         == "completed" and b, 60, 0.1, "the batch")
+        (line,) = http.get(f"/v1/files/{ended['output_file_id']}/content").text.splitlines()
+        body = json.loads(line)["response"]["body"]
+        message = anthropic.types.Message.model_validate(body)
+        assert message.type == "message"
