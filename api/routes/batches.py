@@ -196,10 +196,13 @@ def announce_created(ctx: AppContext, *, tenant_id: str, batch_id: str) -> None:
 
 def create_from_request(request: BatchCreateRequest, tenant: TenantRef, ctx: AppContext,
                         window: int, output_lifetime: int | None, *,
-                        max_bytes: int | None = None, max_lines: int | None = None) -> dict:
+                        max_bytes: int | None = None, max_lines: int | None = None,
+                        all_invalid_ok: bool = False) -> dict:
     """The batch row (and, for inline ``requests``, its input file) of a checked create
     request, committed; its batch object. ``max_bytes`` / ``max_lines``: an inline file's
-    limits where they are not the service's (Anthropic's Message Batches)."""
+    limits where they are not the service's; ``all_invalid_ok``: a file without a valid line
+    still makes a batch, which fails at prepare with each line's error (Anthropic's Message
+    Batches, where each request is then an errored result)."""
     settings = ctx.settings
     tenant_id = tenant.id
     inline_file: File | None = None
@@ -220,7 +223,7 @@ def create_from_request(request: BatchCreateRequest, tenant: TenantRef, ctx: App
                     raise ApiError(400, f"File {file.id} has purpose {file.purpose!r}; a batch "
                                    "needs a file uploaded with purpose 'batch'.",
                                    param="input_file_id", code="invalid_file")
-            if file.num_lines - file.num_errors <= 0:
+            if file.num_lines - file.num_errors <= 0 and not all_invalid_ok:
                 raise ApiError(400, f"File {file.id} has no valid request lines "
                                f"({file.num_errors} lines with problems; see the file's "
                                "line_errors).", param="input_file_id", code="invalid_file")

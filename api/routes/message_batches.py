@@ -138,7 +138,19 @@ def _object(ctx: AppContext, tenant: TenantRef, batch_id: str, request: Request)
                        request)[0]
 
 
-@router.post("/v1/messages/batches")
+# The body the create reads itself (streamed, then checked by ``inline_requests``), for the
+# OpenAPI docs.
+_CREATE_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["requests"], "additionalProperties": False, "properties": {
+        "requests": {"type": "array", "minItems": 1, "maxItems": MAX_MESSAGE_BATCH_REQUESTS,
+                     "items": {"type": "object", "required": ["custom_id", "params"],
+                               "additionalProperties": False, "properties": {
+                                   "custom_id": {"type": "string", "pattern": CUSTOM_ID},
+                                   "params": {"type": "object",
+                                              "description": "a Messages API body"}}}}}}}}}}
+
+
+@router.post("/v1/messages/batches", openapi_extra=_CREATE_BODY)
 async def create_message_batch(request: Request, tenant: TenantDep,
                                ctx: ContextDep) -> JSONResponse:
     raw = await _read_body(request)
@@ -155,7 +167,7 @@ def _create(raw: bytes, tenant: TenantRef, ctx: AppContext, request: Request) ->
     body = create_from_request(create, tenant, ctx, parse_completion_window(_WINDOW),
                                ctx.settings.output_expires_after,
                                max_bytes=MAX_MESSAGE_BATCH_BYTES,
-                               max_lines=MAX_MESSAGE_BATCH_REQUESTS)
+                               max_lines=MAX_MESSAGE_BATCH_REQUESTS, all_invalid_ok=True)
     announce_created(ctx, tenant_id=tenant.id, batch_id=body["id"])
     return _object(ctx, tenant, body["id"], request)
 

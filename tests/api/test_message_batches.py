@@ -15,6 +15,7 @@ from service.served_models import default_model
 from tests.api.test_bad_input_corpus import tiny_worker  # noqa: F401 - a fixture
 from tests.conftest_services import wait_for
 from worker.finalize import finalize_batch
+from worker.prepare import prepare_batch
 
 WEATHER = {"name": "get_weather", "description": "Weather in a city",
            "input_schema": {"type": "object",
@@ -191,3 +192,15 @@ def test_a_messages_job_and_an_openai_batch_of_messages_lines(app, key, settings
         body = json.loads(line)["response"]["body"]
         message = anthropic.types.Message.model_validate(body)
         assert message.type == "message"
+
+
+def test_a_batch_of_only_bad_requests_ends_with_each_errored(client, ctx):
+    batch = client.messages.batches.create(requests=[
+        {"custom_id": "no-max", "params": {"messages": [{"role": "user", "content": "x"}]}},
+        {"custom_id": "hot", "params": params(temperature=3)}])
+    prepare_batch(ctx.db, ctx.storage, batch.id, worker_id="test", shard_size=4)
+    ended = client.messages.batches.retrieve(batch.id)
+    assert ended.processing_status == "ended" and ended.request_counts.errored == 2
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    assert "params.max_tokens is required" in results["no-max"].error.error.message
+    assert "params.temperature must be between 0 and 1" in results["hot"].error.error.message
