@@ -204,3 +204,12 @@ def test_a_batch_of_only_bad_requests_ends_with_each_errored(client, ctx):
     results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
     assert "params.max_tokens is required" in results["no-max"].error.error.message
     assert "params.temperature must be between 0 and 1" in results["hot"].error.error.message
+
+
+def test_a_create_past_the_byte_limit_is_413(client, monkeypatch):
+    monkeypatch.setattr("api.routes.message_batches.MAX_MESSAGE_BATCH_BYTES", 1000)
+    with pytest.raises(anthropic.APIStatusError) as refused:
+        client.messages.batches.create(requests=[
+            {"custom_id": f"r{i}", "params": params("x" * 100)} for i in range(20)])
+    assert refused.value.status_code == 413
+    assert refused.value.body["error"]["type"] == "request_too_large"
