@@ -21,13 +21,15 @@ from engine.distributed.group import TPGroup
 from engine.distributed.helper import HelperHandle
 from engine.distributed.ranks import Ranks
 from engine.distributed.runner import TP_FAMILIES
-from engine.distributed.sharding import ShardPlan, shard_model
+from engine.distributed.sharding import ShardPlan, shard_encoder, shard_model
 from engine.distributed.weights import iter_shard_weights
 from engine.layers.pooling import PoolingType
 from engine.models.decoder_embedding import DecoderEmbeddingModel
 from engine.models.no_init import no_init_weights
 from engine.models.pooling_registry import (
+    CROSS_ENCODER_ARCHITECTURES,
     DECODER_BASE_ARCHITECTURES,
+    ENCODER_ARCHITECTURES,
     EmbeddingModel,
     build_embedding_model,
 )
@@ -58,11 +60,12 @@ class TPPoolingRunner(Ranks, PoolingModelRunner):
                         or [""])[0]
         causal_lm = MODEL_REGISTRY.get(DECODER_BASE_ARCHITECTURES.get(architecture,
                                                                       architecture))
+        if architecture in ENCODER_ARCHITECTURES or architecture in CROSS_ENCODER_ARCHITECTURES:
+            return
         if causal_lm is None or not issubclass(causal_lm, TP_FAMILIES):
-            raise ValueError(f"tensor_parallel_size > 1 splits decoder embedders (Llama, "
-                             f"Mistral, Qwen2, Qwen3 and the other generating families); "
-                             f"{architecture or 'this model'} is not one: an encoder such as "
-                             f"BERT runs on one device (tensor_parallel_size=1)")
+            raise ValueError(f"tensor_parallel_size > 1 splits BERT encoders and decoder "
+                             f"embedders of the generating families; "
+                             f"{architecture or 'this model'} is neither")
 
     def _build_model(self, checkpoint: Checkpoint,
                      max_position: int) -> tuple[EmbeddingModel, PoolingType]:
@@ -71,10 +74,12 @@ class TPPoolingRunner(Ranks, PoolingModelRunner):
         local_config = self.plan.local_config(checkpoint.config)
         with torch.device(self.device), no_init_weights():
             model, default_pooling = build_embedding_model(local_config, max_position)
-        assert isinstance(model, DecoderEmbeddingModel)  # check_checkpoint
         model.to(dtype=self.dtype)
-        model.keep_fp32()
-        shard_model(model.lm, self.plan, self.group)
+        if isinstance(model, DecoderEmbeddingModel):
+            model.keep_fp32()
+            shard_model(model.lm, self.plan, self.group)
+        else:  # a BERT encoder (a cross-encoder's head whole on every rank)
+            shard_encoder(model, self.plan, self.group)
         model.load_weights(iter_shard_weights(checkpoint, self.plan, self.dtype))
         return model, default_pooling
 

@@ -33,6 +33,7 @@ from engine.layers.mlp import GatedMLP
 from engine.layers.moe import SparseMoeBlock
 from engine.layers.norm import RMSNorm
 from engine.lora.layers import LoRALinear
+from engine.models.bert import BertEmbeddings, BertOutput, BertSelfOutput
 from engine.models.mxfp4 import GROUP_SIZE as MXFP4_GROUP
 
 # A per-expert checkpoint tensor: ``<head><expert index><tail>``.
@@ -41,8 +42,27 @@ _PER_EXPERT = re.compile(r"^(?P<head>.*\.experts\.)(?P<expert>\d+)(?P<tail>\..*)
 
 def is_vocabulary(name: str) -> bool:
     """The embedding or the output layer (a base-model checkpoint names its embedding without
-    the ``model.`` prefix)."""
-    return name in ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight")
+    the ``model.`` prefix; BERT's are its word embeddings, ``bert.``-prefixed in a task head's
+    checkpoint)."""
+    return name in ("model.embed_tokens.weight", "embed_tokens.weight", "lm_head.weight",
+                    "embeddings.word_embeddings.weight",
+                    "bert.embeddings.word_embeddings.weight")
+
+
+def _encoder_part(name: str) -> str | None:
+    """A BERT encoder tensor's part: ``query``/``key``/``value`` and ``intermediate``
+    (column-parallel), ``attention_output`` and ``output`` (row-parallel); None otherwise."""
+    if ".encoder.layer." not in f".{name}":
+        return None
+    if ".attention.self." in name:
+        return name.split(".")[-2]
+    if ".attention.output.dense." in name:
+        return "attention_output"
+    if ".intermediate.dense." in name:
+        return "intermediate"
+    if ".output.dense." in name:
+        return "output"
+    return None
 
 
 @dataclass(frozen=True)
@@ -199,6 +219,12 @@ class ShardPlan:
         stored tensor this rank keeps, concatenated; None if it is not split by rows."""
         if self.expert_parallel and ".experts." in name:
             return None  # each expert whole on the rank that holds it
+        part = _encoder_part(name)
+        if part in ("query", "key", "value"):  # BERT: every head has its k and v
+            return [(self.rank * self.local_heads * self.head_dim,
+                     self.local_heads * self.head_dim)]
+        if part == "intermediate":
+            return [(self.rank * self.local_intermediate, self.local_intermediate)]
         proj = name.split(".")[-2] if "." in name else name
         hd = self.head_dim
         q = (self.rank * self.local_heads * hd, self.local_heads * hd)
@@ -262,12 +288,19 @@ class ShardPlan:
         so the all-reduce adds it once."""
         if ".experts." in name:  # (expert parallel: an expert's bias goes with the expert)
             return name.endswith("down_proj_bias") and not self.expert_parallel
+        if _encoder_part(name) in ("attention_output", "output"):
+            return name.endswith(".bias")
         return name.endswith(("o_proj.bias", "down_proj.bias"))
 
     def column_slice(self, name: str) -> tuple[int, int] | None:
         """For a row-parallel weight: the (start, length) range of its input columns."""
         if self.expert_parallel and ".experts." in name:
             return None
+        part = _encoder_part(name)
+        if part == "attention_output" and name.endswith(".weight"):
+            return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
+        if part == "output" and name.endswith(".weight"):
+            return self.rank * self.local_intermediate, self.local_intermediate
         if name.endswith("o_proj.weight"):
             return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
         if name.endswith("down_proj.weight") or (name.endswith(".w2.weight")
@@ -406,3 +439,18 @@ def reduce_after_lora(linear: LoRALinear, group: TPGroup) -> None:
     linear.__class__ = RowParallelLoRALinear
     assert isinstance(linear, RowParallelLoRALinear)
     linear.group = group
+
+
+def shard_encoder(model: nn.Module, plan: ShardPlan, group: TPGroup) -> None:
+    """A BERT encoder's collectives: the attention output and the layer output all-reduce
+    (their biases are rank 0's), the word embeddings are this rank's vocabulary rows."""
+    for module in model.modules():
+        if isinstance(module, BertSelfOutput | BertOutput):
+            module.dense.__class__ = RowParallelLinear
+            assert isinstance(module.dense, RowParallelLinear)
+            module.dense.group = group
+        elif isinstance(module, BertEmbeddings):
+            embed = module.word_embeddings
+            embed.__class__ = VocabParallelEmbedding
+            assert isinstance(embed, VocabParallelEmbedding)
+            embed.group, embed.vocab_start = group, plan.vocab_start

@@ -19,6 +19,7 @@ from torch import nn
 
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.linear import Linear
+from engine.models.llama import head_dim_of
 
 _ACTIVATIONS = {
     "gelu": lambda x: F.gelu(x),
@@ -51,26 +52,27 @@ class BertSelfAttention(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // self.num_heads
-        self.hidden_size = config.hidden_size
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim  # hidden_size, or a rank's share of it
         self.scale = self.head_dim**-0.5
-        self.qkv_proj = Linear(config.hidden_size, 3 * config.hidden_size, bias=True)
+        self.qkv_proj = Linear(config.hidden_size, 3 * self.q_size, bias=True)
 
     def forward(self, hidden_states: torch.Tensor, attn: AttentionBackend,
                 metadata: AttentionMetadata) -> torch.Tensor:
         num_tokens = hidden_states.shape[0]
-        qkv = self.qkv_proj(hidden_states)  # [num_tokens, 3 * hidden_size]
+        qkv = self.qkv_proj(hidden_states)  # [num_tokens, 3 * q_size]
         # [num_tokens, num_heads, head_dim] each
         q, k, v = qkv.view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
         empty = hidden_states.new_empty(0)
         o = attn.forward(q, k, v, empty, empty, metadata, self.scale)
-        return o.reshape(num_tokens, self.hidden_size)
+        return o.reshape(num_tokens, self.q_size)
 
 
 class BertSelfOutput(nn.Module):
     def __init__(self, config) -> None:
         super().__init__()
-        self.dense = Linear(config.hidden_size, config.hidden_size, bias=True)
+        self.dense = Linear(config.num_attention_heads * head_dim_of(config),
+                            config.hidden_size, bias=True)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -149,6 +151,7 @@ class BertModel(nn.Module):
         self.encoder = BertEncoder(config)
         self.vocab_size: int = config.vocab_size
         self.hidden_size: int = config.hidden_size
+        self.num_heads: int = config.num_attention_heads
 
     def forward(
         self,
@@ -174,7 +177,7 @@ class BertModel(nn.Module):
         dropped; old ``gamma``/``beta`` LayerNorm names are read as ``weight``/``bias``)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        size = self.hidden_size
+        size = self.num_heads * head_dim_of(self.config)  # q, k and v rows (a rank's share)
         for name, tensor in weights:
             name = name.removeprefix("bert.")
             if name.startswith(self._SKIPPED):

@@ -148,3 +148,24 @@ def test_auto_dtype_serves_a_cross_encoder_in_fp32(tmp_path):
     engine = LLMEngine(EngineConfig(model=str(path), dtype="auto"))
     assert engine.model_runner.dtype == torch.float32
     assert engine.embedding is not None and engine.embedding.hidden_size == 1
+
+
+def test_a_cross_encoder_over_two_ranks_equals_sentence_transformers(tmp_path):
+    # The encoder split over two ranks (token types and the pooler/classifier head whole on
+    # each), the driver's [CLS] state scored: CrossEncoder's numbers.
+    from sentence_transformers import CrossEncoder
+
+    from engine.distributed.pooling_runner import TPPoolingRunner
+
+    path = make_cross_encoder(tmp_path / "ce", None)
+    items = pairs(11)
+    reference = CrossEncoder(str(path), device="cpu").predict(items, batch_size=4)
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+    runner = engine.model_runner
+    assert isinstance(runner, TPPoolingRunner)
+    try:
+        got = engine_scores(engine, items, group=3, seed=0)
+    finally:
+        runner.close()
+    assert torch.allclose(torch.tensor(got), torch.tensor(reference, dtype=torch.float32),
+                          atol=1e-5, rtol=1e-5), (got, reference)

@@ -331,8 +331,17 @@ def test_a_decoder_embedder_over_two_ranks_equals_one(tmp_path, kind):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_an_encoder_is_refused_over_two_ranks(bert_cls):
-    path, _, _ = bert_cls
-    with pytest.raises(ValueError, match="BertModel is not one: an encoder such as BERT runs "
-                                         "on one device"):
-        LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+def test_a_bert_encoder_over_two_ranks_equals_one(bert_cls):
+    # Heads and MLP columns split, the attention and layer outputs all-reduced (their biases
+    # rank 0's), the word embeddings' vocabulary split, LayerNorms and position embeddings whole.
+    from engine.distributed.pooling_runner import TPPoolingRunner
+
+    path, prompts, expected = bert_cls
+    two = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
+    runner = two.model_runner
+    assert isinstance(runner, TPPoolingRunner)
+    try:
+        got = embed_all(two, prompts, seed=0, group=5)
+    finally:
+        runner.close()
+    assert_cosine(got, expected)
