@@ -257,6 +257,37 @@ class MultipartStream:
             raise exc.error from None
 
 
+class InlineRequestsFile:
+    """Inline requests written as a batch input file as they come, checked like an upload's
+    lines (``store_inline_requests`` for a list at hand; a Message Batch's create streams)."""
+
+    def __init__(self, storage: ObjectStorage, *, endpoint: str, max_bytes: int, max_lines: int,
+                 max_embedding_inputs: int = MAX_BATCH_EMBEDDING_INPUTS) -> None:
+        self.endpoint = endpoint
+        self.ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines,
+                                  max_embedding_inputs, param="requests")
+
+    def add(self, request: dict[str, Any]) -> None:
+        line = {"custom_id": request.get("custom_id"), "method": request.get("method", "POST"),
+                "url": request.get("url") or self.endpoint, "body": request.get("body")}
+        self.ingest.feed(json.dumps(line, ensure_ascii=False).encode() + b"\n")
+
+    def abort(self) -> None:
+        self.ingest.abort()
+
+    def store(self, session: Session, *, tenant_id: str, expires_after: int | None) -> File:
+        """The file row, its object complete in storage; it expires ``expires_after`` seconds
+        from now (None: never)."""
+        self.ingest.finish()
+        row = self.ingest.to_file(tenant_id=tenant_id, filename="inline-requests.jsonl",
+                                  purpose="batch")
+        row.created_at = utcnow()
+        row.expires_at = expires_at(row.created_at, expires_after)
+        session.add(row)
+        session.flush()
+        return row
+
+
 def store_inline_requests(
     session: Session,
     storage: ObjectStorage,
@@ -271,20 +302,12 @@ def store_inline_requests(
 ) -> File:
     """Write an inline ``requests`` array as a batch input file, checked like an upload, that
     expires ``expires_after`` seconds from now (None: never)."""
-    ingest = JsonlIngest(storage, ids.file_id(), max_bytes, max_lines, max_embedding_inputs,
-                         param="requests")
+    file = InlineRequestsFile(storage, endpoint=endpoint, max_bytes=max_bytes,
+                              max_lines=max_lines, max_embedding_inputs=max_embedding_inputs)
     try:
         for request in requests:
-            line = {"custom_id": request.get("custom_id"), "method": request.get("method", "POST"),
-                    "url": request.get("url") or endpoint, "body": request.get("body")}
-            ingest.feed(json.dumps(line, ensure_ascii=False).encode() + b"\n")
-        ingest.finish()
+            file.add(request)
+        return file.store(session, tenant_id=tenant_id, expires_after=expires_after)
     except BaseException:
-        ingest.abort()
+        file.abort()
         raise
-    row = ingest.to_file(tenant_id=tenant_id, filename="inline-requests.jsonl", purpose="batch")
-    row.created_at = utcnow()
-    row.expires_at = expires_at(row.created_at, expires_after)
-    session.add(row)
-    session.flush()
-    return row

@@ -7,7 +7,6 @@ only the objects shown differ (``service.message_batches``). Errors are in Anthr
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Annotated, Any
 
@@ -19,14 +18,16 @@ from starlette.concurrency import run_in_threadpool
 
 from api.deps import AppContext, ContextDep, TenantDep, TenantRef
 from api.errors import ApiError, not_found
+from api.json_items import ArrayItems, JsonBodyError
 from api.routes.batches import (
     LIVE,
     BatchCreateRequest,
-    InlineRequest,
     announce_created,
     cancel_batch,
     create_from_request,
 )
+from api.routes.files import FEED_BYTES
+from api.uploads import InlineRequestsFile
 from openai_format.messages_request import (
     CUSTOM_ID,
     MAX_MESSAGE_BATCH_BYTES,
@@ -55,40 +56,47 @@ def _invalid(message: str) -> ApiError:
     return ApiError(400, message, code="invalid_request")
 
 
-async def _read_body(request: Request) -> bytes:
-    """The request body, refused past Anthropic's 256 MB without holding more."""
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_MESSAGE_BATCH_BYTES:
-            raise ApiError(413, f"The request is larger than the limit of "
-                           f"{MAX_MESSAGE_BATCH_BYTES:,} bytes per Message Batch.")
-        chunks.append(chunk)
-    return b"".join(chunks)
+class _RequestsReader:
+    """A create body's ``requests``, checked and written to the batch's input file as the body
+    arrives (``api.json_items``): a 400 naming the field for a body Anthropic refuses whole (a
+    bad or repeated ``custom_id``, a ``params`` that is no object), and never the whole body in
+    memory."""
 
+    def __init__(self, ctx: AppContext) -> None:
+        self.ctx = ctx
+        self.items = ArrayItems("requests")
+        self.file = InlineRequestsFile(
+            ctx.storage, endpoint=MESSAGES_URL, max_bytes=MAX_MESSAGE_BATCH_BYTES,
+            max_lines=MAX_MESSAGE_BATCH_REQUESTS,
+            max_embedding_inputs=ctx.settings.max_batch_embedding_inputs)
+        self.seen: dict[str, int] = {}
 
-def inline_requests(data: Any) -> list[InlineRequest]:
-    """A create body's ``requests`` as inline batch lines; a 400 naming the field for a body
-    Anthropic refuses whole (a bad or repeated ``custom_id``, a ``params`` that is no object)."""
-    if not isinstance(data, dict):
-        raise _invalid("The request body must be a JSON object.")
-    for name in data:
-        if name != "requests":
-            raise _invalid(f"{name}: Extra inputs are not permitted")
-    requests = data.get("requests")
-    if not isinstance(requests, list):
-        raise _invalid("requests: Field required (a list of {custom_id, params})"
-                       if requests is None else "requests: Input should be a valid list")
-    if not requests:
-        raise _invalid("requests: List should have at least 1 item")
-    if len(requests) > MAX_MESSAGE_BATCH_REQUESTS:
-        raise _invalid(f"requests: List should have at most {MAX_MESSAGE_BATCH_REQUESTS:,} "
-                       f"items, got {len(requests):,}")
-    seen: dict[str, int] = {}
-    lines = []
-    for i, item in enumerate(requests):
+    def feed(self, data: bytes) -> None:
+        try:
+            items = self.items.feed(data)
+        except JsonBodyError as exc:
+            raise _body_error(exc) from None
+        for item in items:
+            self.file.add(self._check(len(self.seen), item))
+
+    def store(self, tenant: TenantRef) -> str:
+        """The input file's id, stored and committed."""
+        try:
+            self.items.finish()
+        except JsonBodyError as exc:
+            raise _body_error(exc) from None
+        if not self.seen:
+            raise _invalid("requests: List should have at least 1 item")
+        with self.ctx.db.session() as session:
+            row = self.file.store(session, tenant_id=tenant.id,
+                                  expires_after=self.ctx.settings.file_expires_after)
+            return row.id
+
+    def _check(self, i: int, item: Any) -> dict[str, Any]:
         where = f"requests.{i}"
+        if i >= MAX_MESSAGE_BATCH_REQUESTS:
+            raise _invalid(f"requests: List should have at most "
+                           f"{MAX_MESSAGE_BATCH_REQUESTS:,} items")
         if not isinstance(item, dict):
             raise _invalid(f"{where}: Input should be an object")
         for name in item:
@@ -98,16 +106,54 @@ def inline_requests(data: Any) -> list[InlineRequest]:
         if not isinstance(custom_id, str) or not _CUSTOM_ID.match(custom_id):
             raise _invalid(f"{where}.custom_id: String should match pattern '{CUSTOM_ID}'"
                            + (f", got {custom_id!r}" if custom_id is not None else ""))
-        if custom_id in seen:
+        if custom_id in self.seen:
             raise _invalid(f"{where}.custom_id: {custom_id!r} is already used by "
-                           f"requests.{seen[custom_id]}; custom_id must be unique in a batch")
-        seen[custom_id] = i
+                           f"requests.{self.seen[custom_id]}; custom_id must be unique in a "
+                           "batch")
+        self.seen[custom_id] = i
         params = item.get("params")
         if not isinstance(params, dict):
             raise _invalid(f"{where}.params: Field required (the Messages API body)"
                            if params is None else f"{where}.params: Input should be an object")
-        lines.append(InlineRequest(custom_id=custom_id, body=params, url=MESSAGES_URL))
-    return lines
+        return {"custom_id": custom_id, "body": params, "url": MESSAGES_URL}
+
+
+def _body_error(exc: JsonBodyError) -> ApiError:
+    return _invalid(f"The request body is not {{\"requests\": [...]}} JSON: {exc}.")
+
+
+async def _read_requests(request: Request, ctx: AppContext, tenant: TenantRef) -> str:
+    """Stream the body through a ``_RequestsReader`` about a MiB at a time, off the event loop;
+    the stored input file's id. After an error the rest is read and dropped, so the client gets
+    the answer rather than a reset connection, and the partial file is removed."""
+    reader = _RequestsReader(ctx)
+    error: Exception | None = None
+    pending = bytearray()
+    size = 0
+    try:
+        async for chunk in request.stream():
+            if error is not None:
+                continue
+            size += len(chunk)
+            if size > MAX_MESSAGE_BATCH_BYTES:
+                error = ApiError(413, f"The request is larger than the limit of "
+                                      f"{MAX_MESSAGE_BATCH_BYTES:,} bytes per Message Batch.")
+                continue
+            pending += chunk
+            if len(pending) >= FEED_BYTES:
+                data = bytes(pending)
+                pending.clear()
+                try:
+                    await run_in_threadpool(reader.feed, data)
+                except Exception as exc:  # a bad request, or storage that is down
+                    error = exc
+        if error is not None:
+            raise error
+        await run_in_threadpool(reader.feed, bytes(pending))
+        return await run_in_threadpool(reader.store, tenant)
+    except BaseException:
+        reader.file.abort()
+        raise
 
 
 def results_url(request: Request, batch_id: str) -> str:
@@ -138,7 +184,7 @@ def _object(ctx: AppContext, tenant: TenantRef, batch_id: str, request: Request)
                        request)[0]
 
 
-# The body the create reads itself (streamed, then checked by ``inline_requests``), for the
+# The body the create reads itself (streamed and checked by ``_RequestsReader``), for the
 # OpenAPI docs.
 _CREATE_BODY = {"requestBody": {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["requests"], "additionalProperties": False, "properties": {
@@ -153,21 +199,15 @@ _CREATE_BODY = {"requestBody": {"required": True, "content": {"application/json"
 @router.post("/v1/messages/batches", openapi_extra=_CREATE_BODY)
 async def create_message_batch(request: Request, tenant: TenantDep,
                                ctx: ContextDep) -> JSONResponse:
-    raw = await _read_body(request)
-    return JSONResponse(await run_in_threadpool(_create, raw, tenant, ctx, request))
+    file_id = await _read_requests(request, ctx, tenant)
+    return JSONResponse(await run_in_threadpool(_create, file_id, tenant, ctx, request))
 
 
-def _create(raw: bytes, tenant: TenantRef, ctx: AppContext, request: Request) -> dict:
-    try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise _invalid(f"The request body is not valid JSON: {exc}.") from exc
+def _create(file_id: str, tenant: TenantRef, ctx: AppContext, request: Request) -> dict:
     create = BatchCreateRequest(endpoint=MESSAGES_URL, completion_window=_WINDOW,
-                                requests=inline_requests(data))
+                                input_file_id=file_id)
     body = create_from_request(create, tenant, ctx, parse_completion_window(_WINDOW),
-                               ctx.settings.output_expires_after,
-                               max_bytes=MAX_MESSAGE_BATCH_BYTES,
-                               max_lines=MAX_MESSAGE_BATCH_REQUESTS, all_invalid_ok=True)
+                               ctx.settings.output_expires_after, all_invalid_ok=True)
     announce_created(ctx, tenant_id=tenant.id, batch_id=body["id"])
     return _object(ctx, tenant, body["id"], request)
 
