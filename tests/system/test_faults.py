@@ -23,7 +23,7 @@ from sqlalchemy import create_engine, text
 from service.settings import Settings
 from tests.conftest_services import chat_line, jsonl, wait_for
 from tests.figures import record
-from tests.openai_shapes import error_of
+from tests.system.audit import exactly_once, read_results
 from tests.system.stack import MULTIPART_HEADERS, multipart_upload
 
 TABLE = "Faults: every custom_id exactly once (tiny model, real PostgreSQL/Redis/SeaweedFS)"
@@ -131,24 +131,12 @@ class Watch:
 def outcome(client: httpx.Client, batch_id: str, expected: list[str]) -> dict:
     """The final batch and the exactly-once figures over its output and error files."""
     batch = client.get(f"/v1/batches/{batch_id}").json()
-    seen: list[str] = []
-    codes: dict[str, int] = {}
-    for key in ("output_file_id", "error_file_id"):
-        if batch[key]:
-            response = client.get(f"/v1/files/{batch[key]}/content")
-            assert response.status_code == 200, response.text
-            for raw in response.text.splitlines():
-                line = json.loads(raw)
-                seen.append(line["custom_id"])
-                if line["error"] or line["response"]["status_code"] != 200:
-                    code = error_of(line)["code"]
-                    codes[code] = codes.get(code, 0) + 1
+    results = read_results(client, batch)
     counts = batch["request_counts"]
     assert counts["total"] == len(expected)
-    assert counts["completed"] + counts["failed"] == len(seen)
-    return {"batch": batch, "lost": len(set(expected) - set(seen)),
-            "duplicates": len(seen) - len(set(seen)), "unknown": len(set(seen) - set(expected)),
-            "error_codes": codes}
+    assert counts["completed"] + counts["failed"] == len(results.custom_ids)
+    return {"batch": batch, **exactly_once(expected, results.custom_ids),
+            "error_codes": results.error_codes}
 
 
 def report(fault: str, result: dict, *, outage_s: float | None, recovery_s: float | None,

@@ -1,0 +1,114 @@
+"""The chaos run's faults: a schedule drawn from ``random.Random(seed)`` before the run starts
+(so a seed replays the same faults in the same order, whatever the timing), and the injector
+that applies it, one fault at a time, to a ``PrivateStack`` (tests/system/stack.py)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+KINDS = ("worker_sigkill", "worker_sigstop", "api_sigkill", "postgres_restart",
+         "redis_restart", "s3_away")
+# How long each kind keeps its part away, in seconds (min, max): a killed worker or API is
+# started again at once, so its outage is its start-up.
+OUTAGE_S = {"worker_sigkill": (0.0, 0.0), "worker_sigstop": (2.0, 8.0),
+            "api_sigkill": (0.0, 0.0), "postgres_restart": (1.0, 5.0),
+            "redis_restart": (1.0, 5.0), "s3_away": (5.0, 30.0)}
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_s: float  # from the run's start
+    kind: str
+    target: str  # a worker's name, or the part
+    outage_s: float
+
+
+def schedule(seed: int, *, run_s: float, mean_gap_s: float, workers: tuple[str, ...],
+             max_outage_s: float) -> list[Fault]:
+    """Faults from 5 s into the run until its end, ``mean_gap_s`` apart on average; every kind
+    at least once when the run is long enough. Outages are capped at ``max_outage_s`` (short
+    runs)."""
+    if mean_gap_s <= 0 or run_s <= 0:
+        raise ValueError(f"run_s and mean_gap_s must be > 0, got {run_s} and {mean_gap_s}")
+    rng = random.Random(seed)
+    faults: list[Fault] = []
+    at = 5.0
+    kinds = list(KINDS)
+    rng.shuffle(kinds)  # the first len(KINDS) faults cover every kind, in a seeded order
+    while at < run_s:
+        kind = kinds[len(faults)] if len(faults) < len(kinds) else rng.choice(KINDS)
+        low, high = OUTAGE_S[kind]
+        outage = min(rng.uniform(low, high), max(low, max_outage_s))
+        target = rng.choice(workers) if kind.startswith("worker") else kind.split("_")[0]
+        faults.append(Fault(round(at, 1), kind, target, round(outage, 1)))
+        at += outage + rng.uniform(0.5 * mean_gap_s, 1.5 * mean_gap_s)
+    return faults
+
+
+class Injector:
+    """Applies a schedule in a thread; every part is back when a fault ends (a killed process
+    started again, a stopped one continued, a server restarted)."""
+
+    def __init__(self, stack, faults: list[Fault], started: float) -> None:
+        self.stack, self.faults, self.started = stack, faults, started
+        self.injected: Counter[str] = Counter()
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Injector:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """No new fault; waits for the current one to end."""
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        for fault in self.faults:
+            if self._stop.wait(max(0.0, self.started + fault.at_s - time.monotonic())):
+                return
+            try:
+                self.apply(fault)
+                self.injected[fault.kind] += 1
+            except Exception as exc:  # a part that will not come back is a finding, not a crash
+                self.errors.append(f"{fault}: {type(exc).__name__}: {exc}")
+            print(f"[chaos] {time.monotonic() - self.started:6.1f}s {fault.kind} "
+                  f"{fault.target} {fault.outage_s}s", flush=True)
+
+    def apply(self, fault: Fault) -> None:
+        stack = self.stack
+        if fault.kind == "worker_sigkill":
+            stack.kill_worker(fault.target)
+            stack.start_worker(fault.target)
+        elif fault.kind == "worker_sigstop":
+            pid = stack.workers[fault.target].pid
+            os.killpg(pid, signal.SIGSTOP)
+            try:
+                time.sleep(fault.outage_s)
+            finally:
+                os.killpg(pid, signal.SIGCONT)
+        elif fault.kind == "api_sigkill":
+            stack.kill_api()
+            stack.start_api()
+        elif fault.kind == "postgres_restart":
+            stack.pg.stop("immediate")
+            time.sleep(fault.outage_s)
+            stack.pg.start()
+        elif fault.kind == "redis_restart":
+            stack.redis.stop()
+            time.sleep(fault.outage_s)
+            stack.redis.start()
+        elif fault.kind == "s3_away":
+            stack.weed.stop()
+            time.sleep(fault.outage_s)
+            stack.weed.start()
+        else:
+            raise ValueError(f"unknown fault kind {fault.kind!r}")
