@@ -99,7 +99,9 @@ class Injector:
             stack.kill_api()
             stack.start_api()
         elif fault.kind == "postgres_restart":
-            stack.pg.stop("immediate")
+            # A clean stop: the private server runs with synchronous_commit=off, so a crash
+            # (``immediate``) loses commits it had acknowledged, which no service survives.
+            stack.pg.stop("fast")
             time.sleep(fault.outage_s)
             stack.pg.start()
         elif fault.kind == "redis_restart":

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from bench.chaos import run
+from bench.chaos_audit import Audit, audit_timestamps, legal_changes
 from bench.chaos_faults import KINDS, schedule
 from tests.figures import record
 
@@ -21,6 +22,24 @@ def test_schedule_replays_from_its_seed():
     assert draw(SEED) == draw(SEED) != draw(SEED + 1)
     assert {f.kind for f in draw(SEED)} == set(KINDS)  # every kind in a two-minute run
     assert all(f.outage_s <= 8 for f in draw(SEED))
+
+
+def test_auditor_flags_illegal_changes_and_disordered_timestamps():
+    assert legal_changes(["validating", "in_progress", "finalizing", "completed"])
+    assert legal_changes(["in_progress", "cancelling", "cancelled"])  # a look missed one
+    assert not legal_changes(["in_progress", "finalizing", "in_progress", "completed"])
+    assert not legal_changes(["completed", "expired"])
+    at = dict.fromkeys(("in_progress_at", "finalizing_at", "completed_at", "failed_at",
+                        "expired_at", "cancelling_at", "cancelled_at"))
+    good = {**at, "id": "b", "status": "completed", "created_at": 1, "in_progress_at": 2,
+            "finalizing_at": 3, "completed_at": 3}
+    bad = [{**good, "finalizing_at": 4},  # finalizing after completed
+           {**good, "expired_at": 5},  # two final timestamps
+           {**good, "status": "cancelled", "cancelled_at": 4}]  # cancelled, never cancelling
+    audit = Audit()
+    for batch in (good, *bad):
+        audit_timestamps(audit, batch)
+    assert audit.checked["timestamps ordered"] == 4 and len(audit.violations) == 3
 
 
 def test_short_chaos_run_has_no_violations():
