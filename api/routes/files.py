@@ -11,6 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from api.body import feed_body
 from api.deps import ContextDep, TenantDep
 from api.errors import ApiError, not_found
 from api.pagination import paginate
@@ -25,7 +26,6 @@ from service.settings import Settings
 
 router = APIRouter(tags=["files"])
 
-FEED_BYTES = 1 << 20  # hand the parser ~1 MiB at a time, off the event loop
 MULTIPART_OVERHEAD = 64 << 10
 
 
@@ -112,24 +112,7 @@ def upload_lifetime(fields: dict[str, str], settings: Settings) -> int | None:
 
 
 async def _receive(request: Request, parser: MultipartStream) -> None:
-    """Feed the body to the parser about a MiB at a time, off the event loop. After an error the
-    rest is read and dropped, so the client gets the answer rather than a reset connection."""
-    error: Exception | None = None
-    pending = bytearray()
-    async for chunk in request.stream():
-        if error is not None:
-            continue
-        pending += chunk
-        if len(pending) >= FEED_BYTES:
-            data = bytes(pending)
-            pending.clear()
-            try:
-                await run_in_threadpool(parser.feed, data)
-            except Exception as exc:  # a bad file, or storage that is down (a 503)
-                error = exc
-    if error is not None:
-        raise error
-    await run_in_threadpool(parser.feed, bytes(pending))
+    await feed_body(request, parser.feed)
     parser.finish()
 
 

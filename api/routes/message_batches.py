@@ -16,6 +16,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from api.body import feed_body
 from api.deps import AppContext, ContextDep, TenantDep, TenantRef
 from api.errors import ApiError, not_found
 from api.json_items import ArrayItems, JsonBodyError
@@ -26,7 +27,6 @@ from api.routes.batches import (
     cancel_batch,
     create_from_request,
 )
-from api.routes.files import FEED_BYTES
 from api.uploads import InlineRequestsFile
 from openai_format.messages_request import (
     CUSTOM_ID,
@@ -123,33 +123,13 @@ def _body_error(exc: JsonBodyError) -> ApiError:
 
 
 async def _read_requests(request: Request, ctx: AppContext, tenant: TenantRef) -> str:
-    """Stream the body through a ``_RequestsReader`` about a MiB at a time, off the event loop;
-    the stored input file's id. After an error the rest is read and dropped, so the client gets
-    the answer rather than a reset connection, and the partial file is removed."""
+    """The body through a ``_RequestsReader`` as it arrives (``api.body``); the stored input
+    file's id. A refused body's partial file is removed."""
     reader = _RequestsReader(ctx)
-    error: Exception | None = None
-    pending = bytearray()
-    size = 0
     try:
-        async for chunk in request.stream():
-            if error is not None:
-                continue
-            size += len(chunk)
-            if size > MAX_MESSAGE_BATCH_BYTES:
-                error = ApiError(413, f"The request is larger than the limit of "
-                                      f"{MAX_MESSAGE_BATCH_BYTES:,} bytes per Message Batch.")
-                continue
-            pending += chunk
-            if len(pending) >= FEED_BYTES:
-                data = bytes(pending)
-                pending.clear()
-                try:
-                    await run_in_threadpool(reader.feed, data)
-                except Exception as exc:  # a bad request, or storage that is down
-                    error = exc
-        if error is not None:
-            raise error
-        await run_in_threadpool(reader.feed, bytes(pending))
+        await feed_body(request, reader.feed, max_bytes=MAX_MESSAGE_BATCH_BYTES,
+                        too_large=f"The request is larger than the limit of "
+                                  f"{MAX_MESSAGE_BATCH_BYTES:,} bytes per Message Batch.")
         return await run_in_threadpool(reader.store, tenant)
     except BaseException:
         reader.file.abort()
