@@ -112,7 +112,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
-            num_new = step.cap(request, min(request.num_tokens - request.num_computed_tokens,
+            num_new = step.cap(request, min(len(request.token_ids) - request.num_computed_tokens,
                                             step.budget))
             if num_new == 0:
                 i += 1  # a less urgent request and the less urgent budget is spent: it skips
@@ -318,9 +318,11 @@ class Scheduler:
             step.remove(other.request_id)
         return step.budget > 0
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        sample = request.num_computed_tokens + num_new == request.num_tokens
-        return ScheduledRequest(request.request_id, request.num_computed_tokens, num_new, sample)
+    @staticmethod
+    def _scheduled(request: Request, num_new: int) -> ScheduledRequest:
+        num_computed = request.num_computed_tokens
+        return ScheduledRequest(request.request_id, num_computed, num_new,
+                                num_computed + num_new == len(request.token_ids))
 
     def _preempt(self, request: Request, step: StepBudget) -> None:
         step.remove(request.request_id)
@@ -343,8 +345,10 @@ class Scheduler:
         now = time.monotonic()
         updated: list[Request] = []
         finished: list[Request] = []
+        requests = self.requests
+        sampled = runner_output.sampled_token_ids
         for sched in scheduler_output.scheduled:
-            request = self.requests[sched.request_id]
+            request = requests[sched.request_id]
             request.num_computed_tokens += sched.num_new_tokens
             if request.is_pooling:  # done in its one step: its vector is its output
                 request.embedding = runner_output.pooled[request.request_id]
@@ -356,25 +360,29 @@ class Scheduler:
             self.kv.cache_full_blocks(request)
             if not sched.sample:
                 continue
-            token_id = runner_output.sampled_token_ids[request.request_id]
-            request.append_token(token_id)
+            token_id = sampled[request.request_id]
+            token_ids = request.token_ids
+            token_ids.append(token_id)
             if request.logprobs is not None:
                 request.logprobs.append(runner_output.logprobs[request.request_id])
+            num_out = len(token_ids) - len(request.prompt_token_ids)
             metrics = request.metrics
-            metrics.num_generated_tokens = request.num_output_tokens
+            metrics.num_generated_tokens = num_out
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             updated.append(request)
-            status = self._check_token_stop(request, token_id)
+            status = self._check_token_stop(request, token_id, num_out)
             if status is not None:
                 self.running.remove(request)
                 self._finish(request, status)
                 finished.append(request)
         return updated, finished
 
-    def _check_token_stop(self, request: Request, token_id: int) -> RequestStatus | None:
+    def _check_token_stop(self, request: Request, token_id: int,
+                          num_out: int) -> RequestStatus | None:
+        """Why ``request`` ends at ``token_id``, its ``num_out``-th output token (None: it goes
+        on)."""
         params = request.sampling_params
-        num_out = request.num_output_tokens
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
                 request.stop_reason = None
@@ -382,7 +390,7 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_out >= request.max_tokens or len(request.token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

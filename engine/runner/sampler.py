@@ -30,8 +30,9 @@ class Sampler:
     def needs_full_logits(request: Request) -> bool:
         """False for a plain greedy request: its token is the argmax of the raw logits, which
         ``GreedyScreen`` finds without the full fp32 projection."""
-        return (not request.argmax_only
-                or request.num_output_tokens < request.sampling_params.min_tokens)
+        min_tokens = request.sampling_params.min_tokens
+        return not request.argmax_only or (min_tokens > 0
+                                           and request.num_output_tokens < min_tokens)
 
     def __call__(
         self, logits: torch.Tensor, requests: list[Request]
