@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import tempfile
 import threading
@@ -215,6 +216,7 @@ def run(seed: int, minutes: float, *, mean_gap_s: float, max_outage_s: float,
                         render(seed, minutes, faults, injector, workload, result, drain_s))
     finally:
         stack.close()
+        shutil.rmtree(model_root, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
