@@ -51,7 +51,6 @@ class LLMEngine:
         num_blocks = self.model_runner.num_kv_blocks
         # An embedding model's limits, None for a generation model.
         self.embedding: EmbeddingSpec | None = started.embedding
-        self.is_embedding = self.embedding is not None
         # A request must always fit in the cache on its own, or it could never run (an
         # embedding engine keeps no cache: its inputs are bounded by the model alone).
         self.max_model_len = (started.model_len if self.is_embedding
@@ -78,6 +77,11 @@ class LLMEngine:
             # after the build: loading and packing the weights keeps glibc's defaults (their
             # large, once-only buffers go back to the kernel when freed)
             keep_step_buffers_on_heap()
+
+    @property
+    def is_embedding(self) -> bool:
+        """The engine embeds (``PoolingParams`` requests) instead of generating text."""
+        return self.embedding is not None
 
     @property
     def vocab_size(self) -> int:
@@ -194,7 +198,6 @@ class LLMEngine:
         self._parents[parent.request_id] = parent
         for child in parent.children:
             self._child_to_parent[child.request_id] = parent.request_id
-        for child in parent.children:
             self.scheduler.add_request(child)
 
     def _embedding_spec(self) -> EmbeddingSpec:

@@ -55,7 +55,7 @@ from engine.models.no_init import no_init_weights
 from engine.models.olmoe import OlmoeForCausalLM
 from engine.models.qwen3_moe import Qwen3MoeForCausalLM
 from engine.models.registry import get_model_class
-from engine.outputs import ModelRunnerOutput, SchedulerOutput
+from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.runner.base import Runner
 from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.input_batch import InputBatch, build_input_batch
@@ -153,12 +153,14 @@ class TPModelRunner(Ranks, ModelRunner):
     def execute(self, scheduler_output: SchedulerOutput,
                 requests: dict[str, Request]) -> ModelRunnerOutput:
         self._check_alive()
-        message = self._messages.step(self._ordered(scheduler_output, requests), requests)
         try:
-            self._send(message)
             return super().execute(scheduler_output, requests)
         except BaseException as error:
             raise self._fail(error) from error
+
+    def _will_run(self, scheduled: list[ScheduledRequest], requests: dict[str, Request]) -> None:
+        """Send the helpers the step, in the layout this rank runs it."""
+        self._send(self._messages.step(scheduled, requests))
 
     def score_tokens(self, token_ids: list[int]) -> torch.Tensor:
         self._check_alive()
@@ -185,11 +187,8 @@ class TPModelRunner(Ranks, ModelRunner):
         rows = self._held.apply(message)
         batch = build_input_batch(rows, self.block_size, self.device,
                                   with_window=self.kv_window is not None)
-        lora = None
-        if self.lora is not None:  # the driver's segments: its rows, decodes first
-            flat = ([d for d in message.rows if d.num_new_tokens == 1]
-                    + [d for d in message.rows if d.num_new_tokens > 1])
-            lora = self.lora.step_batch([(d.lora_name, d.num_new_tokens) for d in flat])
+        lora = None if self.lora is None else self._lora_batch(
+            [(d.lora_name, d.num_new_tokens) for d in message.rows])
         with lora_batch(lora):
             hidden = self._forward(batch)
         if batch.sample_indices:  # the driver samples; the gather needs every rank

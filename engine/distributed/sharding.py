@@ -49,20 +49,22 @@ def is_vocabulary(name: str) -> bool:
                     "bert.embeddings.word_embeddings.weight")
 
 
-def _encoder_part(name: str) -> str | None:
-    """A BERT encoder tensor's part: ``query``/``key``/``value`` and ``intermediate``
-    (column-parallel), ``attention_output`` and ``output`` (row-parallel); None otherwise."""
-    if ".encoder.layer." not in f".{name}":
-        return None
-    if ".attention.self." in name:
-        return name.split(".")[-2]
-    if ".attention.output.dense." in name:
-        return "attention_output"
-    if ".intermediate.dense." in name:
-        return "intermediate"
-    if ".output.dense." in name:
-        return "output"
-    return None
+# A BERT encoder's projections by their roles in a decoder layer (the first match wins:
+# ``attention.output.dense`` before the layer's ``output.dense``).
+_ENCODER_PROJECTIONS = {"attention.self.query": "q_proj", "attention.self.key": "k_proj",
+                        "attention.self.value": "v_proj", "attention.output.dense": "o_proj",
+                        "intermediate.dense": "up_proj", "output.dense": "down_proj"}
+
+
+def _projection(name: str) -> str:
+    """The projection a tensor belongs to, in the decoder families' names: a BERT encoder's
+    query is a ``q_proj``, its intermediate dense an ``up_proj``, its output dense a
+    ``down_proj``, so one set of rules splits both."""
+    if ".encoder.layer." in f".{name}":
+        for path, projection in _ENCODER_PROJECTIONS.items():
+            if f".{path}." in name:
+                return projection
+    return name.split(".")[-2] if "." in name else name
 
 
 @dataclass(frozen=True)
@@ -219,18 +221,11 @@ class ShardPlan:
         stored tensor this rank keeps, concatenated; None if it is not split by rows."""
         if self.expert_parallel and ".experts." in name:
             return None  # each expert whole on the rank that holds it
-        part = _encoder_part(name)
-        if part in ("query", "key", "value"):  # BERT: every head has its k and v
-            return [(self.rank * self.local_heads * self.head_dim,
-                     self.local_heads * self.head_dim)]
-        if part == "intermediate":
-            return [(self.rank * self.local_intermediate, self.local_intermediate)]
-        proj = name.split(".")[-2] if "." in name else name
+        proj = _projection(name)
         hd = self.head_dim
-        q = (self.rank * self.local_heads * hd, self.local_heads * hd)
+        q = self._heads_range
         kv = (self.kv_head_start * hd, self.local_kv_heads * hd)
-        local_inter = self._mlp_size(name) // self.world_size
-        inter = (self.rank * local_inter, local_inter)
+        inter = self._intermediate_range(name)
         if proj == "q_proj":
             return [q]
         if proj in ("k_proj", "v_proj"):
@@ -288,26 +283,29 @@ class ShardPlan:
         so the all-reduce adds it once."""
         if ".experts." in name:  # (expert parallel: an expert's bias goes with the expert)
             return name.endswith("down_proj_bias") and not self.expert_parallel
-        if _encoder_part(name) in ("attention_output", "output"):
-            return name.endswith(".bias")
-        return name.endswith(("o_proj.bias", "down_proj.bias"))
+        return name.endswith(".bias") and _projection(name) in ("o_proj", "down_proj")
 
     def column_slice(self, name: str) -> tuple[int, int] | None:
         """For a row-parallel weight: the (start, length) range of its input columns."""
-        if self.expert_parallel and ".experts." in name:
+        if (self.expert_parallel and ".experts." in name) or not name.endswith(".weight"):
             return None
-        part = _encoder_part(name)
-        if part == "attention_output" and name.endswith(".weight"):
-            return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
-        if part == "output" and name.endswith(".weight"):
-            return self.rank * self.local_intermediate, self.local_intermediate
-        if name.endswith("o_proj.weight"):
-            return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
-        if name.endswith("down_proj.weight") or (name.endswith(".w2.weight")
-                                                  and ".experts." in name):
-            local_inter = self._mlp_size(name) // self.world_size
-            return self.rank * local_inter, local_inter
+        proj = _projection(name)
+        if proj == "o_proj":
+            return self._heads_range
+        if proj == "down_proj" or (proj == "w2" and ".experts." in name):
+            return self._intermediate_range(name)
         return None
+
+    @property
+    def _heads_range(self) -> tuple[int, int]:
+        """(start, length) of this rank's query heads' values in a projection's rows (or, in a
+        row-parallel one, its input columns)."""
+        return self.rank * self.local_heads * self.head_dim, self.local_heads * self.head_dim
+
+    def _intermediate_range(self, name: str) -> tuple[int, int]:
+        """(start, length) of this rank's columns of the MLP ``name`` belongs to."""
+        local = self._mlp_size(name) // self.world_size
+        return self.rank * local, local
 
 
 class RowParallelLinear(Linear):

@@ -56,10 +56,11 @@ def build_input_batch(rows: list[StepRow], block_size: int, device: torch.device
 
     One pass of list comprehensions over the rows, then numpy over the batch: positions, slot
     mapping and block tables are gathered from one padded table, not row by row."""
-    decodes = [r for r in rows if r.num_new_tokens == 1]
-    prefills = [r for r in rows if r.num_new_tokens > 1]
-    order = decodes + prefills
-    num_decodes = len(decodes)
+    order_ids = ([i for i, r in enumerate(rows) if r.num_new_tokens == 1]
+                 + [i for i, r in enumerate(rows) if r.num_new_tokens > 1])
+    order = [rows[i] for i in order_ids]
+    num_decodes = sum(1 for r in rows if r.num_new_tokens == 1)
+    decodes, prefills = order[:num_decodes], order[num_decodes:]
     starts = np.fromiter((r.num_computed_tokens for r in order), dtype=np.int64,
                          count=len(order))
     query_lens = np.fromiter((r.num_new_tokens for r in order), dtype=np.int64,
@@ -75,8 +76,7 @@ def build_input_batch(rows: list[StepRow], block_size: int, device: torch.device
                                      + r.num_new_tokens])
     sample_rows_in_order = [i for i, r in enumerate(order) if r.sample]
     sample_indices = (offsets + query_lens - 1)[sample_rows_in_order].tolist()
-    index_of = {id(r): i for i, r in enumerate(rows)}
-    sample_rows = [index_of[id(order[i])] for i in sample_rows_in_order]
+    sample_rows = [order_ids[i] for i in sample_rows_in_order]
     context_lens = ends.astype(np.int32)
     query_start = np.zeros(len(prefills) + 1, dtype=np.int32)
     np.cumsum(query_lens[num_decodes:], out=query_start[1:])

@@ -25,7 +25,7 @@ from engine.layers.linear import pack_linear_weights, packing_gemm
 from engine.layers.moe import pack_experts
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.lora.adapter import ShardLoRA
-from engine.lora.layers import lora_batch, wrap_lora_linears
+from engine.lora.layers import LoRABatch, lora_batch, wrap_lora_linears
 from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
 from engine.models.no_init import no_init_weights
@@ -188,10 +188,10 @@ class ModelRunner:
         self.kv_cache_seconds = time.perf_counter() - start
 
     def prepare_inputs(
-        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+        self, scheduled: list[ScheduledRequest], requests: dict[str, Request]
     ) -> tuple[InputBatch, list[Request]]:
-        """The step's flat batch, and the requests that sample, in its sample order."""
-        scheduled = self._ordered(scheduler_output, requests)
+        """The step's flat batch of ``scheduled`` (``_ordered``), and the requests that sample,
+        in its sample order."""
         rows = []
         for s in scheduled:
             request = requests[s.request_id]
@@ -215,23 +215,25 @@ class ModelRunner:
             scheduled.sort(key=by_adapter)
         return scheduled
 
-    def _lora_batch(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]):
-        """The step's LoRA segments in the flat batch's row order (None: no adapter rows)."""
-        if self.lora is None:
-            return None
-        scheduled = self._ordered(scheduler_output, requests)
-        flat = ([s for s in scheduled if s.num_new_tokens == 1]
-                + [s for s in scheduled if s.num_new_tokens > 1])
-        return self.lora.step_batch([(requests[s.request_id].lora_name, s.num_new_tokens)
-                                     for s in flat])
+    def _lora_batch(self, rows: list[tuple[str | None, int]]) -> LoRABatch | None:
+        """The step's LoRA segments from its (adapter, new tokens) rows in ``_ordered`` order,
+        laid out as the flat batch is, decodes first (None: no adapter rows). LoRA is on."""
+        assert self.lora is not None
+        return self.lora.step_batch([r for r in rows if r[1] == 1] + [r for r in rows if r[1] > 1])
+
+    def _will_run(self, scheduled: list[ScheduledRequest], requests: dict[str, Request]) -> None:
+        """Called with the step's layout before it runs (a tensor-parallel driver sends it)."""
 
     @torch.inference_mode()
     def execute(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> ModelRunnerOutput:
-        batch, sample_requests = self.prepare_inputs(scheduler_output, requests)
+        scheduled = self._ordered(scheduler_output, requests)
+        self._will_run(scheduled, requests)
+        batch, sample_requests = self.prepare_inputs(scheduled, requests)
         metadata = batch.metadata
-        lora = self._lora_batch(scheduler_output, requests)
+        lora = None if self.lora is None else self._lora_batch(
+            [(requests[s.request_id].lora_name, s.num_new_tokens) for s in scheduled])
         graphs = self.graphs if lora is None else self.lora_graphs
         if graphs is not None and metadata.num_prefills == 0:
             if lora is not None:

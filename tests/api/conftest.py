@@ -29,11 +29,16 @@ class RecordingQueue(EmbeddedQueue):
         self.models.extend(model for _ in shard_ids)
 
 
-@pytest.fixture
-def settings(sqlite_url, tmp_path) -> Settings:
-    return Settings(database_url=sqlite_url, storage_url=str(tmp_path / "storage"),
+def api_settings(database_url: str, tmp_path) -> Settings:
+    """The API tests' settings on ``database_url``: small files and shards, two windows."""
+    return Settings(database_url=database_url, storage_url=str(tmp_path / "storage"),
                     max_file_bytes=64 * 1024, max_file_lines=50, shard_size=4,
                     completion_windows=["24h", "1h"])
+
+
+@pytest.fixture
+def settings(sqlite_url, tmp_path) -> Settings:
+    return api_settings(sqlite_url, tmp_path)
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from service.served_models import default_model
 from service.settings import Settings
+from tests.api.conftest import api_settings
 from tests.api.test_bad_input_corpus import tiny_worker  # noqa: F401 - a fixture
 from tests.conftest_services import wait_for
 from worker.finalize import finalize_batch
@@ -28,9 +29,7 @@ WEATHER = {"name": "get_weather", "description": "Weather in a city",
 @pytest.fixture
 def settings(any_db_url, tmp_path) -> Settings:
     """The API tests' settings, on SQLite and on PostgreSQL."""
-    return Settings(database_url=any_db_url, storage_url=str(tmp_path / "storage"),
-                    max_file_bytes=64 * 1024, max_file_lines=50, shard_size=4,
-                    completion_windows=["24h", "1h"])
+    return api_settings(any_db_url, tmp_path)
 
 
 @pytest.fixture

@@ -155,17 +155,12 @@ def test_a_cross_encoder_over_two_ranks_equals_sentence_transformers(tmp_path):
     # each), the driver's [CLS] state scored: CrossEncoder's numbers.
     from sentence_transformers import CrossEncoder
 
-    from engine.distributed.pooling_runner import TPPoolingRunner
+    from tests.engine.test_embeddings import two_rank_engine
 
     path = make_cross_encoder(tmp_path / "ce", None)
     items = pairs(11)
     reference = CrossEncoder(str(path), device="cpu").predict(items, batch_size=4)
-    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
-    runner = engine.model_runner
-    assert isinstance(runner, TPPoolingRunner)
-    try:
+    with two_rank_engine(path) as engine:
         got = engine_scores(engine, items, group=3, seed=0)
-    finally:
-        runner.close()
     assert torch.allclose(torch.tensor(got), torch.tensor(reference, dtype=torch.float32),
                           atol=1e-5, rtol=1e-5), (got, reference)

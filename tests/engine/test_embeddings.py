@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -98,6 +100,32 @@ def embed_all(engine: LLMEngine, prompts, *, seed: int, group: int,
         for i, vector in zip(chunk, done[f"r{n}"].embeddings, strict=True):
             rows[i] = vector
     return torch.stack(rows)
+
+
+@contextmanager
+def two_rank_engine(path, **options) -> Iterator[LLMEngine]:
+    """An embedding engine over two ranks (the tensor-parallel pooling runner); its helper
+    ranks stopped after."""
+    from engine.distributed.pooling_runner import TPPoolingRunner
+
+    engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2,
+                                    **options))
+    assert isinstance(engine.model_runner, TPPoolingRunner)
+    try:
+        yield engine
+    finally:
+        engine.model_runner.close()
+
+
+def qwen3_base_embedder(tmp_path, **overrides):
+    """A Qwen3 base-model checkpoint (``Qwen3Model``: no output layer, unprefixed names) and
+    transformers' model of it, in fp32."""
+    causal = make_checkpoint(tmp_path / "lm", "qwen3", **overrides)
+    base = transformers.Qwen3ForCausalLM.from_pretrained(causal).model.float()
+    base.config.architectures = ["Qwen3Model"]
+    base.save_pretrained(tmp_path / "base")
+    transformers.AutoTokenizer.from_pretrained(causal).save_pretrained(tmp_path / "base")
+    return tmp_path / "base", base
 
 
 def assert_cosine(got: torch.Tensor, expected: torch.Tensor, at_least: float = 0.99999):
@@ -206,12 +234,8 @@ def test_decoder_last_token_equals_transformers(tmp_path, kind):
         base = transformers.Gemma2ForCausalLM.from_pretrained(
             path, attn_implementation="eager").model.float()
     elif kind == "qwen3-base":
-        causal = make_checkpoint(tmp_path / "lm", "qwen3")
-        base = transformers.Qwen3ForCausalLM.from_pretrained(causal).model.float()
-        base.config.architectures = ["Qwen3Model"]
-        base.save_pretrained(tmp_path / "base")
-        transformers.AutoTokenizer.from_pretrained(causal).save_pretrained(tmp_path / "base")
-        path, options = tmp_path / "base", {}
+        path, base = qwen3_base_embedder(tmp_path)
+        options = {}
     else:
         path, options = make_checkpoint(tmp_path / "lm", "llama"), {"task": "embed"}
         base = transformers.LlamaForCausalLM.from_pretrained(path).model.float()
@@ -304,15 +328,9 @@ def test_a_sentence_transformers_decoder_folder_embeds_without_options(tmp_path)
 def test_a_decoder_embedder_over_two_ranks_equals_one(tmp_path, kind):
     # The decoder split as its generating family is (heads, MLP columns, vocabulary rows; a
     # base-model checkpoint's unprefixed names too); the driver pools the whole final state.
-    from engine.distributed.pooling_runner import TPPoolingRunner
-
     if kind == "qwen3-base":
-        causal = make_checkpoint(tmp_path / "lm", "qwen3", vocab_size=387)  # odd: padded rows
-        base = transformers.Qwen3ForCausalLM.from_pretrained(causal).model.float()
-        base.config.architectures = ["Qwen3Model"]
-        base.save_pretrained(tmp_path / "base")
-        transformers.AutoTokenizer.from_pretrained(causal).save_pretrained(tmp_path / "base")
-        path, options = tmp_path / "base", {}
+        path, _ = qwen3_base_embedder(tmp_path, vocab_size=387)  # odd: padded rows
+        options = {}
     else:
         path = make_checkpoint(tmp_path / "lm", "gemma2", sliding_window=16,
                                attn_logit_softcapping=20.0)
@@ -320,28 +338,15 @@ def test_a_decoder_embedder_over_two_ranks_equals_one(tmp_path, kind):
     prompts = inputs(300, seed=4)
     one = LLMEngine(EngineConfig(model=str(path), dtype="float32", **options))
     expected = embed_all(one, prompts, seed=5, group=3)
-    two = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2,
-                                 **options, **MODES["tiny-budget"]))
-    runner = two.model_runner
-    assert isinstance(runner, TPPoolingRunner)
-    try:
+    with two_rank_engine(path, **options, **MODES["tiny-budget"]) as two:
         got = embed_all(two, prompts, seed=5, group=3)
-    finally:
-        runner.close()
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 def test_a_bert_encoder_over_two_ranks_equals_one(bert_cls):
     # Heads and MLP columns split, the attention and layer outputs all-reduced (their biases
     # rank 0's), the word embeddings' vocabulary split, LayerNorms and position embeddings whole.
-    from engine.distributed.pooling_runner import TPPoolingRunner
-
     path, prompts, expected = bert_cls
-    two = LLMEngine(EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2))
-    runner = two.model_runner
-    assert isinstance(runner, TPPoolingRunner)
-    try:
+    with two_rank_engine(path) as two:
         got = embed_all(two, prompts, seed=0, group=5)
-    finally:
-        runner.close()
     assert_cosine(got, expected)

@@ -184,16 +184,8 @@ def production(seaweedfs, tiny_model_dir, tmp_path_factory):
 def private_stack(tiny_model_dir):
     """API, two workers, PostgreSQL, Redis and SeaweedFS, all private to this run, for the tests
     that kill or restart them (tests/system/test_faults.py, test_load.py)."""
-    from tests.system.stack import PrivateStack
+    from tests.system.stack import PrivateStack, running
 
     stack = PrivateStack(str(tiny_model_dir))
-    try:
-        try:
-            stack.start()
-        except RuntimeError as exc:
-            if "not installed" in str(exc):
-                pytest.skip(str(exc))
-            raise
+    with running(stack):
         yield stack
-    finally:
-        stack.close()

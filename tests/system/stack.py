@@ -20,9 +20,11 @@ import tempfile
 import time
 import uuid
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
+import pytest
 
 from tests.conftest_services import (
     REPO,
@@ -300,6 +302,22 @@ class PrivateStack:
 
 BOUNDARY = "boxcar-test-boundary"
 MULTIPART_HEADERS = {"Content-Type": f"multipart/form-data; boundary={BOUNDARY}"}
+
+
+@contextmanager
+def running(stack: PrivateStack) -> Iterator[PrivateStack]:
+    """``stack`` started for a test (skipped, saying why, where a server is not installed) and
+    closed after it."""
+    try:
+        try:
+            stack.start()
+        except RuntimeError as exc:
+            if "not installed" in str(exc):
+                pytest.skip(str(exc))
+            raise
+        yield stack
+    finally:
+        stack.close()
 
 
 def multipart_upload(lines: Iterable[bytes], *, chunk_bytes: int = 256 << 10,

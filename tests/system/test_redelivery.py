@@ -47,7 +47,7 @@ WORKERS = ("w1", "w2")
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dir):
-    from tests.system.stack import PrivateStack
+    from tests.system.stack import PrivateStack, running
 
     stack = PrivateStack(str(tiny_model_dir), worker_module="tests.system.slow_task_worker",
                          extra_env={
@@ -58,16 +58,8 @@ def stack(tiny_model_dir):
                              "BOXCAR_BENCH_ENGINE": "paced",
                              "BOXCAR_BENCH_LINES_PER_S": str(LINES_PER_S),
                          })
-    try:
-        try:
-            stack.start()
-        except RuntimeError as exc:
-            if "not installed" in str(exc):
-                pytest.skip(str(exc))
-            raise
+    with running(stack):
         yield stack
-    finally:
-        stack.close()
 
 
 def lines_of(tag: str, num_lines: int) -> list[dict]:
