@@ -39,6 +39,7 @@ def test_an_empty_array_and_whitespace():
     (b'{"requests": [1]} x', "after the body's object"),
     (b'{"requests": [1, {"a": ', "item 1"),
     (b'{"requests": [1]', "ended early: expected '}'"),
+    (b'{"requests": [1', "ended early: expected ',' or ']'"),
     (b'{"requests": [\xff]}', "not UTF-8"),
 ])
 def test_a_body_that_is_not_the_shape_is_refused_saying_where(body, says):
