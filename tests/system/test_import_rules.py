@@ -57,7 +57,9 @@ ENGINE_WINGS: dict[str, set[str]] = {
     "layers": {"kernels"},
     "lora": MODEL_SIDE,
     "models": MODEL_SIDE,
-    "checkpoint": {"models", "contracts"},  # the registry: which architectures a checkpoint has
+    # the registry (which architectures a checkpoint has); a GGUF tensor kept quantized is
+    # handed out packed (kernels' QuantWeight, layers' PackedWeight)
+    "checkpoint": {"models"} | MODEL_SIDE,
     "core": {"contracts"},  # scheduler-side bookkeeping never reaches the device side
     "runner": {"core", "models", "lora", "checkpoint"} | MODEL_SIDE,
     "pooling": {"runner", "core", "models", "lora", "checkpoint"} | MODEL_SIDE,
