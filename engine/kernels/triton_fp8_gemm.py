@@ -9,7 +9,8 @@ divides ``SCALE_BK`` (or K is one block), so a K tile needs one scale per column
 decoded from their bits (sign, 4 exponent bits with a bias of 7, 3 mantissa bits, subnormals
 below exponent 1) where the GPU has no FP8 conversion, by a plain conversion where it has; the
 scaled value is rounded to the activations' dtype for ``tl.dot`` (fp32 accumulation). The weight
-is read at 1 byte a value instead of bf16's 2.
+is read at 1 byte a value instead of bf16's 2; a few rows are also cut along K as in
+``engine.kernels.triton_int4_gemm``.
 
 The torch reference is ``engine.kernels.fp8_weights.linear_reference``.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from engine.kernels.triton_int4_gemm import launch_split, split_k_for
 
 
 @triton.jit
@@ -38,8 +41,9 @@ def _e4m3_to_float(bits):
 @triton.jit
 def _fp8_gemm_kernel(
     x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr,
-    M, N, K, SCALE_BN, SCALE_BK,
-    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk, stride_om, stride_on,
+    M, N, K, K_PER_SPLIT, SCALE_BN, SCALE_BK,
+    stride_xm, stride_xk, stride_wn, stride_wk, stride_sn, stride_sk,
+    stride_os, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, NATIVE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32), the default otherwise
@@ -52,8 +56,9 @@ def _fp8_gemm_kernel(
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     w_cols = w_ptr + cols.to(tl.int64)[None, :] * stride_wn
     scale_cols = scale_ptr + (cols // SCALE_BN) * stride_sn
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :],
@@ -71,7 +76,8 @@ def _fp8_gemm_kernel(
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    out = (out_ptr + split * stride_os + rows.to(tl.int64)[:, None] * stride_om
+           + cols[None, :] * stride_on)
     tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -81,10 +87,11 @@ _INTERPRETED = not isinstance(_fp8_gemm_kernel, triton.JITFunction)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-             bias: torch.Tensor | None = None) -> torch.Tensor:
+             bias: torch.Tensor | None = None, *, split_k: int | None = None) -> torch.Tensor:
     """``x [M, K]`` times ``weight [N, K]`` (float8_e4m3fn) transposed, each ``block = (bn, bk)``
     block of it multiplied by its entry of ``scale [ceil(N / bn), ceil(K / bk)]`` (fp32),
-    + ``bias [N]`` -> ``[M, N]`` in ``x.dtype``."""
+    + ``bias [N]`` -> ``[M, N]`` in ``x.dtype``; ``split_k`` (None: ``split_k_for``) slices K
+    for a few rows, as ``int4_gemm`` does."""
     if x.dim() != 2 or weight.dim() != 2 or weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"x must be [M, K] and weight float8_e4m3fn [N, K], got x "
                          f"{tuple(x.shape)} and weight {weight.dtype} {tuple(weight.shape)}")
@@ -103,23 +110,23 @@ def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     if tile_k is None:
         raise ValueError(f"scale blocks {block_k} inputs wide are not a multiple of 16, which "
                          "the FP8 kernel needs")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
     native = (x.device.type == "cuda" and not _INTERPRETED
               and torch.cuda.get_device_capability(x.device) >= (8, 9))
     codes = weight if native else weight.view(torch.uint8)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     tile_n = 64 if m <= 64 else 128
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, tile_n))
-    _fp8_gemm_kernel[grid](
-        x, codes, scale, bias if bias is not None else scale, out,
-        m, n, k, block_n, block_k,
-        x.stride(0), x.stride(1), codes.stride(0), codes.stride(1),
-        scale.stride(0), scale.stride(1), out.stride(0), out.stride(1),
-        HAS_BIAS=bias is not None, NATIVE_FP8=native,
+    if split_k is None:
+        split_k = split_k_for(m, grid[1], triton.cdiv(k, tile_k), x.device)
+    return launch_split(
+        _fp8_gemm_kernel, grid, m, n, k, tile_k, split_k, bias, x.dtype, x.device,
+        x_ptr=x, w_ptr=codes, scale_ptr=scale, M=m, N=n, K=k, SCALE_BN=block_n,
+        SCALE_BK=block_k, stride_xm=x.stride(0), stride_xk=x.stride(1),
+        stride_wn=codes.stride(0), stride_wk=codes.stride(1), stride_sn=scale.stride(0),
+        stride_sk=scale.stride(1), NATIVE_FP8=native,
         BLOCK_M=block_m, BLOCK_N=tile_n, BLOCK_K=tile_k,
         PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
         UPCAST_DOT=_INTERPRETED and x.dtype != torch.float32,
     )
-    return out

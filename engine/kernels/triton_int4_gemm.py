@@ -8,13 +8,17 @@ into ``(q - z) * s`` in fp32 with the zero point and scale of its group, then ro
 activations' dtype for ``tl.dot`` (fp32 accumulation). ``BLOCK_K`` divides the group size, so a
 tile lies in one group and its zeros and scales are one row each. The packed weight is read once
 per row tile: 0.5 byte a weight instead of bf16's 2, which is what a decode step (a few rows)
-is bound by.
+is bound by. A few rows make few column tiles, too few programs to keep every SM streaming the
+weight, so such a product is also cut along K (``split_k_for``), its fp32 partial sums added
+in a fixed order afterwards.
 
 The torch reference is ``engine.kernels.int4_weights.linear_reference``: the same fp32
 dequantization rounded once to ``x.dtype``, then a matmul.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import triton
@@ -26,9 +30,9 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)  # and one group a row (group_size == in_f
 @triton.jit
 def _int4_gemm_kernel(
     x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr,
-    M, N, K,
+    M, N, K, K_PER_SPLIT,
     stride_xm, stride_xk, stride_qk, stride_qn, stride_zg, stride_zn, stride_sg, stride_sn,
-    stride_om, stride_on,
+    stride_os, stride_om, stride_on,
     GROUP_SIZE: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for fp32 activations (no TF32), the default otherwise
@@ -39,8 +43,9 @@ def _int4_gemm_kernel(
     row_mask = rows < M
     col_mask = cols < N
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    split = tl.program_id(2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(split * K_PER_SPLIT, tl.minimum(K, (split + 1) * K_PER_SPLIT), BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_rows + ks[None, :] * stride_xk, mask=row_mask[:, None] & k_mask[None, :],
@@ -59,7 +64,8 @@ def _int4_gemm_kernel(
         acc += tl.dot(x, w, input_precision=PRECISION)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + rows.to(tl.int64)[:, None] * stride_om + cols[None, :] * stride_on
+    out = (out_ptr + split * stride_os + rows.to(tl.int64)[:, None] * stride_om
+           + cols[None, :] * stride_on)
     tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
 
 
@@ -68,12 +74,43 @@ def _int4_gemm_kernel(
 _INTERPRETED = not isinstance(_int4_gemm_kernel, triton.JITFunction)
 
 
+def split_k_for(m: int, column_tiles: int, k_tiles: int, device: torch.device) -> int:
+    """How many slices of K a few-row product is cut into, so that a decode step's handful of
+    column tiles still gives every SM of the GPU two programs (the weight streams from
+    memory in parallel; the partial sums are added in a fixed order: deterministic)."""
+    if m > 16 or device.type != "cuda":
+        return 1
+    programs = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(k_tiles // 4, triton.cdiv(programs, column_tiles), 16))
+
+
+def launch_split(kernel: Any, grid_mn: tuple[int, int], m: int, n: int, k: int,
+                 block_k: int, split_k: int, bias: torch.Tensor | None, dtype: torch.dtype,
+                 device: torch.device, **launch: Any) -> torch.Tensor:
+    """Run ``kernel`` over ``grid_mn`` x ``split_k`` programs, each summing
+    ``k_per_split`` inputs: one slice writes ``[M, N]`` in ``dtype`` with the bias; several
+    write fp32 partial sums that are added here, the bias after."""
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), block_k) * block_k
+    if split_k == 1:
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        kernel[(*grid_mn, 1)](bias_ptr=bias if bias is not None else out, out_ptr=out,
+                              K_PER_SPLIT=k_per_split, stride_os=0, stride_om=out.stride(0),
+                              stride_on=out.stride(1), HAS_BIAS=bias is not None, **launch)
+        return out
+    partial = torch.empty(split_k, m, n, dtype=torch.float32, device=device)
+    kernel[(*grid_mn, split_k)](bias_ptr=partial, out_ptr=partial, K_PER_SPLIT=k_per_split,
+                                stride_os=partial.stride(0), stride_om=partial.stride(1),
+                                stride_on=partial.stride(2), HAS_BIAS=False, **launch)
+    total = partial.sum(0)
+    return (total if bias is None else total + bias.float()).to(dtype)
+
+
 def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
-              scales: torch.Tensor, group_size: int,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+              scales: torch.Tensor, group_size: int, bias: torch.Tensor | None = None, *,
+              split_k: int | None = None) -> torch.Tensor:
     """``x [M, K]`` times the weight ``qweight [K / 8, N]`` int32 / ``zeros [K / group, N]``
     uint8 / ``scales [K / group, N]`` transposed (+ ``bias [N]``) -> ``[M, N]`` in ``x.dtype``.
-    ``group_size`` is 32, 64, 128 or K."""
+    ``group_size`` is 32, 64, 128 or K; ``split_k`` (None: ``split_k_for``) slices K."""
     if x.dim() != 2 or qweight.dim() != 2 or qweight.dtype != torch.int32:
         raise ValueError(f"x must be [M, K] and qweight int32 [K / 8, N], got x "
                          f"{tuple(x.shape)} and qweight {qweight.dtype} {tuple(qweight.shape)}")
@@ -96,23 +133,22 @@ def int4_gemm(x: torch.Tensor, qweight: torch.Tensor, zeros: torch.Tensor,
                          f"{tuple(scales.shape)}")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias must be [{n}], got {tuple(bias.shape)}")
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
-        return out
+        return torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = 64 if m <= 64 else 128
     # a K tile lies in one group: BLOCK_K divides every supported group size (or K is one group)
     block_k = 32 if group_size == 32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    _int4_gemm_kernel[grid](
-        x, qweight, zeros, scales, bias if bias is not None else scales, out,
-        m, n, k,
-        x.stride(0), x.stride(1), qweight.stride(0), qweight.stride(1),
-        zeros.stride(0), zeros.stride(1), scales.stride(0), scales.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP_SIZE=group_size, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+    if split_k is None:
+        split_k = split_k_for(m, grid[1], triton.cdiv(k, block_k), x.device)
+    return launch_split(
+        _int4_gemm_kernel, grid, m, n, k, block_k, split_k, bias, x.dtype, x.device,
+        x_ptr=x, qweight_ptr=qweight, zeros_ptr=zeros, scales_ptr=scales, M=m, N=n, K=k,
+        stride_xm=x.stride(0), stride_xk=x.stride(1), stride_qk=qweight.stride(0),
+        stride_qn=qweight.stride(1), stride_zg=zeros.stride(0), stride_zn=zeros.stride(1),
+        stride_sg=scales.stride(0), stride_sn=scales.stride(1),
+        GROUP_SIZE=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         PRECISION="ieee" if x.dtype == torch.float32 or _INTERPRETED else "tf32",
         UPCAST_DOT=_INTERPRETED and x.dtype != torch.float32,
     )
-    return out

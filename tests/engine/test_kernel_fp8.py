@@ -140,3 +140,14 @@ def test_launcher_checks_shapes():
         fp8_gemm(torch.zeros(2, 64), weight, torch.ones(2, 3), (8, 24))
     with pytest.raises(ValueError, match="has 64 inputs, x has 32"):
         fp8_gemm(torch.zeros(2, 32), weight, torch.ones(1, 1), (16, 64))
+
+
+@pytest.mark.parametrize("split_k", [2, 5])
+def test_split_k_matches_reference(split_k):
+    weight, scale, _ = quantize_fp8(random_weight(40, 96, seed=6), "block", (16, 32))
+    kept = Fp8Weight.from_checkpoint(weight, scale, (16, 32)).to(DEVICE)
+    g = torch.Generator().manual_seed(15)
+    x = torch.randn(2, 96, generator=g).to(DEVICE)
+    bias = torch.randn(40, generator=g).to(DEVICE)
+    out = fp8_gemm(x, kept.weight, kept.scale, kept.block, bias, split_k=split_k)
+    _close(out, linear_reference(x, kept, bias), torch.float32)

@@ -177,3 +177,18 @@ def test_launcher_checks_shapes():
     with pytest.raises(ValueError, match="bias must be"):
         int4_gemm(x, qweight, zeros, scales, 32, torch.zeros(15))
     assert int4_gemm(torch.zeros(0, 64), qweight, zeros, scales, 32).shape == (0, 16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [2, 3, 7])
+def test_split_k_matches_reference(split_k, dtype):
+    """K cut into slices (the decode shape's path on a GPU), uneven ones and slices left empty
+    (7 slices of 5 K tiles) included; the bias added once."""
+    tensors, _ = quantize_gptq(random_weight(40, 160, seed=4), 32, act_order=False, sym=True,
+                               v2=False)
+    kept = Int4Weight.from_gptq(**tensors, group_size=32, zero_offset=1).to(DEVICE)
+    g = torch.Generator().manual_seed(14)
+    x = torch.randn(3, 160, generator=g).to(DEVICE, dtype)
+    bias = torch.randn(40, generator=g).to(DEVICE, dtype)
+    out = int4_gemm(x, kept.qweight, kept.zeros, kept.scales, 32, bias, split_k=split_k)
+    _close(out, linear_reference(x, kept, bias), dtype)
