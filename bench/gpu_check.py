@@ -12,10 +12,13 @@
 4. Tensor parallel, on a machine with two or more GPUs (``bench/tp.py``): TP=2's greedy tokens
    equal TP=1's in fp32 (a small Llama), and the ~0.6B Llama's decode step at TP=1 and TP=2 in
    bf16 with the all-reduces' share of it. Skipped, with a row saying so, on one GPU.
+5. Quantized linears (issue 48): AWQ-style int4 and FP8 (per channel through
+   ``torch._scaled_mm``, 128x128 blocks through Triton) against bf16 on Llama-3-8B's linear
+   shapes, decode and prefill rows; target at decode rows: faster than bf16.
 
 Prints a summary table and writes it to ``$OUT/gpu_report.txt`` when ``OUT`` is set. Usage:
 ``bash bench/gpu_check.sh [--skip-tests] [--skip-lora] [--skip-kernels] [--skip-e2e]
-[--skip-tp] [--num-requests N]``.
+[--skip-tp] [--skip-quantized] [--num-requests N]``.
 """
 
 from __future__ import annotations
@@ -440,6 +443,76 @@ def bench_tp_moe() -> list[Row]:
     return rows
 
 
+# 5. quantized linears (issue 48) ----------------------------------------------------------------
+
+# Llama-3-8B's linears: fused q/k/v, fused gate/up, down
+QUANT_SHAPES = {"qkv": (6144, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+
+
+def bench_quantized() -> list[Row]:
+    """AWQ-style int4 (group 128, the Triton kernel), FP8 per channel (``torch._scaled_mm``) and
+    FP8 in 128x128 blocks (the Triton kernel) against bf16 ``F.linear`` on the same shapes: the
+    time of one layer's three products at decode rows (1, 16) and prefill rows (256, 2048), and
+    each kernel's error against its torch reference at 16 rows."""
+    from engine.kernels.fp8_weights import Fp8Weight
+    from engine.kernels.fp8_weights import linear_reference as fp8_reference
+    from engine.kernels.int4_weights import Int4Weight, pack_int32
+    from engine.kernels.int4_weights import linear_reference as int4_reference
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    layers: dict[str, list[tuple[object, int]]] = {"bf16": [], "int4": [], "fp8": [],
+                                                    "fp8 blocks": []}
+    for n, k in QUANT_SHAPES.values():
+        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
+        codes = torch.randint(0, 16, (n, k), device="cuda", generator=gen)
+        layers["bf16"].append((dense, k))
+        layers["int4"].append((Int4Weight(
+            pack_int32(codes).t().contiguous(), torch.full((k // 128, n), 8, dtype=torch.uint8,
+                                                           device="cuda"),
+            torch.full((k // 128, n), 0.002, dtype=torch.float16, device="cuda"), 128), k))
+        fp8 = (dense * 2000).to(torch.float8_e4m3fn)
+        layers["fp8"].append((Fp8Weight.from_checkpoint(
+            fp8, torch.full((n, 1), 1e-5, device="cuda")), k))
+        layers["fp8 blocks"].append((Fp8Weight.from_checkpoint(
+            fp8, torch.full((n // 128, k // 128), 1e-5, device="cuda"), (128, 128)), k))
+        del codes
+
+    def run(kind: str, m: int) -> Callable[[], object]:
+        xs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+              for _, k in layers[kind]}
+
+        def layer() -> None:
+            for weight, k in layers[kind]:
+                if isinstance(weight, torch.Tensor):
+                    torch.nn.functional.linear(xs[k], weight)
+                else:
+                    weight.linear(xs[k])  # type: ignore[attr-defined]
+
+        return layer
+
+    rows: list[Row] = []
+    for m in (1, 16, 256, 2048):
+        ms = {kind: _bench_ms(run(kind, m)) for kind in layers}
+        ratios = {kind: ms["bf16"] / ms[kind] for kind in ("int4", "fp8", "fp8 blocks")}
+        decode = m <= 16
+        rows.append(Row("quantized", f"M={m} layer (bf16 {ms['bf16'] * 1e3:.0f} us)",
+                        ", ".join(f"{kind} {ms[kind] * 1e3:.0f} us ({ratios[kind]:.2f}x)"
+                                  for kind in ratios),
+                        "int4, fp8 > 1x bf16" if decode else "",
+                        min(ratios["int4"], ratios["fp8"]) > 1.0 if decode else None))
+    x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    for kind, reference, bound in (("int4", int4_reference, 2e-2),
+                                   ("fp8 blocks", fp8_reference, 2e-2),
+                                   ("fp8", fp8_reference, 6e-2)):  # activations in e4m3
+        weight = layers[kind][0][0]
+        out = weight.linear(x)  # type: ignore[attr-defined]
+        ref = reference(x, weight)  # type: ignore[arg-type]
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        rows.append(Row("quantized", f"{kind} |kernel - ref| / |ref| (M=16, bf16)",
+                        f"{err:.2e}", f"< {bound:g}", err < bound))
+    return rows
+
+
 def format_table(rows: list[Row]) -> str:
     header = ["section", "metric", "value", "target", "status"]
     cells = [header] + [r.cells() for r in rows]
@@ -462,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-e2e", action="store_true")
     parser.add_argument("--skip-tp", action="store_true")
     parser.add_argument("--skip-lora", action="store_true")
+    parser.add_argument("--skip-quantized", action="store_true")
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-timeout", type=float, default=180.0)
     parser.add_argument("--budget", type=float, default=540.0,
@@ -487,6 +561,7 @@ def main(argv: list[str] | None = None) -> int:
         ("e2e", args.skip_e2e, lambda: bench_e2e(
             args.num_requests, args.hf_timeout, started + args.budget - 45.0)),
         ("tp", args.skip_tp, bench_tp),
+        ("quantized", args.skip_quantized, bench_quantized),
     ]
     for name, skip, section in sections:
         if skip:
