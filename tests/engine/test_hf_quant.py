@@ -1,0 +1,168 @@
+"""AWQ, GPTQ and FP8 Hugging Face checkpoints: their configs checked at start, a module's tensors
+gathered into one weight (kept packed or dequantized), errors naming the module and the tensor,
+and tiny Llama / Qwen2 checkpoints of every scheme loaded through the engine's own loader with
+greedy tokens equal to the same model built from the dequantized weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+
+from engine.checkpoint.hf_quant import HFQuantization, load_quantized, parse_quantization
+from engine.kernels.fp8_weights import Fp8Weight
+from engine.kernels.int4_weights import Int4Weight
+from tests.conftest import make_checkpoint
+from tests.engine.quant_checkpoints import SCHEMES, Scheme, write_quantized
+
+# --- the config ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("name", "described"), [
+    ("awq-g64", "AWQ int4 (group 64)"),
+    ("gptq-g64-act-order-v1", "GPTQ int4 (group 64)"),
+    ("gptq-row-asym-v2", "GPTQ int4 (one group a row)"),
+    ("fp8-block", "FP8 e4m3 (fp8, 48x32 blocks)"),
+    ("ct-fp8-channel", "FP8 e4m3 (compressed-tensors, per-tensor or per-channel scales)"),
+])
+def test_the_writers_configs_are_read(name, described):
+    assert parse_quantization(SCHEMES[name].config()).describe() == described
+
+
+def test_gptq_v1_zeros_are_offset_and_v2_are_not():
+    assert parse_quantization(SCHEMES["gptq-g32-v1"].config()).zero_offset == 1
+    assert parse_quantization(SCHEMES["gptq-row-asym-v2"].config()).zero_offset == 0
+    old = {k: v for k, v in SCHEMES["gptq-g32-v1"].config().items() if k != "checkpoint_format"}
+    assert parse_quantization(old).zero_offset == 1  # AutoGPTQ wrote no format: v1
+
+
+def _ct(weights: dict | None = None, **group) -> dict:
+    config = SCHEMES["ct-fp8-tensor"].config()
+    config["config_groups"]["group_0"]["weights"].update(weights or {})
+    config["config_groups"]["group_0"].update(group)
+    return config
+
+
+@pytest.mark.parametrize(("config", "named"), [
+    ({**SCHEMES["awq-g32"].config(), "bits": 8}, "awq with bits=8"),
+    ({**SCHEMES["awq-g32"].config(), "version": "gemv"}, "awq version 'gemv'"),
+    ({**SCHEMES["awq-g32"].config(), "zero_point": False}, "awq with zero_point false"),
+    ({**SCHEMES["awq-g32"].config(), "group_size": 96}, "awq group_size 96"),
+    ({**SCHEMES["gptq-g32-v1"].config(), "bits": 3}, "gptq with bits=3"),
+    ({**SCHEMES["gptq-g32-v1"].config(), "bits": 8}, "gptq with bits=8"),
+    ({**SCHEMES["gptq-g32-v1"].config(), "checkpoint_format": "marlin"},
+     "gptq checkpoint_format 'marlin'"),
+    ({**SCHEMES["fp8-block"].config(), "activation_scheme": "static"},
+     "fp8 activation_scheme 'static'"),
+    ({**SCHEMES["fp8-block"].config(), "weight_block_size": [128]}, "weight_block_size"),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True},
+     "quant_method 'bitsandbytes' is not supported"),
+    ({**SCHEMES["ct-fp8-tensor"].config(), "format": "pack-quantized"},
+     "compressed-tensors format 'pack-quantized'"),
+    (_ct({"type": "int"}), r"weights 8-bit int"),
+    (_ct({"num_bits": 4}), r"weights 4-bit float"),
+    (_ct({"strategy": "group"}), "strategy 'group'"),
+    (_ct(input_activations={"num_bits": 8, "type": "float", "dynamic": False}),
+     "input_activations with static scales"),
+    ({**SCHEMES["ct-fp8-tensor"].config(), "kv_cache_scheme": {"num_bits": 8}},
+     "kv_cache_scheme"),
+])
+def test_unsupported_schemes_are_named_with_what_is_supported(config, named):
+    with pytest.raises(ValueError, match=named) as error:
+        parse_quantization(config)
+    assert "supported: awq (bits 4, version gemm" in str(error.value)
+
+
+# --- the weight stream -----------------------------------------------------------------------
+
+AWQ = HFQuantization("awq", group_size=32)
+CT_FP8 = parse_quantization(SCHEMES["ct-fp8-channel"].config())
+
+
+def awq_module(seed: int = 0) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(seed)) * 0.1
+    return SCHEMES["awq-g32"].quantize(w, seed)
+
+
+def test_a_modules_tensors_become_its_weight_in_any_order():
+    tensors, dense = awq_module()
+    bias = torch.randn(16)
+    stream = [("m.proj.scales", tensors["scales"]), ("m.norm.weight", torch.ones(64)),
+              ("m.proj.bias", bias), ("m.proj.qweight", tensors["qweight"]),
+              ("m.proj.qzeros", tensors["qzeros"])]
+    out = list(load_quantized(stream, AWQ, torch.float32, keep=False))
+    assert [name for name, _ in out] == ["m.norm.weight", "m.proj.bias", "m.proj.weight"]
+    assert torch.equal(out[2][1], dense) and out[1][1] is bias
+    kept = dict(load_quantized(stream, AWQ, torch.bfloat16, keep=True))["m.proj.weight"]
+    assert isinstance(kept, Int4Weight) and torch.equal(kept.dequantize(), dense)
+    as_bf16 = dict(load_quantized(stream, AWQ, torch.bfloat16, keep=False))["m.proj.weight"]
+    assert torch.equal(as_bf16, dense.bfloat16())  # dequantized in fp32, rounded once
+
+
+def test_fp8_weights_and_dense_ones_are_told_apart():
+    w = torch.randn(16, 64) * 0.1
+    tensors, dense = SCHEMES["ct-fp8-channel"].quantize(w, 0)
+    stream = [("a.weight_scale", tensors["weight_scale"]), ("a.weight", tensors["weight"]),
+              ("lm_head.weight", w)]  # left unquantized: dense, passes
+    out = dict(load_quantized(stream, CT_FP8, torch.float32, keep=True))
+    assert isinstance(out["a.weight"], Fp8Weight) and out["lm_head.weight"] is w
+    assert torch.equal(out["a.weight"].dequantize(), dense)
+
+
+def test_missing_and_misfit_tensors_name_the_module_and_the_tensor():
+    tensors, _ = awq_module()
+    with pytest.raises(ValueError, match=r"layers\.0\.q_proj: AWQ int4 \(group 32\) "
+                                         r"tensor\(s\) \['scales'\] missing"):
+        list(load_quantized([("layers.0.q_proj.qweight", tensors["qweight"]),
+                             ("layers.0.q_proj.qzeros", tensors["qzeros"])], AWQ,
+                            torch.float32, keep=False))
+    for keep in (False, True):
+        with pytest.raises(ValueError, match=r"layers\.0\.q_proj: qzeros has shape \(2, 1\)"):
+            list(load_quantized([("layers.0.q_proj.qweight", tensors["qweight"]),
+                                 ("layers.0.q_proj.qzeros", tensors["qzeros"][:, :1]),
+                                 ("layers.0.q_proj.scales", tensors["scales"])], AWQ,
+                                torch.float32, keep=keep))
+    fp8, _ = SCHEMES["ct-fp8-channel"].quantize(torch.randn(16, 64), 0)
+    with pytest.raises(ValueError, match=r"^o_proj: weight_scale: the scale has shape \(8, 1\)"):
+        list(load_quantized([("o_proj.weight", fp8["weight"]),
+                             ("o_proj.weight_scale", fp8["weight_scale"][:8])], CT_FP8,
+                            torch.float32, keep=False))
+    with pytest.raises(ValueError, match=r"o_proj: weight is torch.float32 beside a "
+                                         "weight_scale"):
+        list(load_quantized([("o_proj.weight_scale", fp8["weight_scale"]),
+                             ("o_proj.weight", torch.randn(16, 64))], CT_FP8, torch.float32,
+                            keep=False))
+    with pytest.raises(ValueError, match=r"o_proj.input_scale: static activation scales"):
+        list(load_quantized([("o_proj.input_scale", torch.ones(1))], CT_FP8, torch.float32,
+                            keep=False))
+
+
+# --- whole checkpoints -----------------------------------------------------------------------
+
+
+def test_transformers_reads_the_writers_fp8_checkpoint_as_the_reference(tmp_path):
+    """An independent reader of Hugging Face's fine-grained FP8: transformers dequantizes it on
+    the CPU (its reader needs whole blocks) to exactly the writer's reference weights."""
+    dense = make_checkpoint(tmp_path / "dense", "llama")
+    reference, quantized = write_quantized(dense, tmp_path, Scheme("fp8", block=(32, 32)))
+    model = transformers.AutoModelForCausalLM.from_pretrained(quantized, dtype=torch.float32)
+    loaded = model.state_dict()
+    for name, tensor in load_file(reference / "model.safetensors").items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+def _quantized_folders(tmp_path_factory, family: str, scheme: str) -> tuple[Path, Path]:
+    dense = make_checkpoint(tmp_path_factory.mktemp(f"{family}-dense"), family,
+                            tie=family == "qwen2")
+    return write_quantized(dense, tmp_path_factory.mktemp(f"{family}-{scheme}"), SCHEMES[scheme])
+
+
+def test_quantized_config_in_the_folder(tmp_path_factory):
+    reference, quantized = _quantized_folders(tmp_path_factory, "llama", "gptq-g32-v1")
+    assert "quantization_config" not in json.loads((reference / "config.json").read_text())
+    names = load_file(quantized / "model.safetensors")
+    assert "model.layers.0.self_attn.q_proj.g_idx" in names and "lm_head.weight" in names
