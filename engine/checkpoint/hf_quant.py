@@ -10,14 +10,17 @@ scales, ...), before a weight is read. ``load_quantized`` then sits in the weigh
 ``engine.models.mxfp4.pair_mxfp4``: it holds a module's tensors until it has them all (a shard may
 split them) and yields ``<module>.weight``, either kept packed (``Int4Weight`` / ``Fp8Weight``,
 for the quantized linears of ``engine.layers.quantized``) or dequantized to the run's dtype, so
-the families load quantized checkpoints through their usual ``load_weights``. Modules the config
-leaves unquantized (``modules_to_not_convert``, ``ignore``, an unquantized ``lm_head``) are stored
-dense and pass through untouched. A module missing a tensor, or whose tensors do not fit each
-other, is a ``ValueError`` naming the module and the tensor.
+the families load quantized checkpoints through their usual ``load_weights``; ``choose_mode``
+decides which (kept on a GPU, where the Triton kernels are; dequantized on the CPU, which has no
+kernel for these formats, saying so). Modules the config leaves unquantized
+(``modules_to_not_convert``, ``ignore``, an unquantized ``lm_head``) are stored dense and pass
+through untouched. A module missing a tensor, or whose tensors do not fit each other, is a
+``ValueError`` naming the module and the tensor.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +37,7 @@ from engine.kernels.int4_weights import (
 )
 
 METHODS = ("awq", "gptq", "fp8", "compressed-tensors")
+KERNEL_DEVICES = ("cuda",)  # where Int4Weight and Fp8Weight have kernels (else the reference)
 GROUP_SIZES = (32, 64, 128)
 SUPPORTED = ("awq (bits 4, version gemm, zero_point true, group_size 32/64/128); gptq (bits 4, "
              "group_size 32/64/128 or -1, desc_act with g_idx, checkpoint_format gptq or "
@@ -178,6 +182,31 @@ def _parse_compressed_tensors(config: dict[str, Any]) -> HFQuantization:
     if len(blocks) > 1:
         raise _refuse(f"compressed-tensors groups with different block structures {blocks}")
     return HFQuantization("compressed-tensors", block_size=blocks.pop() if blocks else None)
+
+
+def choose_mode(quant: HFQuantization, requested: str | None, device_type: str, *,
+                dense_only: str | None = None) -> str:
+    """"keep" or "dequantize" for a checkpoint quantized by ``quant``. The weights multiply
+    themselves with Triton kernels on CUDA (``KERNEL_DEVICES``), so there ``requested`` None
+    keeps them; elsewhere, or where the engine loads dense weights only (``dense_only`` says
+    why: tensor parallelism, an embedding model, a mixture of experts), None dequantizes at
+    load, saying so on one line, and "keep" is a ``ValueError`` naming the way out."""
+    if requested == "dequantize":
+        return "dequantize"
+    reason = dense_only
+    if reason is None and device_type not in KERNEL_DEVICES:
+        reason = (f"there is no {device_type.upper()} kernel for {quant.describe()} weights "
+                  f"(their kernels run on {', '.join(KERNEL_DEVICES)})")
+    if requested == "keep":
+        if reason is not None:
+            raise ValueError(f"quantization='keep': {reason}; use --quantization dequantize "
+                             "(quantization='dequantize') or a GPU")
+        return "keep"
+    if reason is not None:
+        print(f"[boxcar] dequantizing the {quant.describe()} weights at load: {reason}",
+              file=sys.stderr, flush=True)
+        return "dequantize"
+    return "keep"
 
 
 def load_quantized(

@@ -13,7 +13,12 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from engine.checkpoint.hf_quant import HFQuantization, load_quantized, parse_quantization
+from engine.checkpoint.hf_quant import (
+    HFQuantization,
+    choose_mode,
+    load_quantized,
+    parse_quantization,
+)
 from engine.kernels.fp8_weights import Fp8Weight
 from engine.kernels.int4_weights import Int4Weight
 from tests.conftest import make_checkpoint
@@ -166,3 +171,19 @@ def test_quantized_config_in_the_folder(tmp_path_factory):
     assert "quantization_config" not in json.loads((reference / "config.json").read_text())
     names = load_file(quantized / "model.safetensors")
     assert "model.layers.0.self_attn.q_proj.g_idx" in names and "lm_head.weight" in names
+
+
+def test_the_mode_keeps_on_a_gpu_and_dequantizes_on_the_cpu(capsys):
+    awq = parse_quantization(SCHEMES["awq-g64"].config())
+    assert choose_mode(awq, None, "cuda") == "keep"
+    assert choose_mode(awq, "dequantize", "cuda") == "dequantize"
+    assert choose_mode(awq, None, "cpu") == "dequantize"
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and "dequantizing the AWQ int4 (group 64) weights" in line
+    assert "no CPU kernel" in line
+    with pytest.raises(ValueError, match=r"quantization='keep': there is no CPU kernel for AWQ "
+                                         r"int4 .* use --quantization dequantize"):
+        choose_mode(awq, "keep", "cpu")
+    with pytest.raises(ValueError, match="keep': tensor parallelism"):
+        choose_mode(awq, "keep", "cuda", dense_only="tensor parallelism loads dense weights")
+    assert choose_mode(awq, None, "cuda", dense_only="an embedding model") == "dequantize"
