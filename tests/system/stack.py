@@ -1,6 +1,7 @@
 """A production stack made only of private processes, so a test may kill or restart any part:
-PostgreSQL (initdb into a temporary folder), Redis and SeaweedFS on free ports, the API
-(``boxcar api``) and Celery workers (``boxcar worker``) as subprocesses.
+PostgreSQL (initdb into a temporary folder), Redis and SeaweedFS on free ports, one or more API
+processes (``boxcar api``) and Celery workers (``boxcar worker``) as subprocesses. The
+services may reach PostgreSQL through a proxy the test owns (``database_proxy``).
 
 The machine's shared PostgreSQL (5432) and Redis (6379) are never touched. Everything is
 stopped in ``PrivateStack.close`` whatever happened.
@@ -22,6 +23,7 @@ import uuid
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import pytest
@@ -150,8 +152,6 @@ class PrivateStack:
     pg: PrivatePostgres | None = None
     redis: PrivateRedis | None = None
     weed: PrivateSeaweed | None = None
-    api: subprocess.Popen | None = None
-    api_port: int = 0
     api_key: str = ""
     logdir: str = ""
     bucket: str = ""
@@ -160,6 +160,15 @@ class PrivateStack:
     # What ``python -m`` runs as ``boxcar`` for a worker (e.g. ``bench.scale_worker``: a fake
     # engine, or a test's wrapper of it).
     worker_module: str = "cli.main"
+    # ``boxcar api`` processes on the one database (the first is ``api`` / ``base_url``).
+    num_apis: int = 1
+    # Something the services reach PostgreSQL through (a fault proxy): ``start(host, port)``
+    # returns the port to connect to instead. The stack's own set-up connects directly.
+    database_proxy: Any = None
+    apis: list[subprocess.Popen | None] = field(default_factory=list)
+    api_ports: list[int] = field(default_factory=list)
+    # A worker's own environment (over the stack's), kept for its restarts.
+    worker_envs: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def start(self) -> PrivateStack:
         from service.db import Database
@@ -175,10 +184,14 @@ class PrivateStack:
         self.bucket = f"bx-{uuid.uuid4().hex[:12]}"
         client = self.weed.server.client()
         wait_for(lambda: _try_create_bucket(client, self.bucket), 30, 0.2, "a bucket")
+        database_url = self.pg.url
+        if self.database_proxy is not None:
+            port = self.database_proxy.start("127.0.0.1", self.pg.port)
+            database_url = database_url.replace(f":{self.pg.port}/", f":{port}/")
         self.env = {
             **os.environ, **self.weed.server.env(),
             "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1",
-            "BOXCAR_DATABASE_URL": self.pg.url,
+            "BOXCAR_DATABASE_URL": database_url,
             "BOXCAR_BROKER_URL": self.redis.url,
             "BOXCAR_QUEUE_NAMESPACE": "bxfault",
             "BOXCAR_STORAGE_URL": f"s3://{self.bucket}/boxcar",
@@ -196,7 +209,8 @@ class PrivateStack:
         upgrade(db)
         self.api_key = make_key(db, "acme")
         db.dispose()
-        self.start_api()
+        for index in range(self.num_apis):
+            self.start_api(index)
         return self
 
     def heal(self, workers: tuple[str, ...] = ("w1", "w2")) -> PrivateStack:
@@ -207,8 +221,9 @@ class PrivateStack:
             self.weed.start()
         if not os.path.exists(os.path.join(self.pg.datadir, "postmaster.pid")):
             self.pg.start()
-        if self.api is None or self.api.poll() is not None:
-            self.start_api()
+        for index, api in enumerate(self.apis):
+            if api is None or api.poll() is not None:
+                self.start_api(index)
         for name in workers:
             proc = self.workers.get(name)
             if proc is None or proc.poll() is not None:
@@ -219,42 +234,65 @@ class PrivateStack:
     # -- the API process ---------------------------------------------------------------------
 
     @property
+    def api(self) -> subprocess.Popen | None:
+        return self.apis[0] if self.apis else None
+
+    @property
+    def api_port(self) -> int:
+        return self.api_ports[0] if self.api_ports else 0
+
+    @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.api_port}"
+        return self.base_urls[0]
+
+    @property
+    def base_urls(self) -> list[str]:
+        """Every API process's URL, whether it is up or not."""
+        return [f"http://127.0.0.1:{port}" for port in self.api_ports]
 
     def client(self, timeout: float = 30, key: str | None = None) -> httpx.Client:
         return httpx.Client(base_url=self.base_url, timeout=timeout,
                             headers={"Authorization": f"Bearer {key or self.api_key}"})
 
-    def start_api(self) -> float:
-        """Start the API; returns the seconds until it answered /healthz."""
+    def start_api(self, index: int = 0) -> float:
+        """Start API process ``index`` (again on its port); returns the seconds until it
+        answered /healthz."""
         started = time.monotonic()
-        self.api_port = self.api_port or free_port()
-        log = open(os.path.join(self.logdir, "api.log"), "ab")
-        self.api = subprocess.Popen(
+        while len(self.api_ports) <= index:
+            self.api_ports.append(free_port())
+            self.apis.append(None)
+        name = "api" if index == 0 else f"api{index + 1}"
+        log = open(os.path.join(self.logdir, f"{name}.log"), "ab")
+        proc = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "api", "--host", "127.0.0.1",
-             "--port", str(self.api_port)],
+             "--port", str(self.api_ports[index])],
             cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
+        self.apis[index] = proc
+        url = self.base_urls[index]
 
         def up() -> bool:
-            if self.api.poll() is not None:
-                raise RuntimeError(f"the API exited:\n{self.log_of('api')[-3000:]}")
+            if proc.poll() is not None:
+                raise RuntimeError(f"the API exited:\n{self.log_of(name)[-3000:]}")
             try:
-                return httpx.get(f"{self.base_url}/healthz", timeout=1).status_code == 200
+                return httpx.get(f"{url}/healthz", timeout=1).status_code == 200
             except httpx.HTTPError:
                 return False
 
         wait_for(up, 60, 0.05, "the API")
         return time.monotonic() - started
 
-    def kill_api(self) -> None:
-        _stop_group(self.api, signal.SIGKILL)
+    def kill_api(self, index: int = 0) -> None:
+        _stop_group(self.apis[index], signal.SIGKILL)
 
     # -- workers -------------------------------------------------------------------------------
 
     def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start worker ``name`` (``env`` over the stack's) and wait until Celery is ready."""
+        """Start worker ``name`` (``env`` over the stack's; none given: the one it was last
+        started with) and wait until Celery is ready."""
+        if env is not None:
+            self.worker_envs[name] = env
+        env = self.worker_envs.get(name)
         log_path = os.path.join(self.logdir, f"{name}.log")
         log = open(log_path, "ab")
         offset = log.tell()
@@ -291,8 +329,11 @@ class PrivateStack:
             return f.read()
 
     def close(self) -> None:
-        for part in (self.stop_workers, lambda: _stop_group(self.api),
-                     *(p.close for p in (self.weed, self.redis, self.pg) if p is not None)):
+        parts = [self.stop_workers, *(lambda api=api: _stop_group(api) for api in self.apis),
+                 *(p.close for p in (self.weed, self.redis, self.pg) if p is not None)]
+        if self.database_proxy is not None:
+            parts.append(self.database_proxy.close)
+        for part in parts:
             try:
                 part()
             except Exception as exc:  # keep stopping the rest
