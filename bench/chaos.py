@@ -3,18 +3,27 @@
     python -m bench.chaos --seed 7 --minutes 2
 
 starts the production stack on private servers (tests/system/stack.py: PostgreSQL, Redis,
-SeaweedFS S3, ``boxcar api``, three ``boxcar worker`` processes on the paced fake engine of
-``bench.scale_worker``), has three tenants (two with enqueued-token quotas) submit batches of
-chat and completions lines (some cancelled, some with a 4 s window so they expire) while a
-schedule drawn from ``random.Random(seed)`` (bench/chaos_faults.py) SIGKILLs and SIGSTOPs
-workers, SIGKILLs the API, restarts PostgreSQL and Redis and takes S3 away. Then every part is
-healed, the batches drain, and the auditor (bench/chaos_audit.py) checks every batch and
-tenant. Prints one table and exits 1 on any violation, with the seed to replay.
+SeaweedFS S3, two ``boxcar api`` processes, three ``boxcar worker`` processes of a generating
+model with a LoRA adapter and one of an embedding model, all on the paced fake engine of
+``bench.scale_worker``; the services reach PostgreSQL through the bench's proxy,
+bench/chaos_proxy.py), has three tenants (two with enqueued-token quotas) submit batches and
+single jobs of every generating and embedding endpoint (bench/chaos_workload.py; jobs' webhooks
+go to the bench's receiver, bench/chaos_webhooks.py) while a schedule drawn from
+``random.Random(seed)`` (bench/chaos_faults.py) SIGKILLs and SIGSTOPs workers, SIGKILLs one API
+at a time, restarts PostgreSQL and Redis, takes S3 away and slows or stalls the database link.
+Then every part is healed, the work drains, and the auditors check every batch and tenant
+(bench/chaos_audit.py), every job and webhook (bench/chaos_deliveries.py) and every expired
+file's bytes in the bucket (bench/chaos_expiry.py). Prints one table and exits 1 on any
+violation, with the seed to replay.
+
+No fault fills a local disk: the production stack keeps every file in S3, and the only local
+folder a process writes is a worker's LoRA cache, filled once at its start (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import shutil
 import sys
@@ -22,126 +31,92 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+from sqlalchemy import create_engine, text
 
+from bench import chaos_expiry
 from bench.chaos_audit import Audit, StatusWatch, audit, batch_rows
+from bench.chaos_deliveries import JOB_TERMINAL, audit_jobs, audit_webhooks, job_rows
 from bench.chaos_faults import Fault, Injector, schedule
+from bench.chaos_proxy import DelayProxy
+from bench.chaos_webhooks import WebhookReceiver
+from bench.chaos_workload import ADAPTER, EMBEDDER, Workload
 
-WORKERS = ("w1", "w2", "w3")
+WORKERS = ("w1", "w2", "w3")  # the generating model's
+EMBED_WORKER = "e1"
+APIS = ("api", "api2")
 # name -> its key's max_enqueued_tokens (None: no quota). A batch of 120 lines holds about
 # 120 * (prompt + max_tokens) ~ 4,000 tokens; the quotas let a tenant hold a few at once.
 TENANTS = {"tenant-a": 12_000, "tenant-b": 5_000, "tenant-c": None}
+# Its batches' final events also go to a webhook endpoint (the jobs of all three carry a url).
+ENDPOINT_TENANT = "tenant-c"
+BATCH_FINAL_EVENTS = ["batch.completed", "batch.failed", "batch.expired", "batch.cancelled"]
 LINES_PER_S = 20  # per worker, paced like a GPU: about twice what the workload submits
 DRAIN_S = 180.0
+AGE_EVERY_S = 10.0  # how often unused uploads are aged during the run
+# Webhook retries a few seconds apart (the default waits minutes), so a delivery a fault
+# broke is retried within the drain.
+RETRY_DELAYS = [1, 2, 4, 8, 8, 8, 8, 8]
 
 
-@dataclass
-class Workload:
-    """Submits batches in a thread until stopped; what it asked for, and what it was told."""
+def drain(database_url: str, timeout_s: float) -> float:
+    """Seconds until every batch and job is in a final status and no webhook delivery is
+    pending (or ``timeout_s``)."""
+    from service.models import BATCH_TERMINAL, DELIVERY_PENDING
 
-    base_url: str
-    keys: dict[str, str]
-    rng: random.Random
-    counts: Counter[str] = field(default_factory=Counter)
-    cancel_requested: set[str] = field(default_factory=set)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _cancels: list[threading.Thread] = field(default_factory=list)
+    started = time.monotonic()
+    engine = create_engine(database_url)
+    try:
+        while time.monotonic() - started < timeout_s:
+            with engine.connect() as conn:
+                pending = conn.scalar(text(
+                    "SELECT count(*) FROM webhook_deliveries WHERE status = :pending"),
+                    {"pending": DELIVERY_PENDING})
+            if (not pending
+                    and all(status in BATCH_TERMINAL for _, status, _ in batch_rows(database_url))
+                    and all(status in JOB_TERMINAL for _, status, _, _ in job_rows(database_url))):
+                break
+            time.sleep(1.0)
+    finally:
+        engine.dispose()
+    return time.monotonic() - started
 
-    def __post_init__(self) -> None:
+
+class Ager:
+    """Ages the workload's unused uploads every ``AGE_EVERY_S`` during the run, so their
+    deletes meet the faults (bench/chaos_expiry.py)."""
+
+    def __init__(self, database_url: str, workload: Workload) -> None:
+        self.database_url, self.workload = database_url, workload
+        self.aged: list[tuple[str, str, str]] = []
+        self._done = 0
+        self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
-    def start(self) -> Workload:
+    def start(self) -> Ager:
         self._thread.start()
         return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(AGE_EVERY_S):
+            file_ids = self.workload.unused_files[self._done:]
+            try:
+                self.aged += chaos_expiry.age(self.database_url, file_ids)
+                self._done += len(file_ids)
+            except Exception:  # the database is away: a fault of the run; next time
+                pass
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        for thread in self._cancels:
-            thread.join()
-
-    def _run(self) -> None:
-        number = 0
-        while not self._stop.wait(self.rng.uniform(1.0, 3.0)):
-            number += 1
-            tenant = self.rng.choice(sorted(self.keys))
-            endpoint = self.rng.choice(("/v1/chat/completions", "/v1/completions"))
-            window = "4s" if self.rng.random() < 0.1 else "24h"
-            # A 4 s batch is made too big to finish in time, so it expires.
-            num_lines = self.rng.randint(150, 300) if window == "4s" else self.rng.randint(10, 120)
-            cancel_after = self.rng.uniform(0.5, 6.0) if self.rng.random() < 0.15 else None
-            try:
-                self._submit(tenant, f"b{number}", endpoint, num_lines, window, cancel_after)
-            except httpx.HTTPError as exc:  # the API or a server behind it is away
-                self.counts[f"submit failed ({type(exc).__name__})"] += 1
-
-    def _client(self, tenant: str) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=10,
-                            headers={"Authorization": f"Bearer {self.keys[tenant]}"})
-
-    def _submit(self, tenant: str, tag: str, endpoint: str, num_lines: int, window: str,
-                cancel_after: float | None) -> None:
-        from tests.conftest_services import chat_line, completion_line, jsonl
-
-        make = chat_line if endpoint == "/v1/chat/completions" else completion_line
-        lines = [make(f"{tag}-{i:04d}", f"line {i} of {tag} for {tenant}", max_tokens=16)
-                 for i in range(num_lines)]
-        with self._client(tenant) as client:
-            response = client.post("/v1/files", data={"purpose": "batch"},
-                                   files={"file": (f"{tag}.jsonl", jsonl(lines))})
-            if response.status_code != 200:
-                self.counts[f"upload refused ({response.status_code})"] += 1
-                return
-            response = client.post("/v1/batches", json={
-                "input_file_id": response.json()["id"], "endpoint": endpoint,
-                "completion_window": window})
-        if response.status_code == 429:
-            self.counts["batch refused by quota (429)"] += 1
-            return
-        if response.status_code != 200:
-            self.counts[f"batch refused ({response.status_code})"] += 1
-            return
-        self.counts["batches created"] += 1
-        if cancel_after is not None:
-            thread = threading.Thread(target=self._cancel, daemon=True,
-                                      args=(tenant, response.json()["id"], cancel_after))
-            self._cancels.append(thread)
-            thread.start()
-
-    def _cancel(self, tenant: str, batch_id: str, after_s: float) -> None:
-        time.sleep(after_s)
-        # Recorded first: a cancel whose answer is lost to a fault may still have been made.
-        self.cancel_requested.add(batch_id)
-        with self._client(tenant) as client:
-            for _ in range(10):
-                try:
-                    response = client.post(f"/v1/batches/{batch_id}/cancel")
-                    if response.status_code in (200, 409):  # 409: it had finished
-                        self.counts[f"cancel answered {response.status_code}"] += 1
-                        return
-                except httpx.HTTPError:
-                    pass
-                time.sleep(1.0)
-        self.counts["cancel never answered"] += 1
-
-
-def drain(database_url: str, timeout_s: float) -> float:
-    """Seconds until every batch is in a final status (or ``timeout_s``)."""
-    from service.models import BATCH_TERMINAL
-
-    started = time.monotonic()
-    while time.monotonic() - started < timeout_s:
-        if all(status in BATCH_TERMINAL for _, status, _ in batch_rows(database_url)):
-            break
-        time.sleep(1.0)
-    return time.monotonic() - started
+        self.aged += chaos_expiry.age(self.database_url, self.workload.unused_files[self._done:])
 
 
 def render(seed: int, minutes: float, faults: list[Fault], injector: Injector,
-           workload: Workload, result: Audit, drain_s: float) -> str:
+           workload: Workload, result: Audit, figures: dict[str, float]) -> str:
     rows = [("fault", "scheduled", "injected")]
     kinds = Counter(f.kind for f in faults)
     rows += [(kind, str(kinds[kind]), str(injector.injected[kind])) for kind in sorted(kinds)]
@@ -150,8 +125,9 @@ def render(seed: int, minutes: float, faults: list[Fault], injector: Injector,
     rows += [(name, str(n), str(broken[name])) for name, n in sorted(result.checked.items())]
     rows += [("", "", ""), ("workload", "count", "")]
     rows += [(name, str(n), "") for name, n in sorted(workload.counts.items())]
-    rows += [(f"batches {status}", str(n), "") for status, n in sorted(result.outcomes.items())]
-    rows += [("drain (s)", f"{drain_s:.1f}", "")]
+    rows += [(f"final: {status}", str(n), "") for status, n in sorted(result.outcomes.items())]
+    rows += [(name, f"{value:.1f}" if isinstance(value, float) else str(value), "")
+             for name, value in figures.items()]
     width = max(len(r[0]) for r in rows)
     lines = [f"chaos run: seed {seed}, {minutes:g} min, {sum(injector.injected.values())} "
              f"faults, {len(result.violations)} violations"]
@@ -174,19 +150,38 @@ def run(seed: int, minutes: float, *, mean_gap_s: float, max_outage_s: float,
         drain_timeout_s: float = DRAIN_S) -> ChaosRun:
     """One chaos run: the audit, the faults injected and the table."""
     from service.keys import create_key
+    from service.storage import S3Storage, put_bytes
     from tests.conftest import make_checkpoint
+    from tests.system.conftest import ENGINE_OPTIONS
     from tests.system.stack import PrivateStack
 
     run_s = minutes * 60
-    faults = schedule(seed, run_s=run_s, mean_gap_s=mean_gap_s, workers=WORKERS,
-                      max_outage_s=max_outage_s)
+    faults = schedule(seed, run_s=run_s, mean_gap_s=mean_gap_s,
+                      workers=(*WORKERS, EMBED_WORKER), apis=APIS, max_outage_s=max_outage_s)
     model_root = tempfile.mkdtemp(prefix="boxcar-chaos-model-")
-    stack = PrivateStack(str(make_checkpoint(Path(model_root), "llama")),
-                         worker_module="bench.scale_worker",
-                         extra_env={"BOXCAR_BENCH_ENGINE": "paced",
-                                    "BOXCAR_BENCH_LINES_PER_S": str(LINES_PER_S)})
+    model = str(make_checkpoint(Path(model_root), "llama"))
+    embedder = Path(model_root) / EMBEDDER
+    embedder.mkdir()
+    receiver = WebhookReceiver().start()
+    proxy = DelayProxy(seed=seed)
+    stack = PrivateStack(model, worker_module="bench.scale_worker", num_apis=len(APIS),
+                         database_proxy=proxy, extra_env={
+                             "BOXCAR_BENCH_ENGINE": "paced",
+                             "BOXCAR_BENCH_LINES_PER_S": str(LINES_PER_S),
+                             "BOXCAR_MODELS": json.dumps([model, str(embedder)]),
+                             # The adapter as a user registers it: a key in the deployment's
+                             # storage, named in the API's and the workers' engine options.
+                             "BOXCAR_ENGINE_OPTIONS": json.dumps({
+                                 **ENGINE_OPTIONS,
+                                 "lora_modules": [f"{ADAPTER}=adapters/{ADAPTER}"]}),
+                             "BOXCAR_LORA_CACHE": str(Path(model_root) / "lora-cache"),
+                             "BOXCAR_WEBHOOK_ALLOW_PRIVATE": "true",
+                             "BOXCAR_WEBHOOK_RETRY_DELAYS": json.dumps(RETRY_DELAYS)})
     try:
         stack.start()
+        storage = S3Storage(stack.bucket, "boxcar", client=stack.weed.server.client())
+        for name, data in adapter_files().items():
+            put_bytes(storage, f"adapters/{ADAPTER}/{name}", data)
         from service.db import Database
 
         db = Database(stack.pg.url)
@@ -194,29 +189,86 @@ def run(seed: int, minutes: float, *, mean_gap_s: float, max_outage_s: float,
             keys = {name: create_key(session, tenant_name=name, max_enqueued_tokens=limit).key
                     for name, limit in TENANTS.items()}
         db.dispose()
+        subscribe(stack.base_url, keys, receiver)
         keys["acme"] = stack.api_key  # the stack's own tenant (no batches of its own)
         for name in WORKERS:
             stack.start_worker(name)
+        stack.start_worker(EMBED_WORKER, env={
+            "BOXCAR_MODEL": str(embedder), "BOXCAR_BENCH_EMBEDDING": "1",
+            "BOXCAR_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS)})
         watch = StatusWatch(stack.pg.url)
-        workload = Workload(stack.base_url, {t: keys[t] for t in TENANTS},
-                            random.Random(f"{seed}-workload"))
+        workload = Workload(stack.base_urls, {t: keys[t] for t in TENANTS},
+                            random.Random(f"{seed}-workload"),
+                            {t: receiver.url_for(t) for t in TENANTS})
         started = time.monotonic()
-        injector = Injector(stack, faults, started).start()
+        injector = Injector(stack, faults, started, proxy=proxy).start()
         workload.start()
+        ager = Ager(stack.pg.url, workload).start()
         time.sleep(max(0.0, started + run_s - time.monotonic()))
         workload.stop()
         injector.stop()
-        stack.heal(WORKERS)
+        stack.heal((*WORKERS, EMBED_WORKER))
+        ager.stop()
         drain_s = drain(stack.pg.url, drain_timeout_s)
         time.sleep(1.0)  # the watch's last look at the final statuses
         watch.stop()
         result = audit(base_url=stack.base_url, database_url=stack.pg.url, keys=keys,
                        cancel_requested=workload.cancel_requested, watch=watch)
+        clients = {name: httpx.Client(base_url=stack.base_url, timeout=60,
+                                      headers={"Authorization": f"Bearer {key}"})
+                   for name, key in keys.items()}
+        try:
+            audit_jobs(result, clients, stack.pg.url)
+            audit_webhooks(result, receiver, stack.pg.url, endpoint_tenants={ENDPOINT_TENANT})
+            # The batches are audited (their files read): now their short-lived files expire.
+            aged = ager.aged + chaos_expiry.age(
+                stack.pg.url, chaos_expiry.finished_batch_files(stack.pg.url))
+            cleanup_s = chaos_expiry.wait_deleted(stack.pg.url, [a[0] for a in aged], 60.0)
+            chaos_expiry.audit_expired(result, aged, s3_client=stack.weed.server.client(),
+                                       bucket=stack.bucket, prefix="boxcar", clients=clients)
+        finally:
+            for client in clients.values():
+                client.close()
         return ChaosRun(result, injector.injected,
-                        render(seed, minutes, faults, injector, workload, result, drain_s))
+                        render(seed, minutes, faults, injector, workload, result,
+                               {"drain (s)": drain_s, "expired files": len(aged),
+                                "cleanup (s)": cleanup_s}))
     finally:
         stack.close()
+        receiver.close()
         shutil.rmtree(model_root, ignore_errors=True)
+
+
+def subscribe(base_url: str, keys: dict[str, str], receiver: WebhookReceiver) -> None:
+    """Each tenant's webhook secret to the receiver, as a customer's receiver is given it; the
+    endpoint tenant's batch events also to its endpoint."""
+    for tenant, key in keys.items():
+        with httpx.Client(base_url=base_url, timeout=30,
+                          headers={"Authorization": f"Bearer {key}"}) as client:
+            response = client.get("/v1/tenant")
+            response.raise_for_status()
+            receiver.add_secret(tenant, response.json()["webhook_secret"])
+            if tenant == ENDPOINT_TENANT:
+                response = client.post("/v1/webhook_endpoints", json={
+                    "url": receiver.url_for(tenant), "events": BATCH_FINAL_EVENTS})
+                response.raise_for_status()
+                receiver.add_secret(tenant, response.json()["secret"])
+
+
+def adapter_files() -> dict[str, bytes]:
+    """A PEFT LoRA adapter's two files (rank 2 on the first q_proj), in the layout
+    ``save_pretrained`` writes; the fake engine checks only that the config is there."""
+    import torch
+    from safetensors.torch import save
+
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"],
+              "base_model_name_or_path": "llama", "bias": "none", "task_type": "CAUSAL_LM"}
+    weights = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight":
+               torch.zeros(2, 64),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+               torch.zeros(64, 2)}
+    return {"adapter_config.json": json.dumps(config).encode(),
+            "adapter_model.safetensors": save(weights)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=None,
                         help="the schedule's seed (default: drawn, and printed)")
     parser.add_argument("--minutes", type=float, default=2.0)
-    parser.add_argument("--mean-gap", type=float, default=12.0,
+    parser.add_argument("--mean-gap", type=float, default=8.0,
                         help="mean seconds between one fault's end and the next")
     parser.add_argument("--max-outage", type=float, default=None,
                         help="cap on a fault's outage in s (default: 8 for runs under 10 "

@@ -93,7 +93,7 @@ def audit(*, base_url: str, database_url: str, keys: dict[str, str],
                for name, key in keys.items()}
     try:
         for batch_id, status, tenant in batch_rows(database_url):
-            result.outcomes[status] += 1
+            result.outcomes[f"batch {status}"] += 1
             _audit_batch(result, clients[tenant], batch_id, cancel_requested,
                          watch.seen.get(batch_id, []))
     finally:
@@ -133,10 +133,12 @@ def _audit_batch(result: Audit, client: httpx.Client, batch_id: str,
     expected = _input_ids(client, batch)
     results = read_results(client, batch)
     # A batch admits its lines when it starts (in_progress); one that failed validation, or
-    # was cancelled or expired before it started, answers none. Every other one answers each
-    # custom_id exactly once.
+    # was cancelled or expired before it started, answers none, or (cancelled while its
+    # prepare ran on: the prepare writes the lines, finalize closes them) each line as
+    # cancelled. Every other one answers each custom_id exactly once.
     admitted = status != "failed" and batch["in_progress_at"] is not None
-    figures = exactly_once(expected if admitted else [], results.custom_ids)
+    answers_all = admitted or bool(results.custom_ids)
+    figures = exactly_once(expected if answers_all else [], results.custom_ids)
     result.check("each custom_id exactly once", batch_id, not any(figures.values()),
                  str(figures))
     counts = batch["request_counts"]

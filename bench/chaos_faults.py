@@ -13,12 +13,18 @@ from collections import Counter
 from dataclasses import dataclass
 
 KINDS = ("worker_sigkill", "worker_sigstop", "api_sigkill", "postgres_restart",
-         "redis_restart", "s3_away")
+         "redis_restart", "s3_away", "db_delay", "db_stall")
 # How long each kind keeps its part away, in seconds (min, max): a killed worker or API is
-# started again at once, so its outage is its start-up.
+# started again at once, so its outage is its start-up. db_delay slows the database link
+# (bench/chaos_proxy.py: each chunk held DB_DELAY_S) for its outage; db_stall holds it still.
 OUTAGE_S = {"worker_sigkill": (0.0, 0.0), "worker_sigstop": (2.0, 8.0),
             "api_sigkill": (0.0, 0.0), "postgres_restart": (1.0, 5.0),
-            "redis_restart": (1.0, 5.0), "s3_away": (5.0, 30.0)}
+            "redis_restart": (1.0, 5.0), "s3_away": (5.0, 30.0),
+            "db_delay": (5.0, 20.0), "db_stall": (1.0, 5.0)}
+DB_DELAY_S = (0.05, 0.5)  # per chunk, each way
+# The part a fault of each kind hits (workers and APIs: one drawn from the run's).
+TARGETS = {"postgres_restart": "postgres", "redis_restart": "redis", "s3_away": "s3",
+           "db_delay": "db_link", "db_stall": "db_link"}
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,7 @@ class Fault:
 
 
 def schedule(seed: int, *, run_s: float, mean_gap_s: float, workers: tuple[str, ...],
-             max_outage_s: float) -> list[Fault]:
+             max_outage_s: float, apis: tuple[str, ...] = ("api",)) -> list[Fault]:
     """Faults from 5 s into the run until its end, ``mean_gap_s`` apart on average; every kind
     at least once when the run is long enough. Outages are capped at ``max_outage_s`` (short
     runs)."""
@@ -45,7 +51,8 @@ def schedule(seed: int, *, run_s: float, mean_gap_s: float, workers: tuple[str, 
         kind = kinds[len(faults)] if len(faults) < len(kinds) else rng.choice(KINDS)
         low, high = OUTAGE_S[kind]
         outage = min(rng.uniform(low, high), max(low, max_outage_s))
-        target = rng.choice(workers) if kind.startswith("worker") else kind.split("_")[0]
+        target = (rng.choice(workers) if kind.startswith("worker")
+                  else rng.choice(apis) if kind == "api_sigkill" else TARGETS[kind])
         faults.append(Fault(round(at, 1), kind, target, round(outage, 1)))
         at += outage + rng.uniform(0.5 * mean_gap_s, 1.5 * mean_gap_s)
     return faults
@@ -53,10 +60,12 @@ def schedule(seed: int, *, run_s: float, mean_gap_s: float, workers: tuple[str, 
 
 class Injector:
     """Applies a schedule in a thread; every part is back when a fault ends (a killed process
-    started again, a stopped one continued, a server restarted)."""
+    started again, a stopped one continued, a server restarted, the database link clear).
+    APIs are named ``api``, ``api2``, ... (the stack's first, second, ...)."""
 
-    def __init__(self, stack, faults: list[Fault], started: float) -> None:
+    def __init__(self, stack, faults: list[Fault], started: float, *, proxy=None) -> None:
         self.stack, self.faults, self.started = stack, faults, started
+        self.proxy = proxy  # a bench.chaos_proxy.DelayProxy the services reach PostgreSQL by
         self.injected: Counter[str] = Counter()
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -96,8 +105,9 @@ class Injector:
             finally:
                 os.killpg(pid, signal.SIGCONT)
         elif fault.kind == "api_sigkill":
-            stack.kill_api()
-            stack.start_api()
+            index = int(fault.target.removeprefix("api") or 1) - 1
+            stack.kill_api(index)
+            stack.start_api(index)
         elif fault.kind == "postgres_restart":
             # A clean stop: the private server runs with synchronous_commit=off, so a crash
             # (``immediate``) loses commits it had acknowledged, which no service survives.
@@ -112,5 +122,16 @@ class Injector:
             stack.weed.stop()
             time.sleep(fault.outage_s)
             stack.weed.start()
+        elif fault.kind in ("db_delay", "db_stall"):
+            if self.proxy is None:
+                raise ValueError(f"{fault.kind} needs the database proxy")
+            if fault.kind == "db_delay":
+                self.proxy.delay(*DB_DELAY_S)
+            else:
+                self.proxy.stall(fault.outage_s)
+            try:
+                time.sleep(fault.outage_s)
+            finally:
+                self.proxy.clear()
         else:
             raise ValueError(f"unknown fault kind {fault.kind!r}")

@@ -19,7 +19,9 @@ class Results:
     custom_ids: list[str] = field(default_factory=list)  # in file order, repeats kept
     num_succeeded: int = 0  # lines with a 200 response
     error_codes: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: int = 0  # summed over the 200 responses' usage
+    # Summed over the 200 responses' usage (a Responses API body's input_tokens and
+    # output_tokens; an embeddings body's prompt_tokens and no output).
+    prompt_tokens: int = 0
     completion_tokens: int = 0
 
 
@@ -40,8 +42,9 @@ def read_results(client: httpx.Client, batch: dict) -> Results:
                 continue
             results.num_succeeded += 1
             usage = line["response"]["body"].get("usage") or {}
-            results.prompt_tokens += usage.get("prompt_tokens", 0)
-            results.completion_tokens += usage.get("completion_tokens", 0)
+            results.prompt_tokens += usage.get("prompt_tokens", usage.get("input_tokens", 0))
+            results.completion_tokens += usage.get("completion_tokens",
+                                                   usage.get("output_tokens", 0))
     return results
 
 

@@ -1,6 +1,8 @@
-"""A short seeded chaos run (bench/chaos.py): two minutes of batches from three tenants while
-workers are SIGKILLed and SIGSTOPped, the API SIGKILLed, PostgreSQL and Redis restarted and S3
-taken away; then the auditor finds 0 violations over every batch and tenant."""
+"""A short seeded chaos run (bench/chaos.py): two minutes of batches and jobs of every endpoint
+(an adapter's too) from three tenants over two APIs while workers are SIGKILLed and SIGSTOPped,
+an API SIGKILLed, PostgreSQL and Redis restarted, S3 taken away and the database link slowed
+and stalled; then the auditors find 0 violations over every batch, job, webhook, tenant and
+expired file."""
 
 from __future__ import annotations
 
@@ -12,16 +14,19 @@ from bench.chaos_faults import KINDS, schedule
 from tests.figures import record
 
 SEED = 3
+MEAN_GAP_S = 8.0
 TABLE = "Chaos run: faults from a seeded schedule, then the auditor (fake engine)"
 
 
 def test_schedule_replays_from_its_seed():
     def draw(seed: int):
-        return schedule(seed, run_s=120, mean_gap_s=12, workers=("w1", "w2"), max_outage_s=8)
+        return schedule(seed, run_s=120, mean_gap_s=MEAN_GAP_S, workers=("w1", "w2"),
+                        apis=("api", "api2"), max_outage_s=8)
 
     assert draw(SEED) == draw(SEED) != draw(SEED + 1)
     assert {f.kind for f in draw(SEED)} == set(KINDS)  # every kind in a two-minute run
     assert all(f.outage_s <= 8 for f in draw(SEED))
+    assert {f.target for f in draw(SEED) if f.kind == "api_sigkill"} <= {"api", "api2"}
 
 
 def test_auditor_flags_illegal_changes_and_disordered_timestamps():
@@ -44,7 +49,7 @@ def test_auditor_flags_illegal_changes_and_disordered_timestamps():
 
 def test_short_chaos_run_has_no_violations():
     try:
-        chaos = run(SEED, 2.0, mean_gap_s=12.0, max_outage_s=8.0)
+        chaos = run(SEED, 2.0, mean_gap_s=MEAN_GAP_S, max_outage_s=8.0)
     except RuntimeError as exc:
         if "not installed" in str(exc):
             pytest.skip(str(exc))
@@ -57,3 +62,6 @@ def test_short_chaos_run_has_no_violations():
     assert audit.violations == [], chaos.table
     assert set(chaos.injected) == set(KINDS), chaos.table
     assert audit.checked["each custom_id exactly once"] >= 20, chaos.table
+    assert audit.checked["job terminal after drain"] >= 5, chaos.table
+    assert audit.checked["webhook delivered and verified"] >= 5, chaos.table
+    assert audit.checked["expired file's bytes gone from S3"] >= 1, chaos.table
