@@ -191,11 +191,9 @@ def run(seed: int, minutes: float, *, mean_gap_s: float, max_outage_s: float,
         db.dispose()
         subscribe(stack.base_url, keys, receiver)
         keys["acme"] = stack.api_key  # the stack's own tenant (no batches of its own)
-        for name in WORKERS:
-            stack.start_worker(name)
-        stack.start_worker(EMBED_WORKER, env={
+        stack.start_workers({**dict.fromkeys(WORKERS), EMBED_WORKER: {
             "BOXCAR_MODEL": str(embedder), "BOXCAR_BENCH_EMBEDDING": "1",
-            "BOXCAR_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS)})
+            "BOXCAR_ENGINE_OPTIONS": json.dumps(ENGINE_OPTIONS)}})
         watch = StatusWatch(stack.pg.url)
         workload = Workload(stack.base_urls, {t: keys[t] for t in TENANTS},
                             random.Random(f"{seed}-workload"),

@@ -83,7 +83,14 @@ def audit_webhooks(result: Audit, receiver: WebhookReceiver, database_url: str, 
         engine.dispose()
     expected += [(f"batch.{status}", batch_id) for batch_id, status, tenant in batches
                  if tenant in endpoint_tenants and status in BATCH_TERMINAL]
-    queued = queued_events(database_url, receiver.url_for(""))
+    check_webhooks(result, expected, queued_events(database_url, receiver.url_for("")),
+                   receiver)
+
+
+def check_webhooks(result: Audit, expected: list[tuple[str, str]],
+                   queued: Counter[tuple[str, str, str]], receiver: WebhookReceiver) -> None:
+    """``expected`` (event type, object id) pairs against the delivery rows ``queued`` and what
+    the receiver got."""
     per_event: Counter[tuple[str, str]] = Counter()
     for (event, object_id, _), n in queued.items():
         per_event[(event, object_id)] += 1

@@ -1,14 +1,18 @@
 """The chaos run's webhook receiver and its auditors' offline pieces: a delivery signed as the
 service signs it (``service.webhooks.headers_for``) verifies over HTTP; one signed with another
-secret is refused and recorded; the expired-file audit reads the bucket's answer."""
+secret is refused and recorded; the webhook audit flags an event never received, one queued
+twice and a delivery that does not verify; the expired-file audit reads the bucket's answer."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import httpx
 import pytest
 from botocore.exceptions import ClientError
 
 from bench.chaos_audit import Audit
+from bench.chaos_deliveries import check_webhooks
 from bench.chaos_expiry import audit_expired
 from bench.chaos_webhooks import WebhookReceiver
 from bench.scale_worker import register_adapters
@@ -18,9 +22,7 @@ from service.webhooks import headers_for
 
 
 def _post(receiver: WebhookReceiver, tenant: str, secret: str, msg_id: str, body: str):
-    import time
-
-    headers = headers_for(secret, msg_id, int(time.time()), body)
+    headers = headers_for(secret, msg_id, _now(), body)
     return httpx.post(receiver.url_for(tenant), content=body.encode(), headers=headers,
                       timeout=10)
 
@@ -85,3 +87,30 @@ def test_scale_worker_registers_adapters_with_their_config(tmp_path):
     assert engine.lora_names == ["good"]
     with pytest.raises(ValueError, match="'bad'.*adapter_config.json is missing"):
         register_adapters(engine, [f"bad={tmp_path / 'missing'}"])
+
+
+def test_webhook_audit_flags_missing_duplicated_and_unverified_events():
+    receiver = WebhookReceiver()
+    secret = new_webhook_secret()
+    receiver.add_secret("t", secret)
+    body = '{"type":"job.completed","timestamp":"t","data":{"id":"job_1"}}'
+    receiver.receive("/hooks/t", body.encode(), headers_for(secret, "msg_1", _now(), body))
+    url = "http://127.0.0.1:1/hooks/t"
+    expected = [("job.completed", "job_1"), ("job.completed", "job_2")]
+    queued = Counter({("job.completed", "job_1", url): 1, ("job.completed", "job_2", url): 2})
+    result = Audit()
+    check_webhooks(result, expected, queued, receiver)
+    assert sorted((name, subject) for name, subject, _ in result.violations) == [
+        ("event queued once per target", "job_2"),  # two rows: finished twice
+        ("webhook delivered and verified", "job_2")]
+    receiver.receive("/hooks/t", body.encode(), headers_for(new_webhook_secret(), "msg_9",
+                                                            _now(), body))
+    result = Audit()
+    check_webhooks(result, expected[:1], Counter({("job.completed", "job_1", url): 1}), receiver)
+    assert [name for name, _, _ in result.violations] == ["every delivery verifies"]
+
+
+def _now() -> int:
+    import time
+
+    return int(time.time())

@@ -290,29 +290,37 @@ class PrivateStack:
     def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         """Start worker ``name`` (``env`` over the stack's; none given: the one it was last
         started with) and wait until Celery is ready."""
-        if env is not None:
-            self.worker_envs[name] = env
-        env = self.worker_envs.get(name)
-        log_path = os.path.join(self.logdir, f"{name}.log")
-        log = open(log_path, "ab")
-        offset = log.tell()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", self.worker_module, "worker", "--concurrency", "2",
-             "--hostname", f"{name}@boxcar-fault"],
-            cwd=REPO, env={**self.env, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        log.close()
-        self.workers[name] = proc
+        return self.start_workers({name: env})[name]
 
-        def ready() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"worker {name} exited:\n{self.log_of(name)[-3000:]}")
-            with open(log_path, "rb") as f:
-                f.seek(offset)
-                return b"ready." in f.read()
+    def start_workers(self, envs: dict[str, dict[str, str] | None]) -> dict[str, subprocess.Popen]:
+        """Start these workers at once (each with its ``env`` as in ``start_worker``), then
+        wait until each is ready: their start-ups overlap."""
+        waits = []
+        for name, env in envs.items():
+            if env is not None:
+                self.worker_envs[name] = env
+            log_path = os.path.join(self.logdir, f"{name}.log")
+            log = open(log_path, "ab")
+            offset = log.tell()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", self.worker_module, "worker", "--concurrency", "2",
+                 "--hostname", f"{name}@boxcar-fault"],
+                cwd=REPO, env={**self.env, **self.worker_envs.get(name, {})}, stdout=log,
+                stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+            self.workers[name] = proc
+            waits.append((name, proc, log_path, offset))
+        for name, proc, log_path, offset in waits:
 
-        wait_for(ready, 120, 0.1, f"worker {name} to start")
-        return proc
+            def ready(name=name, proc=proc, log_path=log_path, offset=offset) -> bool:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"worker {name} exited:\n{self.log_of(name)[-3000:]}")
+                with open(log_path, "rb") as f:
+                    f.seek(offset)
+                    return b"ready." in f.read()
+
+            wait_for(ready, 120, 0.1, f"worker {name} to start")
+        return {name: self.workers[name] for name in envs}
 
     def kill_worker(self, name: str) -> int:
         proc = self.workers.pop(name)
