@@ -20,6 +20,7 @@ through untouched. A module missing a tensor, or whose tensors do not fit each o
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -54,6 +55,7 @@ class HFQuantization:
     method: str  # one of METHODS
     group_size: int | None = None  # int4: inputs a zero point and scale cover; None: a row
     zero_offset: int = 0  # GPTQ v1 stores each zero point less one
+    act_order: bool = False  # GPTQ's desc_act: g_idx is a permutation of the inputs
     block_size: tuple[int, int] | None = None  # FP8 scales per (out, in) block; None: by shape
     scale_name: str = "weight_scale"  # FP8: the scale tensor's name beside ``weight``
 
@@ -123,7 +125,8 @@ def _parse_gptq(config: dict[str, Any]) -> HFQuantization:
     if form not in ("gptq", "gptq_v2"):
         raise _refuse(f"gptq checkpoint_format {form!r}")
     return HFQuantization("gptq", group_size=_group_size(config, "gptq", allow_row=True),
-                          zero_offset=1 if form == "gptq" else 0)
+                          zero_offset=1 if form == "gptq" else 0,
+                          act_order=bool(config.get("desc_act")))
 
 
 def _parse_fp8(config: dict[str, Any]) -> HFQuantization:
@@ -207,6 +210,31 @@ def choose_mode(quant: HFQuantization, requested: str | None, device_type: str, 
               file=sys.stderr, flush=True)
         return "dequantize"
     return "keep"
+
+
+def resident_bytes(quant: HFQuantization, name: str, entry: dict[str, Any], element: int, *,
+                   keep: bool) -> int | None:
+    """The memory a quantized module's stored tensor ends up taking (``entry``: its safetensors
+    header entry; ``element``: the run's dtype's size), kept packed or dequantized; None for a
+    tensor that is not part of a quantized module (it is loaded as it is)."""
+    part = name.rpartition(".")[2]
+    shape = entry["shape"]
+    stored = entry["data_offsets"][1] - entry["data_offsets"][0]
+    if quant.is_int4:
+        if part not in quant.parts:
+            return None
+        if part == "qweight":  # 8 codes an int32 whichever way they are packed
+            return stored if keep else shape[0] * shape[1] * 8 * element
+        if part == "qzeros":  # kept unpacked: a byte a zero point
+            return shape[0] * shape[1] * 8 if keep else 0
+        if part == "g_idx":  # kept as an int64 permutation where it is not the identity
+            return 2 * stored if keep and quant.act_order else 0
+        return stored if keep else 0  # the scales, as stored
+    if part == "weight" and entry["dtype"] == "F8_E4M3":
+        return stored if keep else shape[0] * shape[1] * element
+    if part == quant.scale_name:
+        return math.prod(shape) * 4 if keep else 0  # kept in fp32
+    return None
 
 
 def load_quantized(
