@@ -1,9 +1,13 @@
 """A GGUF file converted once to an HF folder (config.json, tokenizer files, model.safetensors).
 
-Parsing a GGUF file's metadata, building its tokenizer with transformers and dequantizing its
-weights cost seconds at every start; the converted folder loads in a fraction of that (the weights
-are memory-mapped). The weights are stored exactly as dequantized, before any cast, so loading them
-gives bit-identical tensors to the GGUF path.
+Parsing a GGUF file's metadata and building its tokenizer with transformers cost seconds at every
+start; the converted folder loads in a fraction of that. The weights are stored as the GGUF
+loader yields them, before any cast: a quantized 2-D weight as its ggml rows (uint8
+``[out_features, row_bytes]``, its format, shape and GGUF name in the file's metadata under
+``QUANTIZED_KEY``), the rest dense, as gguf dequantizes them. So the folder is about the GGUF's
+size (Gemma 3 270M Q4_K_M: 253 MB, where fp32 copies took 1.1 GB), the engine keeps the rows
+quantized without converting anything, and dequantizing them gives bit-identical tensors to the
+GGUF path (both go through ``ggml_rows.materialize``).
 
 Where: beside the model (``<dir>/.<file>.boxcar/``), or, when that folder is read-only, under
 ``$BOXCAR_CONVERTED_CACHE`` (default ``~/.cache/boxcar/converted/<hash of the GGUF's path>/``).
@@ -23,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,9 +40,34 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # 2: tokenizer_config.json lists the added tokens (``_write_added_tokens``)
-FORMAT_VERSION = 2
+# 3: quantized weights stored as their ggml rows (``QUANTIZED_KEY``)
+FORMAT_VERSION = 3
 KEY_FILE = "boxcar-key.json"
 WEIGHTS_FILE = "model.safetensors"
+# The weights file's metadata key: JSON {hf_name: [format, out_features, in_features, gguf_name]}
+QUANTIZED_KEY = "boxcar.ggml_rows"
+
+
+@dataclass(frozen=True)
+class QuantizedEntry:
+    """A stored tensor that is ggml rows: uint8 ``[out_features, row_bytes]`` in ``fmt``."""
+
+    fmt: str
+    out_features: int
+    in_features: int
+    gguf_name: str
+
+
+def quantized_entries(metadata: dict[str, str]) -> dict[str, QuantizedEntry]:
+    """The ggml-row tensors a weights file's metadata lists ({} for any other file)."""
+    listed = metadata.get(QUANTIZED_KEY)
+    if listed is None:
+        return {}
+    try:
+        return {name: QuantizedEntry(str(fmt), int(out), int(inp), str(gguf_name))
+                for name, (fmt, out, inp, gguf_name) in json.loads(listed).items()}
+    except (ValueError, TypeError, AttributeError) as error:
+        raise ValueError(f"the weights' {QUANTIZED_KEY} metadata is corrupt: {error}") from error
 
 
 def fallback_root() -> Path:
@@ -96,6 +126,7 @@ def convert(gguf: Path, *, quiet: bool = False) -> Path | None:
     None when no candidate can be written (the caller reads the GGUF file directly). Errors in the
     file itself (unsupported architecture, unknown tensors) raise ValueError as the GGUF path does.
     """
+    from engine.checkpoint.ggml_rows import GGMLRows
     from engine.checkpoint.gguf_loader import iter_gguf_tensors, load_gguf_config
     from engine.checkpoint.tokenizer import load_tokenizer
 
@@ -106,10 +137,16 @@ def convert(gguf: Path, *, quiet: bool = False) -> Path | None:
               "the GGUF parse)...", file=sys.stderr, flush=True)
     config = load_gguf_config(gguf)
     tokenizer = load_tokenizer(gguf)
-    weights = dict(iter_gguf_tensors(gguf, config))
+    weights, quantized = {}, {}
+    for name, tensor in iter_gguf_tensors(gguf, config):
+        if isinstance(tensor, GGMLRows):
+            quantized[name] = [tensor.fmt, tensor.out_features, tensor.in_features, tensor.name]
+            tensor = tensor.data
+        weights[name] = tensor
+    metadata = {"format": "pt", QUANTIZED_KEY: json.dumps(quantized)}
     for folder in candidate_dirs(gguf):
         try:
-            _write(folder, key, config, tokenizer, weights)
+            _write(folder, key, config, tokenizer, weights, metadata)
         except OSError as exc:
             log.info("cannot cache the conversion of %s in %s: %s", gguf, folder, exc)
             continue
@@ -124,7 +161,7 @@ def convert(gguf: Path, *, quiet: bool = False) -> Path | None:
 
 def _write(
     folder: Path, key: dict[str, Any], config: PretrainedConfig, tokenizer: Any,
-    weights: dict[str, Any],
+    weights: dict[str, Any], metadata: dict[str, str],
 ) -> None:
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.part-"))
@@ -132,7 +169,7 @@ def _write(
         config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         _write_added_tokens(staging / "tokenizer_config.json", tokenizer)
-        save_file(weights, str(staging / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(weights, str(staging / WEIGHTS_FILE), metadata=metadata)
         (staging / KEY_FILE).write_text(json.dumps(key, indent=1))
         for file in staging.iterdir():
             file.chmod(0o644)  # some writers make private files; the cache is shared

@@ -1,10 +1,17 @@
 """Read a llama.cpp GGUF file as a Hugging Face checkpoint: its config and its weights, HF-named.
 
-Tensors are dequantized with ``gguf.quants.dequantize`` (F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, the
-K-quants and the others gguf implements) and renamed from llama.cpp's ``blk.N.attn_q`` scheme to
-``model.layers.N.self_attn.q_proj``. llama.cpp's converter interleaves the rows of Q and K for the
-``llama`` architecture (its rope rotates adjacent pairs, HF's rotates halves); that is undone here.
-Qwen2 and Qwen3 files use the half-rotation rope and are stored as HF has them.
+Tensors are renamed from llama.cpp's ``blk.N.attn_q`` scheme to
+``model.layers.N.self_attn.q_proj``. A 2-D weight in a block format (Q4_0/1, Q5_0/1, Q8_0, the
+K-quants and the others gguf knows) comes out as its ggml rows (``ggml_rows.GGMLRows``),
+checked, for the engine to keep quantized or to dequantize with ``gguf.quants.dequantize``;
+F32, F16 and BF16 tensors and the norms come out dense. llama.cpp's converter interleaves the
+rows of Q and K for the ``llama`` architecture (its rope rotates adjacent pairs, HF's rotates
+halves); that is undone here, on the ggml rows' bytes for a quantized Q/K (rows are independent
+blocks). Qwen2 and Qwen3 files use the half-rotation rope and are stored as HF has them.
+
+A tensor whose bytes do not lie whole in the file (truncated), or that holds more bytes than its
+shape and type need before the next tensor (a corrupt shape), is refused when the file is
+opened, naming the tensor and the bytes it needs.
 """
 
 from __future__ import annotations
@@ -13,14 +20,17 @@ import functools
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 from transformers import PretrainedConfig
 
+from engine.checkpoint.ggml_rows import GGMLRows, from_numpy, ggml_rows, materialize
 from engine.checkpoint.gguf_config import config_from_gguf, gguf_architecture
+from engine.layers.quantized import PackedWeight
 
 _TOP_LEVEL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -56,6 +66,11 @@ _NORM_SHIFTED = ("gemma2", "gemma3")
 # Tensors whose content already went into the config.
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight",
                              "rope_factors_short.weight"})
+# gguf's element types (everything else is blocks: a 2-D tensor of those is kept as ggml rows)
+DENSE_TYPES = frozenset({GGMLQuantizationType.F32, GGMLQuantizationType.F16,
+                         GGMLQuantizationType.BF16, GGMLQuantizationType.F64,
+                         GGMLQuantizationType.I8, GGMLQuantizationType.I16,
+                         GGMLQuantizationType.I32, GGMLQuantizationType.I64})
 _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _TOP_LEVEL_TENSOR = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -88,7 +103,9 @@ def open_gguf(path: Path) -> GGUFReader:
 def _open_gguf(path: str, mtime_ns: int, size: int) -> GGUFReader:
     # mtime and size are part of the key so that a rewritten file is read again
     try:
-        return GGUFReader(path, "r")
+        return _CheckedReader(path, "r")
+    except TensorBytesError:
+        raise
     except Exception as error:  # gguf raises ValueError, struct.error, IndexError... on bad files
         raise ValueError(f"{path} is not a readable GGUF file: {error}") from error
 
@@ -99,18 +116,24 @@ def load_gguf_config(path: Path) -> PretrainedConfig:
 
 
 def iter_gguf_weights(
-    path: Path, config: PretrainedConfig, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for each weight in the file, dequantized, cast to ``dtype``."""
+    path: Path, config: PretrainedConfig, dtype: torch.dtype, *, quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """Yield ``(hf_name, weight)`` for each weight in the file: with ``quantized``, each
+    quantized 2-D weight packed (``GGMLRows.pack``), else dequantized; the rest cast to
+    ``dtype``."""
     for name, tensor in iter_gguf_tensors(path, config):
-        yield name, tensor.to(dtype)
+        yield name, materialize(tensor, dtype, quantized)
 
 
-def iter_gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` for each weight, dequantized, in gguf's own output dtype.
+def iter_gguf_tensors(
+    path: Path, config: PretrainedConfig
+) -> Iterator[tuple[str, torch.Tensor | GGMLRows]]:
+    """Yield ``(hf_name, tensor)`` for each weight as the file stores it: a quantized 2-D
+    weight as its checked ggml rows, any other tensor dequantized by gguf in its own output
+    dtype (F16 stays F16).
 
-    The converted cache (``engine.checkpoint.gguf_cache``) stores these uncast, so a cast of its
-    tensors equals a cast of these, bit for bit.
+    The converted cache (``engine.checkpoint.gguf_cache``) stores these as they are, so what it
+    loads equals what the file loads, bit for bit.
     """
     reader = open_gguf(path)
     arch = gguf_architecture(reader)
@@ -126,6 +149,15 @@ def iter_gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[st
             )
         # ggml lists dimensions fastest-first, torch slowest-first
         shape = tuple(int(dim) for dim in reversed(tensor.shape.tolist()))
+        if tensor.tensor_type not in DENSE_TYPES and len(shape) == 2:
+            data = tensor.data  # uint8 [rows, row bytes]: a view of the file's mapping
+            if permute_qk and name.endswith("q_proj.weight"):
+                data = _unpermute_rows(data, config.num_attention_heads)
+            elif permute_qk and name.endswith("k_proj.weight"):
+                data = _unpermute_rows(data, config.num_key_value_heads)
+            yield name, ggml_rows(tensor.name, tensor.tensor_type.name, from_numpy(data),
+                                  (shape[0], shape[1]))
+            continue
         weights = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
         if permute_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
             weights = _unpermute_rows(weights, config.num_attention_heads)
@@ -133,9 +165,18 @@ def iter_gguf_tensors(path: Path, config: PretrainedConfig) -> Iterator[tuple[st
             weights = _unpermute_rows(weights, config.num_key_value_heads)
         if arch in _NORM_SHIFTED and name.endswith("norm.weight"):
             weights = weights - 1.0  # a new array: llama.cpp's + 1 undone
-        if not weights.flags.writeable:  # F32 tensors are views of the read-only file mapping
-            weights = weights.copy()
-        yield name, torch.from_numpy(weights)
+        yield name, from_numpy(weights)  # F32 tensors are views of the read-only mapping
+
+
+def quantized_types(path: Path) -> dict[str, list[str]]:
+    """The block types of the file's quantized 2-D weights -> those tensors' GGUF names (what
+    ``iter_gguf_tensors`` yields as ggml rows)."""
+    types: dict[str, list[str]] = {}
+    for tensor in open_gguf(path).tensors:
+        if (tensor.tensor_type not in DENSE_TYPES and len(tensor.shape) == 2
+                and tensor.name not in _CONFIG_TENSORS):
+            types.setdefault(tensor.tensor_type.name, []).append(tensor.name)
+    return types
 
 
 def _unpermute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
@@ -150,3 +191,43 @@ def _unpermute_rows(weights: np.ndarray, num_heads: int) -> np.ndarray:
         raise ValueError(f"cannot split {rows} Q/K rows into {num_heads} heads of even size")
     split = weights.reshape(num_heads, head_dim // 2, 2, *weights.shape[1:])
     return np.ascontiguousarray(split.swapaxes(1, 2)).reshape(weights.shape)
+
+
+class TensorBytesError(ValueError):
+    """A tensor's bytes do not fit the file: truncated, or a corrupt shape or offset."""
+
+
+class _CheckedReader(GGUFReader):
+    """``GGUFReader`` that checks where each tensor's bytes lie before it maps them: gguf's own
+    failure on a truncated file is a reshape error that names no tensor."""
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        extents = []
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            ggml_type = GGMLQuantizationType(int(raw_dtype[0]))
+            block_values, block_bytes = GGML_QUANT_SIZES[ggml_type]
+            num_bytes = int(np.prod(dims)) * block_bytes // block_values
+            name = bytes(name_data).decode("utf-8", "replace")
+            shape = " x ".join(str(int(d)) for d in reversed(dims.tolist()))
+            extents.append((start_offs + int(offset[0]), num_bytes, name,
+                            f"{ggml_type.name}, {shape}"))
+        extents.sort()
+        file_size = len(self.data)
+        for i, (start, num_bytes, name, kind) in enumerate(extents):
+            last = i + 1 == len(extents)
+            limit = file_size if last else extents[i + 1][0]
+            held = limit - start
+            if held < num_bytes:
+                where = ("the end of the file" if last
+                         else f"the next tensor, {extents[i + 1][2]!r}")
+                raise TensorBytesError(
+                    f"GGUF file {self.data.filename}: tensor {name!r} ({kind}) needs "
+                    f"{num_bytes} bytes, but only {max(held, 0)} lie before {where}: the file "
+                    "is truncated or corrupt")
+            if not last and held - num_bytes >= self.alignment:
+                raise TensorBytesError(
+                    f"GGUF file {self.data.filename}: tensor {name!r} ({kind}) needs "
+                    f"{num_bytes} bytes, but {held} lie before the next tensor: its shape or "
+                    "type is corrupt")
+        super()._build_tensors(start_offs, fields)

@@ -8,20 +8,24 @@ the embeddings are tied.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeGuard
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 
 from engine.checkpoint import gguf_cache, model_cache
+from engine.checkpoint.ggml_rows import ggml_rows, materialize
 from engine.checkpoint.model_config import read_model_config
 from engine.checkpoint.tokenizer import TOKENIZER_FILES, load_tokenizer
 from engine.models.registry import ARCHITECTURE_OF_MODEL_TYPE, MODEL_REGISTRY
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from engine.layers.quantized import PackedWeight
 
 # transformers (its config classes) and gguf are imported only where a start needs them: a GGUF
 # file without a converted folder, or a config.json ``read_model_config`` leaves to transformers.
@@ -40,6 +44,7 @@ SUPPORTED_ARCHITECTURES = (
 _ARCHITECTURE_OF_MODEL_TYPE = {**ARCHITECTURE_OF_MODEL_TYPE, "bert": "BertModel"}
 
 
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
@@ -64,17 +69,31 @@ class Checkpoint:
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf" and self.path.is_file()
 
+    @overload
     def iter_weights(
-        self, dtype: torch.dtype, destination: Destination | None = None
-    ) -> Iterator[tuple[str, torch.Tensor]]:
+        self, dtype: torch.dtype, destination: Destination | None = None, *,
+        quantized: Literal[False] = False,
+    ) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    @overload
+    def iter_weights(
+        self, dtype: torch.dtype, destination: Destination | None = None, *, quantized: bool,
+    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]: ...
+
+    def iter_weights(
+        self, dtype: torch.dtype, destination: Destination | None = None, *,
+        quantized: bool = False,
+    ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield ``(hf_name, tensor)`` for every weight, as CPU tensors cast to ``dtype``.
 
         ``destination``: see ``read_safetensors``; a tensor stored in ``dtype`` already is read
-        straight into the memory it names (the model's own parameter), and yielded as that."""
+        straight into the memory it names (the model's own parameter), and yielded as that.
+        ``quantized``: a GGUF's quantized weights (``quantized_types``) come as ``PackedWeight``
+        (``QuantWeight``), kept in their blocks; without it they are dequantized."""
         if self.is_gguf:
             from engine.checkpoint.gguf_loader import iter_gguf_weights
 
-            yield from iter_gguf_weights(self.path, self.config, dtype)
+            yield from iter_gguf_weights(self.path, self.config, dtype, quantized=quantized)
             return
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
 
@@ -83,11 +102,57 @@ class Checkpoint:
             return destination(name, shape, stored) if stored == dtype and destination else None
 
         for file in safetensors_files(self.path):
+            rows = gguf_cache.quantized_entries(safetensors_metadata(file))
             for name, tensor in read_safetensors(file, same_dtype_destination):
                 # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
                     continue
+                if name in rows:  # a GGUF's quantized weight, in the converted cache
+                    entry = rows[name]
+                    yield name, materialize(ggml_rows(entry.gguf_name, entry.fmt, tensor, (
+                        entry.out_features, entry.in_features)), dtype, quantized)
+                    continue
                 yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def quantized_types(self) -> dict[str, list[str]]:
+        """The block types (``"Q4_K"``) of the weights ``iter_weights(quantized=True)`` keeps
+        packed -> those tensors' GGUF names; {} for a checkpoint without any."""
+        if self.is_gguf:
+            from engine.checkpoint.gguf_loader import quantized_types
+
+            return quantized_types(self.path)
+        types: dict[str, list[str]] = {}
+        for file in safetensors_files(self.path):
+            for entry in gguf_cache.quantized_entries(safetensors_metadata(file)).values():
+                types.setdefault(entry.fmt, []).append(entry.gguf_name)
+        return types
+
+    def weight_bytes(self, dtype: torch.dtype, *, quantized: bool) -> int:
+        """The bytes the weights take in memory, loaded in ``dtype`` and, with ``quantized``,
+        the quantized ones kept in their blocks (a tied output layer is the embedding: counted
+        once), read from the files' headers."""
+        element = torch.empty((), dtype=dtype).element_size()
+        if self.is_gguf:
+            from engine.checkpoint.gguf_loader import open_gguf, quantized_types
+
+            kept = {n for names in quantized_types(self.path).values() for n in names}
+            return sum(int(t.n_bytes) if quantized and t.name in kept
+                       else int(t.n_elements) * element for t in open_gguf(self.path).tensors)
+        tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        total = 0
+        for file in safetensors_files(self.path):
+            rows = gguf_cache.quantized_entries(safetensors_metadata(file))
+            for name, entry in safetensors_header(file).items():
+                if tied and name == "lm_head.weight":
+                    continue
+                start, end = entry["data_offsets"]
+                if name in rows and not quantized:
+                    total += rows[name].out_features * rows[name].in_features * element
+                elif name in rows or entry["dtype"] not in _FLOAT_DTYPES:
+                    total += end - start
+                else:
+                    total += math.prod(entry["shape"]) * element
+        return total
 
     def generation_eos_token_ids(self) -> list[int]:
         """The end-of-sequence ids ``generation_config.json`` adds (gpt-oss stops at
@@ -169,11 +234,8 @@ def read_safetensors(
     ``safe_open``.
     """
     with open(file, "rb") as handle:
-        header_size = int.from_bytes(handle.read(8), "little")
-        try:
-            header = json.loads(handle.read(header_size))
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{file} is not a safetensors file: {error}") from error
+        header = _read_header(handle, file)
+        header_size = handle.tell() - 8
         header.pop("__metadata__", None)
         if any(entry.get("dtype") not in _SAFETENSORS_DTYPES for entry in header.values()):
             from safetensors import safe_open
@@ -197,6 +259,32 @@ def read_safetensors(
             if buffer.nbytes and handle.readinto(buffer) != buffer.nbytes:  # type: ignore[arg-type]
                 raise ValueError(f"{file} is truncated (tensor {name!r})")
             yield name, tensor
+
+
+def safetensors_header(file: Path) -> dict[str, Any]:
+    """A .safetensors file's tensor entries (name -> dtype, shape, data_offsets)."""
+    with open(file, "rb") as handle:
+        header = _read_header(handle, file)
+    header.pop("__metadata__", None)
+    return header
+
+
+def safetensors_metadata(file: Path) -> dict[str, str]:
+    """A .safetensors file's ``__metadata__`` ({} without one)."""
+    with open(file, "rb") as handle:
+        metadata = _read_header(handle, file).get("__metadata__")
+    return metadata if isinstance(metadata, dict) else {}
+
+
+def _read_header(handle: Any, file: Path) -> dict[str, Any]:
+    header_size = int.from_bytes(handle.read(8), "little")
+    try:
+        header = json.loads(handle.read(header_size))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file} is not a safetensors file: {error}") from error
+    if not isinstance(header, dict):
+        raise ValueError(f"{file} is not a safetensors file: its header is not an object")
+    return header
 
 
 def _can_read_into(tensor: torch.Tensor | None, shape: tuple[int, ...],

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import torch
 
-from engine.checkpoint.loader import Checkpoint, safetensors_files
+from engine.checkpoint.ggml_rows import ggml_rows
+from engine.checkpoint.gguf_cache import quantized_entries
+from engine.checkpoint.loader import Checkpoint, safetensors_files, safetensors_metadata
 from engine.distributed.sharding import ShardPlan, is_vocabulary
 
 
@@ -27,6 +29,7 @@ def iter_shard_weights(checkpoint: Checkpoint, plan: ShardPlan,
                          "has none yet (run `boxcar model pull` on it to convert it once)")
     tied = bool(getattr(checkpoint.config, "tie_word_embeddings", False))
     for file in safetensors_files(Path(checkpoint.path)):
+        rows = quantized_entries(safetensors_metadata(file))  # a converted GGUF's ggml rows
         with safe_open(str(file), framework="pt") as stored:
             for name in stored.keys():
                 if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
@@ -34,8 +37,26 @@ def iter_shard_weights(checkpoint: Checkpoint, plan: ShardPlan,
                 local_name = plan.local_expert_name(name)
                 if local_name is None:
                     continue  # (expert parallel) another rank's expert
-                tensor = _read_slice(stored.get_slice(name), name, plan)
+                source = stored.get_slice(name)
+                if name in rows:  # dequantized whole (as one device would), then sliced
+                    entry = rows[name]
+                    source = _Whole(ggml_rows(entry.gguf_name, entry.fmt, stored.get_tensor(
+                        name), (entry.out_features, entry.in_features)).dequantize())
+                tensor = _read_slice(source, name, plan)
                 yield local_name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
+class _Whole:
+    """A tensor already in memory, sliced as ``safe_open``'s slices are."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        return self.tensor[index]
 
 
 def _read_slice(stored, name: str, plan: ShardPlan) -> torch.Tensor:

@@ -41,6 +41,7 @@ from torch import nn
 from engine.layers.attention import SelfAttention
 from engine.layers.linear import Linear, onednn_linear
 from engine.layers.mlp import GatedMLP
+from engine.layers.quantized import QuantizedLinear
 
 
 @dataclass
@@ -183,7 +184,7 @@ def lora_batch(batch: LoRABatch | None) -> Iterator[None]:
 class LoRALinear(nn.Module):
     """A projection plus the step's per-segment adapter deltas (module docstring)."""
 
-    def __init__(self, base: Linear, index: int, slice_names: tuple[str, ...],
+    def __init__(self, base: Linear | QuantizedLinear, index: int, slice_names: tuple[str, ...],
                  slice_sizes: tuple[int, ...]) -> None:
         super().__init__()
         self.base = base
@@ -301,7 +302,7 @@ def wrap_lora_linears(model: nn.Module) -> tuple[list[LoRALinear], dict[str, LoR
     def wrap(parent: nn.Module, prefix: str, attr: str, names: tuple[str, ...],
              sizes: tuple[int, ...]) -> None:
         base = getattr(parent, attr)
-        assert isinstance(base, Linear)
+        assert isinstance(base, Linear | QuantizedLinear)  # (a GGUF's weights kept quantized)
         linear = LoRALinear(base, len(linears), names, sizes)
         setattr(parent, attr, linear)
         linears.append(linear)

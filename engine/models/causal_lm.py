@@ -3,7 +3,9 @@
 A family file defines its decoder (``self.model``: ``embed_tokens``, ``layers``, ``norm``) and
 sets the sizes below; this base loads Hugging Face-named tensors into it, packing ``q_proj`` /
 ``k_proj`` / ``v_proj`` into ``qkv_proj`` and ``gate_proj`` / ``up_proj`` into ``gate_up_proj``
-as they arrive (a checkpoint that stores them packed, like Phi-3, loads as is).
+as they arrive (a checkpoint that stores them packed, like Phi-3, loads as is). A weight
+that arrives as a ``PackedWeight`` (a GGUF tensor kept quantized) swaps its module for a
+quantized one (``load_packed_weights``).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import nn
 from engine.layers.attention import SelfAttention
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.linear import Linear
+from engine.layers.quantized import DenseWeight, PackedWeight, swap_packed
 from engine.layers.rotary import RotaryEmbedding
 
 
@@ -126,25 +129,67 @@ class CausalLM(nn.Module):
         place = self._place(name, params)
         return None if place is None else place[2].detach()
 
-    @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in, packing q/k/v and gate/up as they arrive. A
         tensor that already is its destination's memory (``weight_destination``) is not
         copied."""
+        self.load_packed_weights(weights)
+
+    @torch.no_grad()
+    def load_packed_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]
+    ) -> None:
+        """``load_weights``, where a weight may also arrive packed (a GGUF tensor kept
+        quantized): its module becomes a ``QuantizedLinear`` / ``QuantizedEmbedding``
+        (``engine/layers/quantized.py``) once every tensor is in, a fused projection from its
+        shards' pieces, a tied output layer over the embedding's packed weight. (The mixtures
+        of experts load their own way and take no packed weights.)"""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        packed: dict[str, dict[int | None, PackedWeight]] = {}
         for name, tensor in weights:
             place = self._place(name, params)
             if place is None:
                 continue
             target, shard, rows = place
-            if rows.shape != tensor.shape:
+            if not isinstance(tensor, torch.Tensor):
+                shape = (tensor.out_features, tensor.in_features)
+                if shape != tuple(rows.shape) or not target.endswith(".weight"):
+                    raise ValueError(f"{name}: packed weight of shape {shape} has no place in "
+                                     f"{target} {tuple(rows.shape)}")
+                packed.setdefault(target, {})[shard] = tensor
+            elif rows.shape != tensor.shape:
                 raise ValueError(f"{name}: shape {tuple(tensor.shape)} != {tuple(rows.shape)}")
-            if not (tensor.data_ptr() == rows.data_ptr() and tensor.dtype == rows.dtype
-                    and tensor.device == rows.device):
+            elif not (tensor.data_ptr() == rows.data_ptr() and tensor.dtype == rows.dtype
+                      and tensor.device == rows.device):
                 rows.copy_(tensor)
             loaded.add(f"{target}#{shard}" if shard is not None else target)
         self._check_all_loaded(params, loaded)
+        if packed:
+            swap_packed(self, self._packed_modules(packed, params))
+
+    def _packed_modules(self, packed: dict[str, dict[int | None, PackedWeight]],
+                        params: dict[str, nn.Parameter]) -> dict[str, list[PackedWeight]]:
+        """Module path -> its weight's pieces in row order (``swap_packed``): a fused
+        projection's shards, one stored unquantized among packed ones kept as its own rows."""
+        modules: dict[str, list[PackedWeight]] = {}
+        for target, shards in packed.items():
+            path = target.removesuffix(".weight")
+            if None in shards:
+                modules[path] = [shards[None]]
+                continue
+            proj = "q_proj" if path.endswith("qkv_proj") else "gate_proj"
+            pieces: list[PackedWeight] = []
+            for shard in range(3 if proj == "q_proj" else 2):
+                if shard in shards:
+                    pieces.append(shards[shard])
+                else:
+                    rows = params[target].detach().narrow(0, *self._shard_range(proj, shard))
+                    pieces.append(DenseWeight(rows.clone()))
+            modules[path] = pieces
+        if self.tie_word_embeddings and "model.embed_tokens" in modules:
+            modules["lm_head"] = modules["model.embed_tokens"]  # the same object: one copy
+        return modules
 
     def _shard_range(self, proj: str, shard: int) -> tuple[int, int]:
         if proj in ("q_proj", "k_proj", "v_proj"):
