@@ -132,6 +132,11 @@ _HELP: dict[str, dict[str, Any]] = {
     "normalize": {"help": "true/false: L2-normalize embeddings (default: the model's files)"},
     "truncate_embedding_inputs": {"help": "cut embedding inputs longer than the model's "
                                           "limit instead of failing their line"},
+    "quantization": {"choices": ("keep", "dequantize"),
+                     "help": "a GGUF's quantized weights: keep them in their blocks (about the "
+                             "file's memory) or dequantize them at load (default: keep where "
+                             "every quantized type has a CPU kernel, else dequantize, saying "
+                             "why)"},
 }
 
 

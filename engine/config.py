@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 _DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DEVICES = ("auto", "cpu", "cuda")
+QUANTIZATIONS = ("keep", "dequantize")
 TASKS = ("auto", "generate", "embed")
 POOLING_TYPES = ("cls", "mean", "last")
 
@@ -71,6 +72,11 @@ class EngineConfig:
     # An input longer than the model's limit is cut to it (keeping a tokenizer's closing
     # special token) instead of failing its request, as OpenAI does.
     truncate_embedding_inputs: bool = False
+    # A GGUF's quantized weights (docs/quantization.md): "keep" them in their ggml blocks,
+    # multiplied by the C++ kernels (a model in about its file's memory); "dequantize" them at
+    # load to the run's dtype. None: keep them where every quantized type has a kernel here and
+    # the model runs on the CPU on one device, else dequantize, saying why.
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -117,6 +123,9 @@ class EngineConfig:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
             raise ValueError(f"pooling must be one of {POOLING_TYPES}, got {self.pooling!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} (or None: keep "
+                             f"where kernels exist), got {self.quantization!r}")
         if self.cpu_gemm not in (None, "mkl", "onednn"):
             raise ValueError(f"cpu_gemm must be 'mkl' or 'onednn', got {self.cpu_gemm!r}")
         if self.attention_backend not in (None, "cpu", "torch", "triton"):

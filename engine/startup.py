@@ -4,10 +4,11 @@ model's through its bf16 quality gate, ``engine.pooling.dtype_gate``), and where
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -15,10 +16,12 @@ from engine.checkpoint.loader import Checkpoint, load_checkpoint
 from engine.checkpoint.tokenizer import tokenize
 from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
+from engine.kernels.quant_gemm import kernel_formats
 from engine.pooling.dtype_gate import gate_embedding_dtype
 from engine.pooling.inputs import EmbeddingSpec
 from engine.pooling.runner import PoolingModelRunner
 from engine.runner.base import Runner
+from engine.runner.device import resolve_device
 from engine.runner.model_runner import ModelRunner
 from engine.runner.quality import EmbeddingAgreement
 
@@ -106,8 +109,10 @@ def _build_runner(
             )
         model_len = config.max_model_len
     kernel_seconds = cpu_decode_attention.load_seconds
+    embedding = is_embedding_model(config, checkpoint)
+    config = replace(config, quantization=resolve_quantization(config, checkpoint, embedding))
     model_runner: ModelRunner | PoolingModelRunner | TPModelRunner
-    if is_embedding_model(config, checkpoint):
+    if embedding:
         if config.tensor_parallel_size > 1:  # a decoder embedder over several devices
             from engine.distributed.pooling_runner import TPPoolingRunner
 
@@ -123,6 +128,59 @@ def _build_runner(
         model_runner = ModelRunner(config, checkpoint, max_position=model_len)
     kernel_seconds = cpu_decode_attention.load_seconds - kernel_seconds
     return model_runner, model_len, kernel_seconds, time.perf_counter() - start_at
+
+
+def resolve_quantization(config: EngineConfig, checkpoint: Checkpoint,
+                         embedding: bool = False) -> str:
+    """"keep" or "dequantize" for the checkpoint's quantized weights (a GGUF's: nothing else
+    has any yet). ``config.quantization`` None keeps them where nothing stands in the way
+    (``cannot_keep``) and says on one line which it does and why; "keep" where something does
+    is a ValueError naming it and the way out, before any weight is read."""
+    if config.quantization == "dequantize":
+        return "dequantize"
+    types = checkpoint.quantized_types()
+    if not types:
+        return "dequantize"  # nothing to keep
+    reason = cannot_keep(config, types, embedding)
+    if config.quantization == "keep":
+        if reason is not None:
+            raise ValueError(f"quantization='keep': {reason}; use quantization='dequantize' "
+                             "(or leave it unset: the engine dequantizes where it cannot keep)")
+        return "keep"
+    if reason is not None:
+        print(f"[boxcar] dequantizing: {reason}", file=sys.stderr, flush=True)
+        return "dequantize"
+    print(f"[boxcar] keeping the weights quantized ({', '.join(_describe(types))}; every type "
+          "has a CPU kernel here)", file=sys.stderr, flush=True)
+    return "keep"
+
+
+def cannot_keep(config: EngineConfig, types: dict[str, list[str]],
+                embedding: bool = False) -> str | None:
+    """Why the quantized weights of ``types`` (block type -> tensor names) cannot stay
+    quantized in this engine, or None: each type needs a C++ kernel here
+    (``quant_gemm.kernel_formats``), the kernels run on the CPU, and the tensor-parallel and
+    embedding paths load dense weights."""
+    if config.tensor_parallel_size > 1:
+        return (f"tensor parallelism (tensor_parallel_size={config.tensor_parallel_size}) "
+                "loads dense weights")
+    if embedding:
+        return "an embedding model loads dense weights"
+    device = resolve_device(config.device)
+    if device.type != "cpu":
+        return (f"the GGUF block kernels run on the CPU, and this engine runs on {device.type} "
+                "(device='cpu' keeps them)")
+    missing = {fmt: names for fmt, names in types.items() if fmt not in kernel_formats()}
+    if missing:
+        return "no kernel for " + "; ".join(_describe(missing))
+    return None
+
+
+def _describe(types: dict[str, list[str]]) -> list[str]:
+    """``Q3_K (12 tensors, e.g. blk.0.ffn_down.weight)`` a type, most tensors first."""
+    ordered = sorted(types.items(), key=lambda item: -len(item[1]))
+    return [f"{fmt} ({len(names)} tensor{'s' if len(names) > 1 else ''}, e.g. {names[0]})"
+            for fmt, names in ordered]
 
 
 def timed(function: Callable[[], T]) -> tuple[T, float]:

@@ -21,7 +21,7 @@ from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.kernels import cpu_decode_attention
 from engine.layers.attention_metadata import AttentionBackend
-from engine.layers.linear import pack_linear_weights, packing_gemm
+from engine.layers.linear import Linear, pack_linear_weights, packing_gemm
 from engine.layers.moe import pack_experts
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.lora.adapter import ShardLoRA
@@ -101,7 +101,14 @@ class ModelRunner:
         model.to(dtype=self.dtype)
         model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
         # Weights stored in the run's dtype are read straight into the parameters (no copy).
-        model.load_weights(checkpoint.iter_weights(self.dtype, model.weight_destination()))
+        destination = model.weight_destination()
+        if self.config.quantization == "keep":  # (start-up resolves None: engine/startup.py)
+            # a GGUF's quantized weights stay in their blocks, their modules swapped for
+            # quantized ones (engine/layers/quantized.py)
+            model.load_packed_weights(checkpoint.iter_weights(self.dtype, destination,
+                                                              quantized=True))
+        else:
+            model.load_weights(checkpoint.iter_weights(self.dtype, destination))
         return model
 
     def capture_decode_graphs(self, runner_cls: type[CUDAGraphRunner] = CUDAGraphRunner
@@ -147,15 +154,18 @@ class ModelRunner:
         always, since the screen's token is the fp32 argmax and the plain bf16 projection's
         is not. The output layer keeps its weight when the embedding or the screen reads
         it."""
-        head = self.model.lm_head.weight
+        lm_head = self.model.lm_head
+        # a quantized output layer (QuantizedLinear) has no dense weight to screen or pack
+        head = lm_head.weight if isinstance(lm_head, Linear) else None
         fp32 = self.dtype == torch.float32
-        if not fp32 or bf16_is_native():
+        if head is not None and (not fp32 or bf16_is_native()):
             self.greedy_screen = GreedyScreen(head.detach()[: self.vocab_size])
         gemm = packing_gemm(self.dtype, self.config.cpu_gemm)
         if gemm is None:
             return
         keep = self.model.tie_word_embeddings or self.greedy_screen is not None
-        pack_linear_weights(self.model, shared={id(head)} if keep else set(), gemm=gemm)
+        pack_linear_weights(self.model, shared={id(head)} if keep and head is not None
+                            else set(), gemm=gemm)
         if gemm == "onednn":  # MoE experts too (engine/layers/moe.py)
             pack_experts(self.model)
         self.packed_weights = True
@@ -294,11 +304,12 @@ class ModelRunner:
         if self.greedy_screen is not None:  # the output layer's weight may be packed away
             weight = self.greedy_screen.weight
         else:
-            weight = self.model.lm_head.weight[: self.vocab_size]
-            if self.packed_weights or self.head_is_split:
+            lm_head = self.model.lm_head
+            if self.packed_weights or self.head_is_split or not isinstance(lm_head, Linear):
                 return torch.log_softmax(
                     self.model.compute_logits(hidden)[:, : self.vocab_size].float(), dim=-1
                 ).cpu()
+            weight = lm_head.weight[: self.vocab_size]
         logits = self.model.cap_logits(hidden.float() @ weight.float().T)  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()
 
