@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, TypeGuard, overload
 
 import torch
 
-from engine.checkpoint import gguf_cache, model_cache
+from engine.checkpoint import gguf_cache, hf_quant, model_cache
 from engine.checkpoint.ggml_rows import ggml_rows, materialize
 from engine.checkpoint.model_config import read_model_config
 from engine.checkpoint.tokenizer import TOKENIZER_FILES, load_tokenizer
@@ -49,6 +49,7 @@ _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
     "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,  # FP8 checkpoints
 }
 
 
@@ -68,6 +69,15 @@ class Checkpoint:
     @property
     def is_gguf(self) -> bool:
         return self.path.suffix == ".gguf" and self.path.is_file()
+
+    @property
+    def hf_quantization(self) -> hf_quant.HFQuantization | None:
+        """An HF folder's AWQ / GPTQ / FP8 scheme (``engine.checkpoint.hf_quant``; checked when
+        the checkpoint was opened), None for any other checkpoint."""
+        config = None if self.is_gguf else getattr(self.config, "quantization_config", None)
+        if not isinstance(config, dict) or config.get("quant_method") not in hf_quant.METHODS:
+            return None
+        return hf_quant.parse_quantization(config)
 
     @overload
     def iter_weights(
@@ -89,7 +99,9 @@ class Checkpoint:
         ``destination``: see ``read_safetensors``; a tensor stored in ``dtype`` already is read
         straight into the memory it names (the model's own parameter), and yielded as that.
         ``quantized``: a GGUF's quantized weights (``quantized_types``) come as ``PackedWeight``
-        (``QuantWeight``), kept in their blocks; without it they are dequantized."""
+        (``QuantWeight``), kept in their blocks; without it they are dequantized. An AWQ / GPTQ
+        / FP8 folder's quantized modules (``hf_quantization``) come as one ``<module>.weight``
+        each, packed (``Int4Weight`` / ``Fp8Weight``) or dequantized the same way."""
         if self.is_gguf:
             from engine.checkpoint.gguf_loader import iter_gguf_weights
 
@@ -101,11 +113,17 @@ class Checkpoint:
                                    stored: torch.dtype) -> torch.Tensor | None:
             return destination(name, shape, stored) if stored == dtype and destination else None
 
+        quant = self.hf_quantization
+        if quant is not None:  # AWQ / GPTQ / FP8: each module's stored tensors become a weight
+            for name, weight in hf_quant.load_quantized(self._stored_weights(
+                    same_dtype_destination, tied), quant, dtype, keep=quantized):
+                cast = isinstance(weight, torch.Tensor) and weight.is_floating_point()
+                yield name, weight.to(dtype) if cast else weight
+            return
         for file in safetensors_files(self.path):
             rows = gguf_cache.quantized_entries(safetensors_metadata(file))
             for name, tensor in read_safetensors(file, same_dtype_destination):
-                # old checkpoints saved rope buffers; tied ones sometimes still carry lm_head
-                if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
+                if _skipped(name, tied):
                     continue
                 if name in rows:  # a GGUF's quantized weight, in the converted cache
                     entry = rows[name]
@@ -113,6 +131,14 @@ class Checkpoint:
                         entry.out_features, entry.in_features)), dtype, quantized)
                     continue
                 yield name, tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def _stored_weights(self, destination: Destination,
+                        tied: bool) -> Iterator[tuple[str, torch.Tensor]]:
+        """An HF folder's tensors as stored (not cast), less the ones ``iter_weights`` skips."""
+        for file in safetensors_files(self.path):
+            for name, tensor in read_safetensors(file, destination):
+                if not _skipped(name, tied):
+                    yield name, tensor
 
     def quantized_types(self) -> dict[str, list[str]]:
         """The block types (``"Q4_K"``) of the weights ``iter_weights(quantized=True)`` keeps
@@ -139,6 +165,7 @@ class Checkpoint:
             return sum(int(t.n_bytes) if quantized and t.name in kept
                        else int(t.n_elements) * element for t in open_gguf(self.path).tensors)
         tied = bool(getattr(self.config, "tie_word_embeddings", False))
+        quant = self.hf_quantization
         total = 0
         for file in safetensors_files(self.path):
             rows = gguf_cache.quantized_entries(safetensors_metadata(file))
@@ -146,7 +173,11 @@ class Checkpoint:
                 if tied and name == "lm_head.weight":
                     continue
                 start, end = entry["data_offsets"]
-                if name in rows and not quantized:
+                resident = None if quant is None else hf_quant.resident_bytes(
+                    quant, name, entry, element, keep=quantized)
+                if resident is not None:  # a part of an AWQ / GPTQ / FP8 module
+                    total += resident
+                elif name in rows and not quantized:
                     total += rows[name].out_features * rows[name].in_features * element
                 elif name in rows or entry["dtype"] not in _FLOAT_DTYPES:
                     total += end - start
@@ -210,6 +241,11 @@ def prepare_model(model: str) -> Path:
     file to its cached HF folder. Returns the folder the engine will read (``boxcar model pull``
     calls this; the engine does the same on a first start otherwise)."""
     return load_checkpoint(model, convert_gguf=True).path
+
+
+def _skipped(name: str, tied: bool) -> bool:
+    """Old checkpoints saved rope buffers; tied ones sometimes still carry lm_head."""
+    return name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight")
 
 
 # (name, shape, dtype) of a stored tensor -> the CPU tensor to read it into, or None
@@ -373,10 +409,16 @@ def _check_quantization(quantization: Any, architecture: str, config_file: Path)
     if quantization is None:
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    if method in hf_quant.METHODS:
+        try:
+            hf_quant.parse_quantization(quantization)
+        except ValueError as error:
+            raise ValueError(f"{config_file}: {error}") from error
+        return
     if method not in SUPPORTED_QUANTIZATION:
         known = ", ".join(f"{m} ({'/'.join(a)})" for m, a in SUPPORTED_QUANTIZATION.items())
         raise ValueError(f"{config_file}: quantization_config.quant_method {method!r} is not "
-                         f"supported; the engine reads {known}")
+                         f"supported; the engine reads {hf_quant.SUPPORTED}; {known}")
     if architecture not in SUPPORTED_QUANTIZATION[method]:
         raise ValueError(f"{config_file}: quantization_config.quant_method {method!r} is read "
                          f"for {', '.join(SUPPORTED_QUANTIZATION[method])} only, not "
