@@ -188,9 +188,19 @@ def swap_packed(model: nn.Module, weights: dict[str, list[PackedWeight]]) -> Non
     weight's row pieces, in order) by its packed twin: an ``nn.Embedding`` by a
     ``QuantizedEmbedding`` (one piece that has ``rows``), an ``nn.Linear`` by a
     ``QuantizedLinear`` keeping its bias. The replaced modules, and their dense weights, are
-    dropped. Entries naming the same piece objects share them (a tied output layer)."""
+    dropped. Entries naming the same piece objects share them (a tied output layer). Pieces
+    are read on the CPU; a model built on a GPU gets them moved to its module's device (AWQ /
+    GPTQ / FP8 weights kept for their Triton kernels), each piece once."""
+    moved: dict[int, PackedWeight] = {}
     for path, pieces in weights.items():
         module = model.get_submodule(path)
+        weight = module.weight
+        device = weight.device if isinstance(weight, torch.Tensor) else torch.device("cpu")
+        if device.type != "cpu":
+            for piece in pieces:
+                if id(piece) not in moved:
+                    moved[id(piece)] = piece.to(device)
+            pieces = [moved[id(piece)] for piece in pieces]
         new: nn.Module
         if isinstance(module, nn.Embedding):
             table = pieces[0]
