@@ -1,8 +1,8 @@
 """Paged decode attention on the CPU: a small C++ kernel, built once per machine, and its reference.
 
 The same library carries the bf16 layer's fused elementwise ops (``cpu_fused_ops.py``), the
-packed attention and the LoRA segment kernel (``layers/lora.py``): one build, one cache entry,
-one import for the CPU kernels.
+packed attention, the LoRA segment kernel (``layers/lora.py``) and the quantized GEMM
+(``quant_gemm.py``): one build, one cache entry, one import for the CPU kernels.
 
 The kernel reads K/V straight from the paged cache, so a decode step costs one pass over each
 sequence's context instead of a gather copy plus an attention pass over a padded batch.
@@ -53,7 +53,7 @@ _NAME = "boxcar_paged_decode_attention"
 _SOURCES = tuple(Path(__file__).parent / "csrc" / name
                  for name in ("paged_decode_attention.cpp", "cpu_fused_ops.cpp",
                               "packed_attention.cpp", "lora_segments.cpp",
-                              "lora_segments_amx.cpp"))
+                              "lora_segments_amx.cpp", "quant_gemm.cpp"))
 _HEADERS = (Path(__file__).parent / "csrc" / "lora_segment.h",)  # in the build key too
 # -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension then binds to
 # torch's own libgomp (same soname, already loaded): one thread pool.

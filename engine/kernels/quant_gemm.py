@@ -1,32 +1,50 @@
 """Linear products with weights kept in ggml's block-quantized formats, dequantized inside the
-product: what a layer holds for a GGUF tensor kept quantized (``QuantWeight``), and its
-reference (``linear_reference``).
+product: what a layer holds for a GGUF tensor kept quantized (``QuantWeight``), its C++ kernel
+(``csrc/quant_gemm.cpp``, in the CPU kernels' one library) and its reference
+(``linear_reference``).
 
 A quantized weight is 3.5-7x smaller than its fp32 copy, and at decode a linear reads its whole
 weight for a few rows of activations: reading fewer bytes is the speed-up, provided the weight is
-never materialized whole. ``pack`` validates ggml's bytes and keeps them in the one form the
-kernel here reads; ``linear_reference`` (dequantize, then an fp32 matmul) is what every kernel
-is tested against.
+never materialized whole. ``pack`` validates ggml's bytes and keeps one copy, in the form the
+kernel here reads: where the library is loaded and has the format, tiles of 8 output rows with
+their blocks interleaved (within 1.03x of ggml's bytes; ``raw()`` gives ggml's rows back, bit
+for bit), else ggml's own rows, multiplied by ``linear_reference``. The kernel runs a fused
+unpack-and-FMA pass for up to 4 activation rows (memory-bound decode) and, above that,
+dequantizes 16 rows x 256 values at a time into an L1 panel for a register-blocked FMA kernel
+(the C++ file's header has the layout, the paths and why the values equal gguf's).
+
+``linear_reference`` (dequantize, then an fp32 matmul) is what every kernel is tested against.
 """
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
+from engine.kernels import cpu_decode_attention
 from engine.kernels.ggml_quants import dequantize, get_format, row_bytes
+
+PATHS = ("auto", "fused", "panel", "generic")  # the kernel's paths (quant_linear's ``path``)
 
 
 class QuantWeight:
     """A weight kept quantized: what a layer holds.
 
-    ``fmt`` is a ``ggml_quants.FORMATS`` name; the weight is [out_features, in_features].
+    ``fmt`` is a ``ggml_quants.FORMATS`` name; the weight is [out_features, in_features]. Made
+    by ``pack``; ``kernel`` says whether ``linear`` runs the C++ kernel (the bytes are its tiles)
+    or the reference (the bytes are ggml's rows).
     """
 
-    def __init__(self, fmt: str, data: torch.Tensor, out_features: int, in_features: int):
+    def __init__(self, fmt: str, data: torch.Tensor, out_features: int, in_features: int, *,
+                 kernel: bool = False):
         self.fmt = fmt
         self.out_features = out_features
         self.in_features = in_features
-        self._data = data  # uint8 [out, row_bytes]: ggml's rows
+        self.kernel = kernel
+        # kernel: uint8 [ceil(out / 8), tile bytes] (the kernel's tiles); else ggml's rows,
+        # uint8 [out, row_bytes]
+        self._data = data
 
     @property
     def nbytes(self) -> int:
@@ -39,34 +57,57 @@ class QuantWeight:
 
     def __repr__(self) -> str:
         return (f"QuantWeight({self.fmt}, out_features={self.out_features}, "
-                f"in_features={self.in_features}, {self.nbytes} bytes)")
+                f"in_features={self.in_features}, {self.nbytes} bytes, "
+                f"{'kernel' if self.kernel else 'reference'})")
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., in] @ W.T (+ bias)`` -> [..., out] in ``x.dtype``."""
+        """``x [..., in] @ W.T (+ bias)`` -> [..., out] in ``x.dtype``: the C++ kernel for a
+        CPU fp32 or bf16 ``x`` where the weight is in its tiles, else ``linear_reference``."""
+        if self.kernel and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            return quant_linear(x, self, bias)
         return linear_reference(x, self, bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight, [out, in] in ``dtype`` (for a reference, or the dequantize mode)."""
-        return dequantize(self.fmt, self._data, self.in_features).to(dtype)
+        return dequantize(self.fmt, self.raw(), self.in_features).to(dtype)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """``dequantize(dtype)[ids]`` without dequantizing the rest: an embedding lookup (a tied
         embedding shares its head's QuantWeight). ``ids``: integer, any shape -> [*ids.shape,
         in]."""
         flat = ids.reshape(-1).to(device=self._data.device, dtype=torch.long)
-        values = dequantize(self.fmt, self._data.index_select(0, flat), self.in_features)
+        if self.kernel:
+            if flat.numel() and not (0 <= int(flat.min()) and int(flat.max()) < self.out_features):
+                raise IndexError(f"row ids must be in [0, {self.out_features}), got "
+                                 f"{int(flat.min())}..{int(flat.max())}")
+            raw = _library().quant_unpack_rows(self.fmt, self._data, self.in_features,
+                                               flat.contiguous())
+        else:
+            raw = self._data.index_select(0, flat)
+        values = dequantize(self.fmt, raw, self.in_features)
         return values.to(dtype).reshape(*ids.shape, self.in_features)
 
     def raw(self) -> torch.Tensor:
-        """uint8 [out, row_bytes]: ggml's own bytes, row-major (what the model cache stores)."""
-        return self._data
+        """uint8 [out, row_bytes]: ggml's own bytes, row-major (what the model cache stores); a
+        new tensor when the weight is in the kernel's tiles."""
+        if not self.kernel:
+            return self._data
+        ids = torch.arange(self.out_features)
+        return _library().quant_unpack_rows(self.fmt, self._data, self.in_features, ids)
 
     def to(self, device: torch.device | str) -> QuantWeight:
-        return QuantWeight(self.fmt, self._data.to(device), self.out_features, self.in_features)
+        """This weight on ``device``: itself where it is already there; else ggml's rows moved,
+        and packed again (in tiles where the kernel runs there)."""
+        device = torch.device(device)
+        if device == self.device:
+            return self
+        return pack(self.fmt, self.raw().to(device), self.in_features)
 
 
 def pack(fmt: str, data: torch.Tensor, in_features: int) -> QuantWeight:
-    """A ``QuantWeight`` of ggml's rows ``data`` (uint8 [out_features, row_bytes]).
+    """A ``QuantWeight`` of ggml's rows ``data`` (uint8 [out_features, row_bytes]): repacked into
+    the kernel's tiles where the kernel runs here (a CPU tensor of a format in
+    ``kernel_formats()``; ``data`` is then not kept), else ``data`` itself.
 
     Raises ValueError on a format, dtype or byte count that does not fit.
     """
@@ -79,7 +120,35 @@ def pack(fmt: str, data: torch.Tensor, in_features: int) -> QuantWeight:
         raise ValueError(
             f"{fmt} expects {expected} bytes a row ({in_features // spec.block_size} blocks of "
             f"{spec.type_size} bytes for {in_features} values), got {data.shape[1]}")
-    return QuantWeight(fmt, data.contiguous(), data.shape[0], in_features)
+    out_features = data.shape[0]
+    if data.device.type == "cpu" and fmt in kernel_formats() and out_features:
+        tiles = _library().quant_repack(fmt, data.contiguous(), in_features)
+        return QuantWeight(fmt, tiles, out_features, in_features, kernel=True)
+    return QuantWeight(fmt, data.contiguous(), out_features, in_features)
+
+
+def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
+                 path: str = "auto") -> torch.Tensor:
+    """The C++ kernel: ``x [..., in]`` (CPU fp32 or bf16) ``@ W.T (+ bias)`` -> [..., out] in
+    ``x.dtype``, for a weight packed in the kernel's tiles. ``path`` (``PATHS``): ``auto`` picks
+    by row count; the others force one, for tests and benchmarks (``generic``: the plain C++
+    loops that CPUs without AVX2 run)."""
+    if not w.kernel:
+        raise ValueError(f"{w!r} is not in the kernel's tiles (pack it where the kernel runs)")
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"x must be a CPU float32 or bfloat16 tensor, got {x.dtype} on "
+                         f"{x.device}")
+    if x.shape[-1] != w.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {w.in_features}")
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    rows = x.numel() // w.in_features
+    out = torch.empty((rows, w.out_features), dtype=x.dtype)
+    if bias is not None:
+        bias = bias.to(torch.float32).contiguous()
+    _library().quant_linear(w.fmt, w._data, w.in_features, w.out_features,
+                            x.reshape(rows, w.in_features).float().contiguous(), bias, out, path)
+    return out.view(*x.shape[:-1], w.out_features)
 
 
 def linear_reference(x: torch.Tensor, w: QuantWeight,
@@ -95,5 +164,20 @@ def linear_reference(x: torch.Tensor, w: QuantWeight,
 
 
 def kernel_formats() -> frozenset[str]:
-    """Formats with a C++ kernel loaded here (empty when the kernel library is not built)."""
-    return frozenset()
+    """Formats with a C++ kernel loaded here (empty when the kernel library could not be built:
+    ``cpu_decode_attention.load()`` returns None)."""
+    module = cpu_decode_attention.load()
+    return frozenset() if module is None else frozenset(module.quant_formats)
+
+
+def kernel_isa() -> str | None:
+    """The instruction set the loaded kernel runs (``avx2`` or ``generic``); None without it."""
+    module = cpu_decode_attention.load()
+    return None if module is None else str(module.quant_isa)
+
+
+def _library() -> ModuleType:
+    module = cpu_decode_attention.load()
+    if module is None:
+        raise RuntimeError("the CPU kernel library is not available")
+    return module

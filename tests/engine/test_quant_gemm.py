@@ -1,4 +1,16 @@
-"""QuantWeight: pack's checks, the reference product, rows(), raw() and to()."""
+"""QuantWeight: pack's checks, the reference product, rows(), raw() and to(); and the C++ kernel
+(every path: fused, panel, the generic fallback, auto) against the reference on every format.
+
+Tolerance. The kernel's dequantized weights equal gguf's bit for bit (csrc/quant_gemm.cpp), so
+kernel and reference differ only in the order of each fp32 dot product's K additions. Each
+addition rounds by at most u = 2^-24 of a partial sum, and no partial sum exceeds
+A = sum_k |x_k w_k|; the rounding errors, of random sign, add up like a random walk: about
+sqrt(K) * u * A, for either order. The tests allow 4 sqrt(K) u A per output (A computed in
+float64 from |x| @ |W|.T), and in bf16 also one bf16 rounding step (2^-8 of the value), since
+two fp32 sums a hair apart may round to neighbouring bf16 values. On unit-scale data (A ~ K/2)
+that is ~1e-4 * sqrt(K) at K = 768, in line with what fp32 GEMMs are held to, while a single
+wrong weight moves an output by ~|x_k w_k| ~ 0.5.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +18,18 @@ import pytest
 import torch
 
 from engine.kernels.ggml_quants import FORMATS, dequantize, random_rows, row_bytes
-from engine.kernels.quant_gemm import QuantWeight, kernel_formats, linear_reference, pack
+from engine.kernels.quant_gemm import (
+    PATHS,
+    QuantWeight,
+    kernel_formats,
+    kernel_isa,
+    linear_reference,
+    pack,
+    quant_linear,
+)
+
+needs_kernel = pytest.mark.skipif(not kernel_formats(), reason="the CPU kernel library is "
+                                  "not built here")
 
 
 def _weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tuple[
@@ -15,15 +38,41 @@ def _weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tup
     return pack(fmt, data, in_features), data
 
 
+def _assert_matches(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor,
+                    bias: torch.Tensor | None) -> None:
+    """``out`` equals (x.float() @ dense.T + bias).to(x.dtype) within the module's tolerance."""
+    x64, w64 = x.double(), dense.double()
+    exact = x64 @ w64.T + (bias.double() if bias is not None else 0)
+    magnitude = x64.abs() @ w64.abs().T  # A: the largest a partial sum can be
+    depth = x.shape[-1]
+    atol = 4 * depth ** 0.5 * 2.0 ** -24 * magnitude
+    if out.dtype == torch.bfloat16:
+        atol = atol + 2.0 ** -8 * exact.abs()
+    error = (out.double() - exact).abs()
+    worst = (error - atol).max()
+    assert worst <= 0, f"off by {error.max():.3g} (allowed {atol.flatten()[error.argmax()]:.3g})"
+
+
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_pack_keeps_ggml_bytes(fmt):
     in_features = 2 * FORMATS[fmt].block_size
     w, data = _weight(fmt, 21, in_features)
     assert (w.fmt, w.out_features, w.in_features) == (fmt, 21, in_features)
+    assert w.kernel == (fmt in kernel_formats())
     assert torch.equal(w.raw(), data)
     assert torch.equal(w.dequantize(), dequantize(fmt, data, in_features))
     assert w.dequantize(torch.bfloat16).dtype == torch.bfloat16
-    assert w.nbytes <= 1.15 * data.nbytes
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_resident_bytes_within_the_issue_bound(fmt):
+    # the issue's target: at most 1.15x ggml's bytes (tiles pad the last 8 rows; K-quants keep
+    # their 6-bit scales a byte each)
+    in_features = 4 * FORMATS[fmt].block_size
+    w, data = _weight(fmt, 576, in_features)
+    assert w.nbytes <= 1.03 * data.nbytes
+    small, small_data = _weight(fmt, 13, in_features)
+    assert small.nbytes <= 16 / 13 * 1.03 * small_data.nbytes
 
 
 def test_pack_errors():
@@ -55,26 +104,99 @@ def test_reference_is_the_dequantized_product(dtype, with_bias):
         linear_reference(torch.randn(3, 256), w)
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q6_K", "Q4_1"])
 def test_rows_are_the_dequantized_rows(fmt):
-    w, _ = _weight(fmt, 40, 256)
-    ids = torch.tensor([[3, 0, 39], [3, 17, 8]])
+    w, _ = _weight(fmt, 43, 256)
+    ids = torch.tensor([[3, 0, 42], [3, 17, 8]])
     got = w.rows(ids, torch.float32)
     assert got.shape == (2, 3, 256)
     assert torch.equal(got, w.dequantize()[ids])
     assert torch.equal(w.rows(ids, torch.bfloat16), w.dequantize(torch.bfloat16)[ids])
+    assert w.rows(torch.tensor([], dtype=torch.long), torch.float32).shape == (0, 256)
+    with pytest.raises(IndexError):
+        w.rows(torch.tensor([43]), torch.float32)  # a padding row of the last tile is no row
 
 
-def test_to_moves_the_bytes():
+def test_to_the_same_device_is_itself():
     w, data = _weight("Q5_0", 9, 64)
-    moved = w.to("cpu")
-    assert torch.equal(moved.raw(), data) and moved.device.type == "cpu"
+    assert w.to("cpu") is w
+    assert torch.equal(w.to("cpu").raw(), data)
 
 
 def test_kernel_formats_are_known_formats():
     assert kernel_formats() <= set(FORMATS)
 
 
+@needs_kernel
+def test_every_format_has_a_kernel():
+    assert kernel_formats() == set(FORMATS)
+    assert kernel_isa() in ("avx2", "generic")
+
+
 def test_row_bytes_of_a_packed_weight():
     w, _ = _weight("Q5_K", 3, 768)
     assert w.raw().shape == (3, row_bytes("Q5_K", 768))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+@pytest.mark.parametrize("path", PATHS)
+def test_kernel_equals_the_reference(fmt, path):
+    # odd shapes: 13 rows (a partial tile), 40 (5 tiles: the panel path's last pair has one);
+    # one block of depth and many (32-value formats: 9 blocks, past one 256-value panel)
+    block = FORMATS[fmt].block_size
+    generator = torch.Generator().manual_seed(1)
+    for out_features, in_features in ((13, block), (40, block * (3 if block == 256 else 9))):
+        w, data = _weight(fmt, out_features, in_features, seed=out_features)
+        assert w.kernel
+        dense = dequantize(fmt, data, in_features)
+        for rows in (1, 3, 17, 65):
+            x = torch.randn(rows, in_features, generator=generator)
+            bias = torch.randn(out_features, generator=generator)
+            for dtype in (torch.float32, torch.bfloat16):
+                xd = x.to(dtype)
+                for b in (None, bias):
+                    out = quant_linear(xd, w, b, path=path)
+                    assert out.dtype == dtype and out.shape == (rows, out_features)
+                    _assert_matches(out, xd, dense, b)
+
+
+@needs_kernel
+def test_linear_takes_the_kernel_and_keeps_leading_dims():
+    w, data = _weight("Q4_0", 24, 64)
+    x = torch.randn(2, 3, 64)
+    out = w.linear(x)
+    assert out.shape == (2, 3, 24)
+    _assert_matches(out.reshape(6, 24), x.reshape(6, 64), dequantize("Q4_0", data, 64), None)
+    assert w.linear(torch.randn(0, 64)).shape == (0, 24)
+    # a dtype the kernel does not take goes to the reference
+    half = w.linear(x.half())
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half, linear_reference(x.half(), w))
+
+
+@needs_kernel
+def test_kernel_errors():
+    w, _ = _weight("Q8_0", 8, 64)
+    with pytest.raises(ValueError, match="x has 32 features, the weight takes 64"):
+        w.linear(torch.randn(2, 32))
+    with pytest.raises(ValueError, match="path must be one of"):
+        quant_linear(torch.randn(2, 64), w, path="fast")
+    with pytest.raises(ValueError, match="CPU float32 or bfloat16"):
+        quant_linear(torch.randn(2, 64).half(), w)
+    raw = QuantWeight("Q8_0", w.raw(), 8, 64)
+    with pytest.raises(ValueError, match="not in the kernel's tiles"):
+        quant_linear(torch.randn(2, 64), raw)
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_repack_round_trips_every_bit(fmt):
+    # random bytes everywhere (not only valid scales): the tiles are a permutation of the bits
+    in_features = 2 * FORMATS[fmt].block_size
+    data = torch.randint(0, 256, (19, row_bytes(fmt, in_features)), dtype=torch.uint8,
+                         generator=torch.Generator().manual_seed(2))
+    w = pack(fmt, data, in_features)
+    assert torch.equal(w.raw(), data)
+    assert torch.equal(w.rows(torch.tensor([18, 0, 7]), torch.float32).nan_to_num(1e30),
+                       dequantize(fmt, data[[18, 0, 7]], in_features).nan_to_num(1e30))

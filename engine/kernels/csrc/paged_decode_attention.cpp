@@ -450,6 +450,7 @@ static const char* isa() {
 void register_fused_ops(pybind11::module& m);  // cpu_fused_ops.cpp, built into this library
 void register_packed_attention(pybind11::module& m);  // packed_attention.cpp, the same
 void register_lora_segments(pybind11::module& m);  // lora_segments.cpp, the same
+void register_quant_gemm(pybind11::module& m);  // quant_gemm.cpp, the same
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Without the GIL while it runs, like torch's own ops: other Python threads of the process
@@ -460,4 +461,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_fused_ops(m);
   register_packed_attention(m);
   register_lora_segments(m);
+  register_quant_gemm(m);
 }

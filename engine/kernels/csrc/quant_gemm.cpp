@@ -1,0 +1,795 @@
+// x @ W.T for a weight kept in one of ggml's block formats, dequantized inside the product.
+//
+// Layout. At load (quant_repack) every 8 output rows become a tile whose blocks are interleaved:
+// the tile's block b holds the 8 rows' block b with each field laid out lane by lane (lane = row),
+// so one vector load gives a field for 8 rows and the dequantized value of position k is one
+// 8-lane vector. The packed values are regrouped so that lane r's 32-bit word holds 8 of row r's
+// 4-bit values (k = 8g .. 8g+7 at bits 4i), or its 32 5th-bits, or 16 of Q6_K's 2-bit tops: one
+// shift and one mask per position then give 8 rows' values. The fp16 scales stay fp16 (F16C
+// widens 8 at a time); the K-quants' 6-bit scales and mins, packed 8 in 12 bytes, are stored one
+// byte each. A tile takes 8x ggml's block bytes (Q4_K +2.8%, Q5_K +2.3% for the unpacked scales)
+// plus the zero rows padding the last tile: the weight stays within 1.03x of its GGUF bytes.
+//
+// Every dequantized value is computed as one rounding of the exact d*sc*q - dmin*mn (the scale
+// products d*sc are exact in fp32: 11 bits of fp16 mantissa times a 6- or 8-bit integer, and
+// d*q+m fused rounds once as gguf's d*q (exact) + m does), so the weights equal gguf's
+// dequantization; what differs from the fp32 reference is only the order of the sums.
+//
+// Paths (quant_linear's `path`; "auto" picks by row count):
+//   fused   per tile, per block: unpack 8 rows' values into registers and FMA each against up
+//           to 8 activation rows (more rows: the tile again, from cache). The weight is read once
+//           for few rows, so this is the memory-bound decode path.
+//   panel   per pair of tiles (16 output rows), per 256 values of depth: dequantize into a 16 KB
+//           fp32 panel (L1), then a 6x16 register-blocked FMA micro-kernel over every activation
+//           row: the dequantization is paid once for all rows, the FMAs run at the GEMM's rate.
+//   generic plain loops the compiler vectorizes, for CPUs without AVX2+FMA+F16C (and the tests).
+// x is fp32 (a bf16 x is widened once by the launcher); the sums are fp32; out is fp32 or bf16
+// (rounded once, to nearest even), with the bias added in fp32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define BOXCAR_QUANT_AVX2 1
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kLanes = 8;         // output rows a tile interleaves
+constexpr int kPanelDepth = 256;  // values of depth a panel holds (16 rows x 256 x 4 B = 16 KB)
+constexpr int kFusedRows = 8;     // activation rows one fused pass holds in registers
+// Row counts up to this take the fused path under "auto". Fused over panel time on this repo's
+// AVX2 machine (Q4_1 576->1536, Q5_0 640->2048, Q4_K 1024->640, Q6_K 2048->640, Q8_0 640->256;
+// best of 60, 1 thread): 0.71-0.93 at 2 rows, 0.78-1.00 at 4, 1.01-1.07 at 5, 1.32-1.47 at 12.
+constexpr int64_t kFusedMaxRows = 4;
+
+// One row's block, unpacked: the repack's go-between from ggml's layout to the tile's and back.
+struct Block {
+  uint16_t d = 0, m = 0;  // fp16 bits: d, and m (Q4_1, Q5_1) or dmin (Q4_K, Q5_K)
+  uint8_t q[256] = {};    // the values as stored: unsigned 4/5/6-bit, or int8 bits (Q8_0)
+  uint8_t sc[16] = {};    // K-quants' sub-block scales (Q6_K: int8 bits)
+  uint8_t mn[8] = {};     // Q4_K/Q5_K sub-block mins
+};
+
+inline uint16_t load16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
+inline uint32_t load32(const uint8_t* p) { uint32_t v; std::memcpy(&v, p, 4); return v; }
+inline void store16(uint8_t* p, uint16_t v) { std::memcpy(p, &v, 2); }
+inline void store32(uint8_t* p, uint32_t v) { std::memcpy(p, &v, 4); }
+inline float half(const uint8_t* p) { return c10::detail::fp16_ieee_to_fp32_value(load16(p)); }
+
+// Lane r's 32-bit word of group g: 8 nibbles (4-bit values 8g..8g+7) or 32 bits or 16 pairs.
+inline uint8_t* word(uint8_t* at, int g, int lane) { return at + 4 * (g * kLanes + lane); }
+inline const uint8_t* word(const uint8_t* at, int g, int lane) {
+  return at + 4 * (g * kLanes + lane);
+}
+
+// Low nibbles of `values` into the tile's words at `at`, and back.
+void put_nibbles(const uint8_t* values, int count, int lane, uint8_t* at) {
+  for (int g = 0; g < count / 8; ++g) {
+    uint32_t w = 0;
+    for (int i = 0; i < 8; ++i) w |= static_cast<uint32_t>(values[8 * g + i] & 0xF) << (4 * i);
+    store32(word(at, g, lane), w);
+  }
+}
+
+void get_nibbles(const uint8_t* at, int count, int lane, uint8_t* values) {
+  for (int g = 0; g < count / 8; ++g) {
+    const uint32_t w = load32(word(at, g, lane));
+    for (int i = 0; i < 8; ++i) values[8 * g + i] = (w >> (4 * i)) & 0xF;
+  }
+}
+
+#if defined(BOXCAR_QUANT_AVX2)
+inline __m256 halves(const uint8_t* p) {  // 8 fp16 -> 8 fp32
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i load8(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256 bytes_u8(const uint8_t* p) {  // 8 uint8 -> 8 fp32
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 bytes_i8(const uint8_t* p) {  // 8 int8 -> 8 fp32
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// Bits [lo, lo + width) of each lane, moved to bit `to` (lo, to compile-time after unrolling).
+inline __m256i bits_at(__m256i v, int lo, int to, int mask) {
+  const __m256i moved = lo >= to ? _mm256_srli_epi32(v, lo - to) : _mm256_slli_epi32(v, to - lo);
+  return _mm256_and_si256(moved, _mm256_set1_epi32(mask));
+}
+#endif
+
+// fn(std::integral_constant<int, i>{}) for i = 0 .. N-1, unrolled by the front end: every index
+// is a constant from the start, so arrays indexed by it stay in registers (GCC's scalar
+// replacement runs before its loop unroller, and a `#pragma unroll` loop kept its accumulators
+// on the stack, stored back every iteration).
+template <class Fn, int... I>
+inline __attribute__((always_inline)) void unrolled(Fn& fn, std::integer_sequence<int, I...>) {
+  (fn(std::integral_constant<int, I>{}), ...);
+}
+template <int N, class Fn>
+inline __attribute__((always_inline)) void unroll(Fn&& fn) {
+  unrolled(fn, std::make_integer_sequence<int, N>{});
+}
+
+// ---- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32, one or two fp16 scales -----------------
+// tile block: d[8] fp16 | m[8] fp16 (with a min) | qh[8] u32 (5 bits) | nibble words [4][8] u32,
+// or int8 values [32][8] (Q8_0)
+template <int kBits, bool kHasMin>
+struct Simple {
+  static constexpr int kBlock = 32;
+  static constexpr int kTypeSize = 2 + (kHasMin ? 2 : 0) + (kBits == 5 ? 4 : 0) +
+                                   (kBits == 8 ? 32 : 16);
+  static constexpr int kTileBytes = kLanes * kTypeSize;
+  static constexpr int kHighAt = kHasMin ? 32 : 16;
+  static constexpr int kValuesAt = kHighAt + (kBits == 5 ? 32 : 0);
+
+  static void from_ggml(const uint8_t* b, Block& v) {
+    int at = 2;
+    v.d = load16(b);
+    if (kHasMin) v.m = load16(b + 2), at = 4;
+    const uint32_t qh = kBits == 5 ? load32(b + at) : 0;
+    at += kBits == 5 ? 4 : 0;
+    for (int i = 0; i < 32; ++i) {
+      if (kBits == 8) {
+        v.q[i] = b[at + i];
+      } else {
+        const uint8_t nibble = i < 16 ? b[at + i] & 0xF : b[at + i - 16] >> 4;
+        v.q[i] = nibble | (((qh >> i) & 1) << 4);
+      }
+    }
+  }
+
+  static void to_ggml(const Block& v, uint8_t* b) {
+    int at = 2;
+    store16(b, v.d);
+    if (kHasMin) store16(b + 2, v.m), at = 4;
+    if (kBits == 5) {
+      uint32_t qh = 0;
+      for (int i = 0; i < 32; ++i) qh |= static_cast<uint32_t>((v.q[i] >> 4) & 1) << i;
+      store32(b + at, qh);
+      at += 4;
+    }
+    for (int i = 0; i < (kBits == 8 ? 32 : 16); ++i) {
+      b[at + i] = kBits == 8 ? v.q[i] : ((v.q[i] & 0xF) | ((v.q[i + 16] & 0xF) << 4));
+    }
+  }
+
+  static void put(const Block& v, int lane, uint8_t* t) {
+    store16(t + 2 * lane, v.d);
+    if (kHasMin) store16(t + 16 + 2 * lane, v.m);
+    if (kBits == 5) {
+      uint32_t qh = 0;
+      for (int i = 0; i < 32; ++i) qh |= static_cast<uint32_t>((v.q[i] >> 4) & 1) << i;
+      store32(t + kHighAt + 4 * lane, qh);
+    }
+    if (kBits == 8) {
+      for (int k = 0; k < 32; ++k) t[kValuesAt + k * kLanes + lane] = v.q[k];
+    } else {
+      put_nibbles(v.q, 32, lane, t + kValuesAt);
+    }
+  }
+
+  static void get(const uint8_t* t, int lane, Block& v) {
+    v.d = load16(t + 2 * lane);
+    if (kHasMin) v.m = load16(t + 16 + 2 * lane);
+    if (kBits == 8) {
+      for (int k = 0; k < 32; ++k) v.q[k] = t[kValuesAt + k * kLanes + lane];
+      return;
+    }
+    get_nibbles(t + kValuesAt, 32, lane, v.q);
+    if (kBits == 5) {
+      const uint32_t qh = load32(t + kHighAt + 4 * lane);
+      for (int i = 0; i < 32; ++i) v.q[i] |= ((qh >> i) & 1) << 4;
+    }
+  }
+
+  // The block's 32 x 8 values, out[k * 8 + lane].
+  static void dequant_generic(const uint8_t* t, float* out) {
+    float d[kLanes], c[kLanes];
+    for (int r = 0; r < kLanes; ++r) {
+      d[r] = half(t + 2 * r);
+      c[r] = kHasMin ? half(t + 16 + 2 * r) : kBits == 8 ? 0.0f : (kBits == 4 ? -8 : -16) * d[r];
+    }
+    for (int k = 0; k < 32; ++k) {
+      for (int r = 0; r < kLanes; ++r) {
+        int q;
+        if (kBits == 8) {
+          q = static_cast<int8_t>(t[kValuesAt + k * kLanes + r]);
+        } else {
+          q = (load32(word(t + kValuesAt, k / 8, r)) >> (4 * (k % 8))) & 0xF;
+          if (kBits == 5) q |= ((load32(t + kHighAt + 4 * r) >> k) & 1) << 4;
+        }
+        out[k * kLanes + r] = static_cast<float>(q) * d[r] + c[r];
+      }
+    }
+  }
+
+#if defined(BOXCAR_QUANT_AVX2)
+  // sink(k, i, w): w holds the 8 rows' values at depth k + i of this block, i an
+  // integral_constant (0-7): only the 8 positions of a word are unrolled, which keeps the
+  // instantiations (8 formats x 8 row counts) quick to compile.
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
+    const __m256 d = halves(t);
+    if constexpr (kBits == 8) {
+      for (int k = 0; k < 32; k += 8) {
+        unroll<8>([&](auto i) {
+          sink(k, i, _mm256_mul_ps(bytes_i8(t + kValuesAt + 8 * (k + i)), d));
+        });
+      }
+    } else {
+      const __m256 c = kHasMin ? halves(t + 16)
+                               : _mm256_mul_ps(d, _mm256_set1_ps(-(1 << (kBits - 1))));
+      const __m256i qh = kBits == 5 ? load8(t + kHighAt) : _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        const __m256i w = load8(t + kValuesAt + 32 * g);
+        const __m256i high = kBits == 5 ? _mm256_srli_epi32(qh, 8 * g) : qh;
+        unroll<8>([&](auto i) {
+          __m256i q = bits_at(w, 4 * i, 0, 0xF);
+          if constexpr (kBits == 5) q = _mm256_or_si256(q, bits_at(high, i, 4, 0x10));
+          sink(8 * g, i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, c));
+        });
+      }
+    }
+  }
+#endif
+};
+
+// ---- Q4_K, Q5_K: super-blocks of 256, 8 sub-blocks of 32 with 6-bit scales and mins ------
+// tile block: d[8] fp16 | dmin[8] fp16 | sc[8 sub][8] u8 | mn[8 sub][8] u8
+//             | qh[8 sub][8] u32 (Q5_K: bit i = value 32j+i's 5th bit) | nibble words [32][8] u32
+template <int kBits>
+struct KQuant {
+  static constexpr int kBlock = 256;
+  static constexpr int kTypeSize = kBits == 4 ? 144 : 176;
+  static constexpr int kHighAt = 160;
+  static constexpr int kValuesAt = kHighAt + (kBits == 5 ? 256 : 0);
+  static constexpr int kTileBytes = kValuesAt + 1024;
+  static constexpr int kQsAt = 16 + (kBits == 5 ? 32 : 0);  // in ggml's block
+
+  static void from_ggml(const uint8_t* b, Block& v) {
+    v.d = load16(b);
+    v.m = load16(b + 2);
+    const uint8_t* s = b + 4;  // 12 bytes of 6-bit scales and mins (ggml_quants.k_scales_mins)
+    for (int j = 0; j < 4; ++j) {
+      v.sc[j] = s[j] & 63;
+      v.mn[j] = s[j + 4] & 63;
+      v.sc[j + 4] = (s[j + 8] & 0xF) | ((s[j] >> 6) << 4);
+      v.mn[j + 4] = (s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4);
+    }
+    for (int k = 0; k < 256; ++k) {
+      const int j = k / 32, i = k % 32;
+      v.q[k] = (b[kQsAt + (j / 2) * 32 + i] >> (4 * (j & 1))) & 0xF;
+      if (kBits == 5) v.q[k] |= ((b[16 + i] >> j) & 1) << 4;
+    }
+  }
+
+  static void to_ggml(const Block& v, uint8_t* b) {
+    std::memset(b, 0, kTypeSize);
+    store16(b, v.d);
+    store16(b + 2, v.m);
+    uint8_t* s = b + 4;
+    for (int j = 0; j < 4; ++j) {
+      s[j] = v.sc[j] | ((v.sc[j + 4] >> 4) << 6);
+      s[j + 4] = v.mn[j] | ((v.mn[j + 4] >> 4) << 6);
+      s[j + 8] = (v.sc[j + 4] & 0xF) | ((v.mn[j + 4] & 0xF) << 4);
+    }
+    for (int k = 0; k < 256; ++k) {
+      const int j = k / 32, i = k % 32;
+      b[kQsAt + (j / 2) * 32 + i] |= (v.q[k] & 0xF) << (4 * (j & 1));
+      if (kBits == 5) b[16 + i] |= ((v.q[k] >> 4) & 1) << j;
+    }
+  }
+
+  static void put(const Block& v, int lane, uint8_t* t) {
+    store16(t + 2 * lane, v.d);
+    store16(t + 16 + 2 * lane, v.m);
+    for (int j = 0; j < 8; ++j) {
+      t[32 + j * kLanes + lane] = v.sc[j];
+      t[96 + j * kLanes + lane] = v.mn[j];
+      if (kBits == 5) {
+        uint32_t qh = 0;
+        for (int i = 0; i < 32; ++i) qh |= static_cast<uint32_t>((v.q[32 * j + i] >> 4) & 1) << i;
+        store32(word(t + kHighAt, j, lane), qh);
+      }
+    }
+    put_nibbles(v.q, 256, lane, t + kValuesAt);
+  }
+
+  static void get(const uint8_t* t, int lane, Block& v) {
+    v.d = load16(t + 2 * lane);
+    v.m = load16(t + 16 + 2 * lane);
+    get_nibbles(t + kValuesAt, 256, lane, v.q);
+    for (int j = 0; j < 8; ++j) {
+      v.sc[j] = t[32 + j * kLanes + lane];
+      v.mn[j] = t[96 + j * kLanes + lane];
+      if (kBits == 5) {
+        const uint32_t qh = load32(word(t + kHighAt, j, lane));
+        for (int i = 0; i < 32; ++i) v.q[32 * j + i] |= ((qh >> i) & 1) << 4;
+      }
+    }
+  }
+
+  static void dequant_generic(const uint8_t* t, float* out) {
+    for (int j = 0; j < 8; ++j) {
+      float s[kLanes], o[kLanes];
+      for (int r = 0; r < kLanes; ++r) {
+        s[r] = half(t + 2 * r) * t[32 + j * kLanes + r];
+        o[r] = half(t + 16 + 2 * r) * t[96 + j * kLanes + r];
+      }
+      for (int i = 0; i < 32; ++i) {
+        const int k = 32 * j + i;
+        for (int r = 0; r < kLanes; ++r) {
+          int q = (load32(word(t + kValuesAt, k / 8, r)) >> (4 * (k % 8))) & 0xF;
+          if (kBits == 5) q |= ((load32(word(t + kHighAt, j, r)) >> i) & 1) << 4;
+          out[k * kLanes + r] = static_cast<float>(q) * s[r] - o[r];
+        }
+      }
+    }
+  }
+
+#if defined(BOXCAR_QUANT_AVX2)
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
+    const __m256 d = halves(t), dmin = halves(t + 16);
+    for (int j = 0; j < 8; ++j) {
+      const __m256 s = _mm256_mul_ps(d, bytes_u8(t + 32 + 8 * j));
+      const __m256 o = _mm256_mul_ps(dmin, bytes_u8(t + 96 + 8 * j));
+      const __m256i qh = kBits == 5 ? load8(t + kHighAt + 32 * j) : _mm256_setzero_si256();
+      for (int g = 0; g < 4; ++g) {
+        const __m256i w = load8(t + kValuesAt + 32 * (4 * j + g));
+        const __m256i high = kBits == 5 ? _mm256_srli_epi32(qh, 8 * g) : qh;
+        unroll<8>([&](auto i) {
+          __m256i q = bits_at(w, 4 * i, 0, 0xF);
+          if constexpr (kBits == 5) q = _mm256_or_si256(q, bits_at(high, i, 4, 0x10));
+          sink(32 * j + 8 * g, i, _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), s, o));
+        });
+      }
+    }
+  }
+#endif
+};
+
+// ---- Q6_K: super-blocks of 256, 16 sub-blocks of 16 with int8 scales, 4+2 bits a value ----
+// tile block: d[8] fp16 | sc[16 sub][8] i8 | nibble words [32][8] u32
+//             | top-bit words [16][8] u32 (value 16g+i's bits 4-5 at bits 2i)
+struct Q6K {
+  static constexpr int kBlock = 256;
+  static constexpr int kTypeSize = 210;
+  static constexpr int kValuesAt = 144;
+  static constexpr int kHighAt = 1168;
+  static constexpr int kTileBytes = 1680;
+
+  static void from_ggml(const uint8_t* b, Block& v) {
+    // value h*128 + r: nibble (r / 64) of ql byte h*64 + r%64, bits 2(r / 32) of qh byte h*32 + r%32
+    for (int k = 0; k < 256; ++k) {
+      const int h = k / 128, r = k % 128;
+      const int low = (b[h * 64 + r % 64] >> (4 * (r / 64))) & 0xF;
+      const int top = (b[128 + h * 32 + r % 32] >> (2 * (r / 32))) & 3;
+      v.q[k] = low | (top << 4);
+    }
+    std::memcpy(v.sc, b + 192, 16);
+    v.d = load16(b + 208);
+  }
+
+  static void to_ggml(const Block& v, uint8_t* b) {
+    std::memset(b, 0, kTypeSize);
+    for (int k = 0; k < 256; ++k) {
+      const int h = k / 128, r = k % 128;
+      b[h * 64 + r % 64] |= (v.q[k] & 0xF) << (4 * (r / 64));
+      b[128 + h * 32 + r % 32] |= ((v.q[k] >> 4) & 3) << (2 * (r / 32));
+    }
+    std::memcpy(b + 192, v.sc, 16);
+    store16(b + 208, v.d);
+  }
+
+  static void put(const Block& v, int lane, uint8_t* t) {
+    store16(t + 2 * lane, v.d);
+    for (int j = 0; j < 16; ++j) {
+      t[16 + j * kLanes + lane] = v.sc[j];
+      uint32_t top = 0;
+      for (int i = 0; i < 16; ++i) top |= static_cast<uint32_t>((v.q[16 * j + i] >> 4) & 3) << (2 * i);
+      store32(word(t + kHighAt, j, lane), top);
+    }
+    put_nibbles(v.q, 256, lane, t + kValuesAt);
+  }
+
+  static void get(const uint8_t* t, int lane, Block& v) {
+    v.d = load16(t + 2 * lane);
+    get_nibbles(t + kValuesAt, 256, lane, v.q);
+    for (int j = 0; j < 16; ++j) {
+      v.sc[j] = t[16 + j * kLanes + lane];
+      const uint32_t top = load32(word(t + kHighAt, j, lane));
+      for (int i = 0; i < 16; ++i) v.q[16 * j + i] |= ((top >> (2 * i)) & 3) << 4;
+    }
+  }
+
+  static void dequant_generic(const uint8_t* t, float* out) {
+    for (int j = 0; j < 16; ++j) {
+      float s[kLanes];
+      for (int r = 0; r < kLanes; ++r) {
+        s[r] = half(t + 2 * r) * static_cast<float>(static_cast<int8_t>(t[16 + j * kLanes + r]));
+      }
+      for (int i = 0; i < 16; ++i) {
+        const int k = 16 * j + i;
+        for (int r = 0; r < kLanes; ++r) {
+          const int low = (load32(word(t + kValuesAt, k / 8, r)) >> (4 * (k % 8))) & 0xF;
+          const int top = (load32(word(t + kHighAt, j, r)) >> (2 * i)) & 3;
+          out[k * kLanes + r] = static_cast<float>((low | (top << 4)) - 32) * s[r];
+        }
+      }
+    }
+  }
+
+#if defined(BOXCAR_QUANT_AVX2)
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
+    const __m256 d = halves(t);
+    for (int j = 0; j < 16; ++j) {
+      const __m256 s = _mm256_mul_ps(d, bytes_i8(t + 16 + 8 * j));
+      const __m256 c = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f));
+      const __m256i top = load8(t + kHighAt + 32 * j);
+      for (int g = 0; g < 2; ++g) {
+        const __m256i w = load8(t + kValuesAt + 32 * (2 * j + g));
+        const __m256i high = _mm256_srli_epi32(top, 16 * g);
+        unroll<8>([&](auto i) {
+          const __m256i q = _mm256_or_si256(bits_at(w, 4 * i, 0, 0xF),
+                                            bits_at(high, 2 * i, 4, 0x30));
+          sink(16 * j + 8 * g, i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, c));
+        });
+      }
+    }
+  }
+#endif
+};
+
+using Q4_0 = Simple<4, false>;
+using Q4_1 = Simple<4, true>;
+using Q5_0 = Simple<5, false>;
+using Q5_1 = Simple<5, true>;
+using Q8_0 = Simple<8, false>;
+using Q4_K = KQuant<4>;
+using Q5_K = KQuant<5>;
+
+const std::vector<std::string> kFormats = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                                           "Q4_K", "Q5_K", "Q6_K"};
+
+// Calls fn(F{}) with the format struct named `fmt`.
+template <class Fn>
+void visit(const std::string& fmt, Fn&& fn) {
+  if (fmt == "Q4_0") return fn(Q4_0{});
+  if (fmt == "Q4_1") return fn(Q4_1{});
+  if (fmt == "Q5_0") return fn(Q5_0{});
+  if (fmt == "Q5_1") return fn(Q5_1{});
+  if (fmt == "Q8_0") return fn(Q8_0{});
+  if (fmt == "Q4_K") return fn(Q4_K{});
+  if (fmt == "Q5_K") return fn(Q5_K{});
+  if (fmt == "Q6_K") return fn(Q6K{});
+  TORCH_CHECK(false, "no quantized kernel for format ", fmt);
+}
+
+// ---- repack and back ----------------------------------------------------------------------
+
+template <class F>
+int64_t check_rows(const torch::Tensor& t, int64_t in_features) {
+  TORCH_CHECK(in_features > 0 && in_features % F::kBlock == 0, "in_features ", in_features,
+              " is not a multiple of the block size ", F::kBlock);
+  TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous() && t.device().is_cpu(),
+              "quantized data must be a contiguous CPU uint8 tensor");
+  return in_features / F::kBlock;
+}
+
+// raw: uint8 [out, row_bytes] (ggml's rows) -> uint8 [ceil(out / 8), blocks * tile_bytes]
+torch::Tensor quant_repack(const std::string& fmt, const torch::Tensor& raw, int64_t in_features) {
+  torch::Tensor tiles;
+  visit(fmt, [&](auto f) {
+    using F = decltype(f);
+    const int64_t blocks = check_rows<F>(raw, in_features);
+    TORCH_CHECK(raw.dim() == 2 && raw.size(1) == blocks * F::kTypeSize, "raw rows must be [out, ",
+                blocks * F::kTypeSize, "]");
+    const int64_t rows = raw.size(0), num_tiles = (rows + kLanes - 1) / kLanes;
+    tiles = torch::empty({num_tiles, blocks * F::kTileBytes}, raw.options());
+    const uint8_t* src = raw.data_ptr<uint8_t>();
+    uint8_t* dst = tiles.data_ptr<uint8_t>();
+    at::parallel_for(0, num_tiles, 16, [&](int64_t begin, int64_t end) {
+      Block v;
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t b = 0; b < blocks; ++b) {
+          uint8_t* tile = dst + (t * blocks + b) * F::kTileBytes;
+          for (int lane = 0; lane < kLanes; ++lane) {
+            const int64_t row = t * kLanes + lane;
+            v = Block{};  // the padding rows: zero scales, zero values
+            if (row < rows) F::from_ggml(src + (row * blocks + b) * F::kTypeSize, v);
+            F::put(v, lane, tile);
+          }
+        }
+      }
+    });
+  });
+  return tiles;
+}
+
+// tiles -> uint8 [len(ids), row_bytes]: ggml's bytes of the rows `ids` (an embedding lookup, or
+// every row for the model cache)
+torch::Tensor quant_unpack_rows(const std::string& fmt, const torch::Tensor& tiles,
+                                int64_t in_features, const torch::Tensor& ids) {
+  torch::Tensor rows;
+  visit(fmt, [&](auto f) {
+    using F = decltype(f);
+    const int64_t blocks = check_rows<F>(tiles, in_features);
+    TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
+                "ids must be a contiguous 1-D int64 tensor");
+    const int64_t num_tiles = tiles.size(0), n = ids.size(0);
+    rows = torch::empty({n, blocks * F::kTypeSize}, tiles.options());
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t i = 0; i < n; ++i) {
+      TORCH_CHECK(id[i] >= 0 && id[i] < num_tiles * kLanes, "row id ", id[i], " out of range");
+    }
+    const uint8_t* src = tiles.data_ptr<uint8_t>();
+    uint8_t* dst = rows.data_ptr<uint8_t>();
+    at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
+      Block v;
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = id[i] / kLanes;
+        const int lane = static_cast<int>(id[i] % kLanes);
+        for (int64_t b = 0; b < blocks; ++b) {
+          F::get(src + (t * blocks + b) * F::kTileBytes, lane, v);
+          F::to_ggml(v, dst + (i * blocks + b) * F::kTypeSize);
+        }
+      }
+    });
+  });
+  return rows;
+}
+
+// ---- the products ---------------------------------------------------------------------------
+
+struct Problem {
+  const uint8_t* tiles;
+  int64_t blocks, num_tiles;  // blocks of depth a row; tiles of 8 output rows
+  const float* x;             // [rows, depth]
+  int64_t rows, depth, out_features;
+  const float* bias;          // [out_features] or null
+  torch::Tensor out;          // [rows, out_features] fp32 or bf16
+};
+
+// out[m, col0 + c] = acc[m * stride + c] + bias, for the c < cols that exist.
+void write_out(const Problem& p, const float* acc, int64_t stride, int64_t m0, int64_t rows,
+               int64_t col0, int64_t cols) {
+  cols = std::min(cols, p.out_features - col0);
+  for (int64_t m = 0; m < rows; ++m) {
+    const float* a = acc + m * stride;
+    const int64_t at = (m0 + m) * p.out_features + col0;
+    if (p.out.scalar_type() == torch::kFloat) {
+      float* o = p.out.data_ptr<float>() + at;
+      for (int64_t c = 0; c < cols; ++c) o[c] = a[c] + (p.bias ? p.bias[col0 + c] : 0.0f);
+    } else {
+      c10::BFloat16* o = p.out.data_ptr<c10::BFloat16>() + at;
+      for (int64_t c = 0; c < cols; ++c) {
+        o[c] = c10::BFloat16(a[c] + (p.bias ? p.bias[col0 + c] : 0.0f));  // nearest even
+      }
+    }
+  }
+}
+
+template <class F>
+void run_generic(const Problem& p) {
+  at::parallel_for(0, p.num_tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> values(F::kBlock * kLanes), acc(p.rows * kLanes);
+    for (int64_t t = begin; t < end; ++t) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t b = 0; b < p.blocks; ++b) {
+        F::dequant_generic(p.tiles + (t * p.blocks + b) * F::kTileBytes, values.data());
+        for (int64_t m = 0; m < p.rows; ++m) {
+          const float* xm = p.x + m * p.depth + b * F::kBlock;
+          float* am = acc.data() + m * kLanes;
+          for (int k = 0; k < F::kBlock; ++k) {
+            for (int r = 0; r < kLanes; ++r) am[r] += xm[k] * values[k * kLanes + r];
+          }
+        }
+      }
+      write_out(p, acc.data(), kLanes, 0, p.rows, t * kLanes, kLanes);
+    }
+  });
+}
+
+#if defined(BOXCAR_QUANT_AVX2)
+// M activation rows (x, row stride `depth`) against one tile: out[m * 8 + lane]. Each row's
+// sum is split over `kChains` accumulators (by depth) so that few rows still keep enough FMAs in
+// flight: one chain waits the FMA's latency (4-5 cycles) between steps.
+template <class F, int M>
+void fused_tile(const uint8_t* tile, int64_t blocks, const float* x, int64_t depth, float* out) {
+  constexpr int kChains = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;  // divides 8
+  __m256 acc[M][kChains];
+  unroll<M>([&](auto m) { unroll<kChains>([&](auto c) { acc[m][c] = _mm256_setzero_ps(); }); });
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* xb = x + b * F::kBlock;
+    auto sink = [&](int k, auto i, __m256 w) __attribute__((always_inline)) {
+      unroll<M>([&](auto m) {
+        constexpr int c = i % kChains;
+        acc[m][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(xb + m * depth + k + i), w, acc[m][c]);
+      });
+    };
+    F::dequant(tile + b * F::kTileBytes, sink);
+  }
+  unroll<M>([&](auto m) {
+    unroll<kChains - 1>([&](auto c) { acc[m][0] = _mm256_add_ps(acc[m][0], acc[m][c + 1]); });
+    _mm256_storeu_ps(out + m * kLanes, acc[m][0]);
+  });
+}
+
+template <class F>
+void fused_rows(const uint8_t* tile, int64_t blocks, const float* x, int64_t depth, int rows,
+                float* out) {
+  switch (rows) {
+    case 1: return fused_tile<F, 1>(tile, blocks, x, depth, out);
+    case 2: return fused_tile<F, 2>(tile, blocks, x, depth, out);
+    case 3: return fused_tile<F, 3>(tile, blocks, x, depth, out);
+    case 4: return fused_tile<F, 4>(tile, blocks, x, depth, out);
+    case 5: return fused_tile<F, 5>(tile, blocks, x, depth, out);
+    case 6: return fused_tile<F, 6>(tile, blocks, x, depth, out);
+    case 7: return fused_tile<F, 7>(tile, blocks, x, depth, out);
+    default: return fused_tile<F, 8>(tile, blocks, x, depth, out);
+  }
+}
+
+template <class F>
+void run_fused(const Problem& p) {
+  at::parallel_for(0, p.num_tiles, 1, [&](int64_t begin, int64_t end) {
+    alignas(32) float acc[kFusedRows * kLanes];
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = p.tiles + t * p.blocks * F::kTileBytes;
+      for (int64_t m0 = 0; m0 < p.rows; m0 += kFusedRows) {
+        const int rows = static_cast<int>(std::min<int64_t>(kFusedRows, p.rows - m0));
+        fused_rows<F>(tile, p.blocks, p.x + m0 * p.depth, p.depth, rows, acc);
+        write_out(p, acc, kLanes, m0, rows, t * kLanes, kLanes);
+      }
+    }
+  });
+}
+
+// c[MR][16] += x[MR rows, depth] @ panel[depth][16]
+template <int MR>
+inline void micro_kernel(const float* x, int64_t stride, const float* panel, int depth, float* c) {
+  __m256 lo[MR], hi[MR];
+  unroll<MR>([&](auto r) {
+    lo[r] = _mm256_loadu_ps(c + 16 * r);
+    hi[r] = _mm256_loadu_ps(c + 16 * r + 8);
+  });
+  for (int k = 0; k < depth; ++k) {
+    const __m256 b0 = _mm256_load_ps(panel + 16 * k), b1 = _mm256_load_ps(panel + 16 * k + 8);
+    unroll<MR>([&](auto r) {
+      const __m256 a = _mm256_broadcast_ss(x + r * stride + k);
+      lo[r] = _mm256_fmadd_ps(a, b0, lo[r]);
+      hi[r] = _mm256_fmadd_ps(a, b1, hi[r]);
+    });
+  }
+  unroll<MR>([&](auto r) {
+    _mm256_storeu_ps(c + 16 * r, lo[r]);
+    _mm256_storeu_ps(c + 16 * r + 8, hi[r]);
+  });
+}
+
+void micro_rows(int rows, const float* x, int64_t stride, const float* panel, int depth,
+                float* c) {
+  switch (rows) {
+    case 1: return micro_kernel<1>(x, stride, panel, depth, c);
+    case 2: return micro_kernel<2>(x, stride, panel, depth, c);
+    case 3: return micro_kernel<3>(x, stride, panel, depth, c);
+    case 4: return micro_kernel<4>(x, stride, panel, depth, c);
+    case 5: return micro_kernel<5>(x, stride, panel, depth, c);
+    default: return micro_kernel<6>(x, stride, panel, depth, c);
+  }
+}
+
+template <class F>
+void run_panel(const Problem& p) {
+  constexpr int kBlocksAPanel = std::max(1, kPanelDepth / F::kBlock);
+  constexpr int kMicroRows = 6;
+  const int64_t pairs = (p.num_tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    // panel[k][16]: the pair's two tiles side by side; c[rows][16]: their sums
+    std::vector<float> storage(kPanelDepth * 16 + 8 + p.rows * 16);
+    float* panel = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~static_cast<uintptr_t>(31));
+    float* c = panel + kPanelDepth * 16;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t0 = 2 * pair;
+      const bool two = t0 + 1 < p.num_tiles;
+      std::fill(c, c + p.rows * 16, 0.0f);
+      if (!two) std::fill(panel, panel + kPanelDepth * 16, 0.0f);
+      for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
+        const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, p.blocks - b0));
+        for (int i = 0; i < count; ++i) {
+          for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
+            float* dst = panel + i * F::kBlock * 16 + 8 * half_index;
+            auto sink = [&](int k, auto i, __m256 w) __attribute__((always_inline)) {
+              _mm256_store_ps(dst + 16 * (k + i), w);
+            };
+            F::dequant(p.tiles + ((t0 + half_index) * p.blocks + b0 + i) * F::kTileBytes, sink);
+          }
+        }
+        const int depth = count * F::kBlock;
+        for (int64_t m0 = 0; m0 < p.rows; m0 += kMicroRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kMicroRows, p.rows - m0));
+          micro_rows(rows, p.x + m0 * p.depth + b0 * F::kBlock, p.depth, panel, depth,
+                     c + m0 * 16);
+        }
+      }
+      write_out(p, c, 16, 0, p.rows, t0 * kLanes, 16);
+    }
+  });
+}
+#endif
+
+// out = x @ W.T (+ bias). path: "auto", "fused", "panel" or "generic".
+void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in_features,
+                  int64_t out_features, const torch::Tensor& x,
+                  const c10::optional<torch::Tensor>& bias, torch::Tensor& out,
+                  const std::string& path) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() &&
+                  x.size(1) == in_features, "x must be a contiguous fp32 [rows, in_features]");
+  TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) &&
+                  out.size(1) == out_features &&
+                  (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16),
+              "out must be a contiguous fp32 or bf16 [rows, out_features]");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
+                    bias->numel() == out_features, "bias must be a contiguous fp32 [out_features]");
+  }
+  TORCH_CHECK(path == "auto" || path == "fused" || path == "panel" || path == "generic",
+              "path must be auto, fused, panel or generic, got ", path);
+  visit(fmt, [&](auto f) {
+    using F = decltype(f);
+    const int64_t blocks = check_rows<F>(tiles, in_features);
+    const int64_t num_tiles = (out_features + kLanes - 1) / kLanes;
+    TORCH_CHECK(tiles.dim() == 2 && tiles.size(0) == num_tiles &&
+                    tiles.size(1) == blocks * F::kTileBytes, "tiles do not fit ", out_features,
+                " x ", in_features, " in ", fmt);
+    const Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, x.data_ptr<float>(),
+                    x.size(0), in_features, out_features,
+                    bias ? bias->data_ptr<float>() : nullptr, out};
+    if (p.rows == 0) return;
+#if defined(BOXCAR_QUANT_AVX2)
+    if (path == "fused" || (path == "auto" && p.rows <= kFusedMaxRows)) return run_fused<F>(p);
+    if (path != "generic") return run_panel<F>(p);
+#endif
+    run_generic<F>(p);
+  });
+}
+
+}  // namespace
+
+// Called from the extension's one PYBIND11_MODULE (paged_decode_attention.cpp).
+void register_quant_gemm(pybind11::module& m) {
+  m.def("quant_repack", &quant_repack,
+        "ggml's rows (uint8 [out, row_bytes]) -> the kernel's tiles of 8 interleaved rows",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_unpack_rows", &quant_unpack_rows,
+        "ggml's bytes of some rows of a repacked weight (uint8 [len(ids), row_bytes])",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_linear", &quant_linear,
+        "out = x @ W.T (+ bias) for a repacked ggml weight; path auto|fused|panel|generic",
+        py::arg("fmt"), py::arg("tiles"), py::arg("in_features"), py::arg("out_features"),
+        py::arg("x"), py::arg("bias"), py::arg("out"), py::arg("path") = "auto",
+        py::call_guard<py::gil_scoped_release>());
+  m.attr("quant_formats") = kFormats;
+#if defined(BOXCAR_QUANT_AVX2)
+  m.attr("quant_isa") = "avx2";
+#else
+  m.attr("quant_isa") = "generic";
+#endif
+}
