@@ -196,10 +196,7 @@ def choose_mode(quant: HFQuantization, requested: str | None, device_type: str, 
     load, saying so on one line, and "keep" is a ``ValueError`` naming the way out."""
     if requested == "dequantize":
         return "dequantize"
-    reason = dense_only
-    if reason is None and device_type not in KERNEL_DEVICES:
-        reason = (f"there is no {device_type.upper()} kernel for {quant.describe()} weights "
-                  f"(their kernels run on {', '.join(KERNEL_DEVICES)})")
+    reason = dense_reason(quant, device_type, dense_only)
     if requested == "keep":
         if reason is not None:
             raise ValueError(f"quantization='keep': {reason}; use --quantization dequantize "
@@ -210,6 +207,15 @@ def choose_mode(quant: HFQuantization, requested: str | None, device_type: str, 
               file=sys.stderr, flush=True)
         return "dequantize"
     return "keep"
+
+
+def dense_reason(quant: HFQuantization, device_type: str,
+                 dense_only: str | None = None) -> str | None:
+    """Why the weights cannot stay packed here (``choose_mode``), or None."""
+    if dense_only is not None or device_type in KERNEL_DEVICES:
+        return dense_only
+    return (f"there is no {device_type.upper()} kernel for {quant.describe()} weights (their "
+            f"kernels run on {', '.join(KERNEL_DEVICES)})")
 
 
 def resident_bytes(quant: HFQuantization, name: str, entry: dict[str, Any], element: int, *,
