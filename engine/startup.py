@@ -12,11 +12,14 @@ from dataclasses import dataclass, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from engine.checkpoint.hf_quant import choose_mode, dense_reason
 from engine.checkpoint.loader import Checkpoint, load_checkpoint
 from engine.checkpoint.tokenizer import tokenize
 from engine.config import EngineConfig
 from engine.kernels import cpu_decode_attention
 from engine.kernels.quant_gemm import kernel_formats
+from engine.models.moe_decoder import MoeForCausalLM
+from engine.models.registry import get_model_class
 from engine.pooling.dtype_gate import gate_embedding_dtype
 from engine.pooling.inputs import EmbeddingSpec
 from engine.pooling.runner import PoolingModelRunner
@@ -138,6 +141,10 @@ def resolve_quantization(config: EngineConfig, checkpoint: Checkpoint,
     is a ValueError naming it and the way out, before any weight is read."""
     if config.quantization == "dequantize":
         return "dequantize"
+    hf = checkpoint.hf_quantization
+    if hf is not None:  # AWQ / GPTQ / FP8: their kernels are Triton's, on CUDA
+        return choose_mode(hf, config.quantization, resolve_device(config.device).type,
+                           dense_only=_loads_dense(config, checkpoint, embedding))
     types = checkpoint.quantized_types()
     if not types:
         return "dequantize"  # nothing to keep
@@ -184,18 +191,37 @@ def weight_summary(config: EngineConfig, checkpoint: Checkpoint) -> str:
     dtype = resolve_dtype(config.dtype, device)
     dtype_name = str(dtype).removeprefix("torch.")
     types = checkpoint.quantized_types()
+    hf = checkpoint.hf_quantization
     dense = checkpoint.weight_bytes(dtype, quantized=False)
-    if not types:
+    if not types and hf is None:
         return f"weights in memory: {_mib(dense)} ({dtype_name})"
     kept = checkpoint.weight_bytes(dtype, quantized=True)
-    reason = (None if config.quantization == "dequantize" else
-              cannot_keep(config, types, is_embedding_model(config, checkpoint)))
+    embedding = is_embedding_model(config, checkpoint)
+    if hf is not None:  # AWQ / GPTQ / FP8
+        label = hf.describe()
+        reason = dense_reason(hf, device.type, _loads_dense(config, checkpoint, embedding))
+    else:
+        label = ", ".join(sorted(types))
+        reason = cannot_keep(config, types, embedding)
     if config.quantization == "dequantize" or reason is not None:
         why = "quantization='dequantize'" if reason is None else reason
         return (f"weights in memory: {_mib(dense)}, dequantized to {dtype_name} ({why}; kept "
                 f"quantized they would take {_mib(kept)})")
-    return (f"weights in memory: {_mib(kept)}, kept quantized ({', '.join(sorted(types))}; "
+    return (f"weights in memory: {_mib(kept)}, kept quantized ({label}; "
             f"dequantized to {dtype_name} they would take {_mib(dense)})")
+
+
+def _loads_dense(config: EngineConfig, checkpoint: Checkpoint, embedding: bool) -> str | None:
+    """Why this engine loads an AWQ / GPTQ / FP8 checkpoint's weights dense whatever the
+    device (``hf_quant.choose_mode``), or None."""
+    if config.tensor_parallel_size > 1:
+        return (f"tensor parallelism (tensor_parallel_size={config.tensor_parallel_size}) "
+                "loads dense weights")
+    if embedding:
+        return "an embedding model loads dense weights"
+    if issubclass(get_model_class(checkpoint.config), MoeForCausalLM):
+        return "a mixture of experts loads its experts dense"
+    return None
 
 
 def _mib(num_bytes: int) -> str:
