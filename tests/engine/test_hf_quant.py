@@ -11,18 +11,25 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
+from engine import LLM
+from engine.checkpoint import hf_quant
 from engine.checkpoint.hf_quant import (
     HFQuantization,
     choose_mode,
     load_quantized,
     parse_quantization,
 )
+from engine.checkpoint.loader import load_checkpoint
+from engine.config import EngineConfig
 from engine.kernels.fp8_weights import Fp8Weight
 from engine.kernels.int4_weights import Int4Weight
+from engine.layers.quantized import QuantizedLinear, swap_packed
+from engine.startup import weight_summary
 from tests.conftest import make_checkpoint
 from tests.engine.quant_checkpoints import SCHEMES, Scheme, write_quantized
+from tests.engine.test_correctness import greedy, hf_greedy, make_prompts
 
 # --- the config ------------------------------------------------------------------------------
 
@@ -187,3 +194,137 @@ def test_the_mode_keeps_on_a_gpu_and_dequantizes_on_the_cpu(capsys):
     with pytest.raises(ValueError, match="keep': tensor parallelism"):
         choose_mode(awq, "keep", "cuda", dense_only="tensor parallelism loads dense weights")
     assert choose_mode(awq, None, "cuda", dense_only="an embedding model") == "dequantize"
+
+
+# --- through the engine ----------------------------------------------------------------------
+
+# every scheme on Llama; Qwen2 (q/k/v biases beside the packed weights, a tied head) in one of
+# each kind
+E2E = [("llama", name) for name in SCHEMES] + [
+    ("qwen2", "awq-g64"), ("qwen2", "gptq-g64-act-order-v1"), ("qwen2", "fp8-block")]
+# chunked prefill (16-token budget over 8-token blocks)
+SCHEDULE = dict(dtype="float32", block_size=8, max_num_batched_tokens=16)
+MAX_TOKENS = [12, 9, 15, 6]
+
+
+def _prompts(folder: Path) -> list[list[int]]:
+    return make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)[:4]
+
+
+def _tokens(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    return [out.token_ids for out in llm.generate(prompts, [greedy(n) for n in MAX_TOKENS])]
+
+
+@pytest.mark.parametrize(("family", "scheme"), E2E)
+def test_dequantized_checkpoint_generates_as_its_reference(tmp_path_factory, family, scheme):
+    """Loaded through the engine's loader, dequantized (fp32): the greedy tokens of
+    transformers on the reference folder, which holds the same weights dequantized."""
+    reference, quantized = _quantized_folders(tmp_path_factory, family, scheme)
+    prompts = _prompts(reference)
+    expected = hf_greedy(reference, prompts, MAX_TOKENS)
+    llm = LLM(str(quantized), quantization="dequantize", **SCHEDULE)
+    assert _tokens(llm, prompts) == expected
+
+
+def test_auto_dequantizes_on_the_cpu_saying_so_and_keep_is_refused(tmp_path_factory, capfd):
+    reference, quantized = _quantized_folders(tmp_path_factory, "llama", "awq-g32")
+    prompts = _prompts(reference)
+    llm = LLM(str(quantized), **SCHEDULE)
+    assert "dequantizing the AWQ int4 (group 32) weights at load: there is no CPU kernel" in (
+        capfd.readouterr().err)
+    assert _tokens(llm, prompts) == hf_greedy(reference, prompts, MAX_TOKENS)
+    with pytest.raises(ValueError, match="quantization='keep': there is no CPU kernel for AWQ"):
+        LLM(str(quantized), quantization="keep", **SCHEDULE)
+
+
+@pytest.mark.parametrize(("family", "scheme"), [
+    ("llama", "awq-g32"), ("llama", "gptq-g64-act-order-v1"), ("qwen2", "fp8-block"),
+    ("llama", "ct-fp8-channel")])
+def test_kept_weights_swap_in_and_generate_as_dequantized(tmp_path_factory, monkeypatch, family,
+                                                          scheme):
+    """Keep mode, let through on the CPU (where the weights multiply on their torch
+    references): the linears become QuantizedLinear over the packed weights (fused q/k/v and
+    gate/up from their pieces), and the tokens are those of the dequantized load."""
+    monkeypatch.setattr(hf_quant, "KERNEL_DEVICES", ("cuda", "cpu"))
+    reference, quantized = _quantized_folders(tmp_path_factory, family, scheme)
+    prompts = _prompts(reference)
+    kept = LLM(str(quantized), quantization="keep", **SCHEDULE)
+    layer = kept.engine.model_runner.model.model.layers[0]
+    kind = Fp8Weight if "fp8" in scheme else Int4Weight
+    for module in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(module, QuantizedLinear)
+        assert all(isinstance(piece, kind) for piece in module.pieces)
+    assert len(layer.self_attn.qkv_proj.pieces) == 3
+    dense = load_file(reference / "model.safetensors")
+    q, k, v = (dense[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    assert torch.equal(layer.self_attn.qkv_proj.dequantize(), torch.cat((q, k, v)))
+    assert _tokens(kept, prompts) == hf_greedy(reference, prompts, MAX_TOKENS)
+
+
+def test_an_unsupported_scheme_is_refused_before_any_weight(tmp_path_factory):
+    _, quantized = _quantized_folders(tmp_path_factory, "llama", "awq-g32")
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["bits"] = 8
+    (quantized / "config.json").write_text(json.dumps(config))
+    (quantized / "model.safetensors").write_bytes(b"not read")
+    with pytest.raises(ValueError, match=r"config.json: quantization_config: awq with bits=8 "
+                                         r"is not supported; supported: awq \(bits 4"):
+        load_checkpoint(str(quantized))
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quant_method 'bitsandbytes' is not supported.*awq"):
+        load_checkpoint(str(quantized))
+
+
+def test_a_module_missing_its_scales_is_named_at_load(tmp_path_factory):
+    _, quantized = _quantized_folders(tmp_path_factory, "llama", "gptq-g32-v1")
+    weights = load_file(quantized / "model.safetensors")
+    del weights["model.layers.1.mlp.down_proj.scales"]
+    save_file(weights, quantized / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.down_proj: GPTQ int4 "
+                                         r"\(group 32\) tensor\(s\) \['scales'\] missing"):
+        LLM(str(quantized), quantization="dequantize", **SCHEDULE)
+
+
+@pytest.mark.parametrize("scheme", ["gptq-g64-act-order-v1", "awq-g32", "fp8-block"])
+def test_weight_bytes_count_what_each_mode_holds(tmp_path_factory, monkeypatch, scheme):
+    """The KV sizing's count, from the headers: dequantized, the dense model's bytes; kept,
+    the bytes the kept model holds (packed weights and dense parameters); act-order's
+    permutation is counted whole even where a single group leaves the inputs in order."""
+    reference, quantized = _quantized_folders(tmp_path_factory, "llama", scheme)
+    dense = load_checkpoint(str(reference)).weight_bytes(torch.float32, quantized=False)
+    checkpoint = load_checkpoint(str(quantized))
+    assert checkpoint.weight_bytes(torch.float32, quantized=False) == dense
+    monkeypatch.setattr(hf_quant, "KERNEL_DEVICES", ("cuda", "cpu"))
+    model = LLM(str(quantized), quantization="keep", **SCHEDULE).engine.model_runner.model
+    held = sum(p.nbytes for p in model.parameters()) + sum(
+        m.nbytes for m in model.modules() if isinstance(m, QuantizedLinear))
+    counted = checkpoint.weight_bytes(torch.float32, quantized=True)
+    assert held <= counted <= held * (1.03 if "act-order" in scheme else 1) and counted < dense
+
+
+def test_kept_weights_follow_their_modules_device():
+    """A model built on a GPU gets its kept weights moved to the GPU once each (here the meta
+    device stands in: no GPU on the test machine); a weight two modules share stays shared."""
+    tensors, _ = awq_module()
+    kept = Int4Weight.from_awq(**tensors, group_size=32)
+    model = torch.nn.ModuleDict({"a": torch.nn.Linear(64, 16, device="meta"),
+                                 "b": torch.nn.Linear(64, 16, bias=False, device="meta")})
+    swap_packed(model, {"a": [kept], "b": [kept]})
+    a, b = model["a"], model["b"]
+    assert isinstance(a, QuantizedLinear) and isinstance(b, QuantizedLinear)
+    assert a.pieces[0] is b.pieces[0] and a.pieces[0].device.type == "meta"
+    assert kept.device.type == "cpu"
+
+
+def test_the_pull_summary_counts_the_mode_start_up_will_choose(tmp_path_factory):
+    """``boxcar model pull``'s line: on the CPU the weights are dequantized (why, and what they
+    would take kept); on a GPU kept."""
+    _, quantized = _quantized_folders(tmp_path_factory, "llama", "awq-g32")
+    checkpoint = load_checkpoint(str(quantized))
+    dense = checkpoint.weight_bytes(torch.float32, quantized=False) / 2**20
+    kept = checkpoint.weight_bytes(torch.float32, quantized=True) / 2**20
+    line = weight_summary(EngineConfig(model=str(quantized), dtype="float32"), checkpoint)
+    assert line == (f"weights in memory: {dense:.1f} MiB, dequantized to float32 (there is no "
+                    "CPU kernel for AWQ int4 (group 32) weights (their kernels run on cuda); "
+                    f"kept quantized they would take {kept:.1f} MiB)")
