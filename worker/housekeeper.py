@@ -24,7 +24,7 @@ from service.db import Database, utcnow
 from service.expiry import delete_expired
 from service.loop import RoundLoop
 from service.models import Batch
-from service.served_models import configured_adapters
+from service.served_models import configured_adapters, model_id, setting_aliases
 from service.settings import Settings
 from service.storage import ObjectStorage
 from worker.finalize import finalizable_batches, finalize_batch
@@ -60,6 +60,14 @@ class Housekeeper(RoundLoop):
         self._on_prepared = on_prepared
         self._on_finalized = on_finalized
         self.clock = clock  # what "now" is for file expiry (tests move it)
+        # What it prepares batches for (worker.prepare.to_prepare): every base model it knows
+        # of, by all its names, and its own adapters, never another model's adapter.
+        self.adapters = configured_adapters(settings)
+        self.models = {model_id(settings.model, settings.served_model_name),
+                       *setting_aliases(settings.model, settings.served_model_name),
+                       *self.adapters}
+        for model in settings.models:
+            self.models |= {model_id(model), *setting_aliases(model)}
         self._candidates: set[str] = set()
         self._lock = threading.Lock()
         self._last_scan = 0.0
@@ -111,7 +119,7 @@ class Housekeeper(RoundLoop):
         shard_ids = self._attempt("prepare", batch_id, lambda: prepare_batch(
             self.db, self.storage, batch_id, worker_id=self.worker_id,
             shard_size=self.settings.shard_size, mixed_endpoints=self.settings.mixed_endpoints,
-            adapters=configured_adapters(self.settings),
+            adapters=self.adapters, models=self.models,
             max_embedding_inputs=self.settings.max_batch_embedding_inputs,
             on_shards=self._on_prepared))
         if shard_ids is not None:
@@ -135,7 +143,7 @@ class Housekeeper(RoundLoop):
         with self.db.read_session() as session:
             waiting = session.scalars(
                 select(Batch.id).where(
-                    to_prepare(),
+                    to_prepare(self.models),
                     Batch.lease_expires_at.is_(None) | (Batch.lease_expires_at < now)
                     | (Batch.lease_owner == self.worker_id))
                 .order_by(Batch.pk).limit(5)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from sqlalchemy import ColumnElement, case, func, insert, select, update
@@ -49,6 +49,7 @@ from service.models import (
     Batch,
     File,
     RequestLine,
+    ServedModel,
     Shard,
 )
 from service.objects import batch_object
@@ -97,10 +98,16 @@ def is_unfinished(status: str, prepared_lines: int, prepared_at: dt.datetime | N
     return status in _PREPARING and prepared_lines > 0 and prepared_at is None
 
 
-def to_prepare() -> ColumnElement[bool]:
-    """Batches a prepare should start (validating) or resume (unfinished)."""
-    return (Batch.status.in_(_PREPARING) & Batch.prepared_at.is_(None)
-            & ((Batch.status == VALIDATING) | (Batch.prepared_lines > 0)))
+def to_prepare(models: Collection[str] | None = None) -> ColumnElement[bool]:
+    """Batches a prepare should start (validating) or resume (unfinished). With ``models`` (the
+    base models a worker knows of and its own adapters), only batches on one of them or on a
+    model a worker announced: not an adapter that other workers serve (``prepare_batch``)."""
+    found = (Batch.status.in_(_PREPARING) & Batch.prepared_at.is_(None)
+             & ((Batch.status == VALIDATING) | (Batch.prepared_lines > 0)))
+    if models is not None:
+        found = found & (Batch.model.is_(None) | Batch.model.in_(list(models))
+                         | Batch.model.in_(select(ServedModel.id)))
+    return found
 
 
 def claim_batch_lease(
@@ -132,6 +139,7 @@ def prepare_batch(
     mixed_endpoints: bool = False, adapters: dict[str, str] | None = None,
     max_embedding_inputs: int = MAX_BATCH_EMBEDDING_INPUTS,
     on_shards: Callable[[list[str]], None] = lambda shard_ids: None,
+    models: Collection[str] | None = None,
 ) -> list[str] | None:
     """Turn a validating batch into lines and shards, or finish an unfinished prepare. Returns
     the shard ids this call created, or None when the batch was not this worker's to prepare
@@ -143,10 +151,16 @@ def prepare_batch(
 
     ``adapters``: the LoRA adapters served (id -> base model id,
     ``service.served_models.configured_adapters``): a batch on one goes to its base model's
-    queue and its lines run under the adapter."""
+    queue and its lines run under the adapter.
+
+    ``models``: the base models this worker knows of (the deployment's and its own, by all
+    their names) and its adapters; with them it leaves alone a batch on any other name, an
+    adapter of another model's workers (``to_prepare``). Only a worker that serves an adapter
+    can prepare for it: another would queue its shards under the adapter's name, which no
+    worker consumes, and its lines without the adapter."""
     with db.session() as session:
         if not claim_batch_lease(session, batch_id, statuses=_PREPARING, worker_id=worker_id,
-                                 seconds=PREPARE_LEASE_SECONDS, where=to_prepare()):
+                                 seconds=PREPARE_LEASE_SECONDS, where=to_prepare(models)):
             return None
     try:
         return _Prepare(db, storage, batch_id, worker_id=worker_id, shard_size=shard_size,

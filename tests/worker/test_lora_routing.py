@@ -113,3 +113,28 @@ def test_object_storage_adapter_is_downloaded_once(tmp_path):
     assert local_lora_modules(entries, storage, cache) == resolved
     with pytest.raises(ValueError, match="'gone'.*holding adapter_config.json"):
         local_lora_modules(["gone=adapters/none"], storage, cache)
+
+
+def test_only_a_worker_serving_the_adapter_prepares_its_batch(make_stack, sqlite_url):
+    # Found by the chaos run (bench/chaos.py): an embedding model's worker, whose settings name
+    # no adapter, prepared an adapter's batch into shards queued under the adapter's name
+    # (no worker consumes that queue) with lines that did not carry the adapter.
+    from worker.prepare import prepare_batch
+
+    stack = make_stack(sqlite_url, models=[BASE, "embedder"], **ADAPTERS)
+    batch = stack.create_batch([chat_line(f"l{i}", f"clause {i}", model="legal")
+                                for i in range(5)])
+    assert prepare_batch(stack.ctx.db, stack.ctx.storage, batch["id"], worker_id="embedder-1",
+                         shard_size=4, adapters={}, models={BASE, "embedder"}) is None
+    assert stack.client.get(f"/v1/batches/{batch['id']}").json()["status"] == "validating"
+    other = stack.add_worker(FakeEngine(), model="embedder", engine_options={})
+    assert other.housekeeper.models == {BASE, "embedder"}
+    engine = lora_engine()
+    worker = stack.add_worker(engine)
+    assert worker.housekeeper.models == {BASE, "embedder", "fr-support", "legal"}
+    done = stack.wait_status(batch["id"], "completed")
+    assert {line["response"]["body"]["model"] for line in stack.lines_of(
+        done["output_file_id"])} == {"legal"}
+    with stack.ctx.db.read_session() as session:
+        assert set(session.scalars(select(Shard.model))) == {BASE}
+    assert sorted(engine.loras.values()) == ["legal"] * 5
