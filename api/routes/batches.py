@@ -10,6 +10,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import bindparam, select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -275,7 +276,9 @@ def _estimate_at_create(session: Session, ctx: AppContext, row: Batch,
                         file: File) -> BatchEta | None:
     """The estimate of a batch being created (``api.create_eta``); None when it failed its
     validation already, or the estimate cannot be made (a storage error: logged, the batch is
-    created without one)."""
+    created without one). A database error is not swallowed: it leaves the session's
+    transaction broken, so the create fails with it (a 503 when the database is away, not a
+    500 from the next statement on that session)."""
     if row.status != VALIDATING:
         return None
     try:
@@ -283,6 +286,8 @@ def _estimate_at_create(session: Session, ctx: AppContext, row: Batch,
             ctx.storage, file)
         return create_estimate(session, row,
                                worker_metrics_interval=ctx.settings.worker_metrics_interval)
+    except SQLAlchemyError:
+        raise
     except Exception:  # noqa: BLE001 - an estimate is a courtesy; the batch is still created
         log.exception("estimating batch %s at create failed", row.id)
         return None

@@ -52,3 +52,23 @@ def test_storage_down_on_download_is_503_not_a_cut_body(client, ctx, monkeypatch
     assert response.status_code == 503
     assert response.json()["error"]["code"] == "object_storage_unavailable"
     assert response.headers["retry-after"]
+
+
+def test_database_lost_during_the_create_estimate_is_503(client, ctx, monkeypatch):
+    # Found by the chaos run (bench/chaos.py): the estimate swallowed the database's error, and
+    # the create's next statement on the broken session answered a 500.
+    from sqlalchemy.exc import OperationalError
+
+    file_id = client.post("/v1/files", data={"purpose": "batch"},
+                          files={"file": ("a.jsonl", jsonl([chat_line("a", "hi")]))}).json()["id"]
+
+    def lost(*args, **kwargs):
+        raise OperationalError("SELECT workers", {}, Exception("server closed the connection"))
+
+    monkeypatch.setattr("api.routes.batches.create_estimate", lost)
+    response = client.post("/v1/batches", json={
+        "input_file_id": file_id, "endpoint": "/v1/chat/completions",
+        "completion_window": "24h"})
+    assert response.status_code == 503, response.text
+    assert response.json()["error"]["code"] == "database_unavailable"
+    assert client.get("/v1/batches").json()["data"] == []  # nothing half-created
