@@ -52,7 +52,8 @@ def audit_jobs(result: Audit, clients: dict[str, httpx.Client], database_url: st
     for job_id, _, tenant, num_lines in job_rows(database_url):
         job = clients[tenant].get(f"/v1/jobs/{job_id}").json()
         status = job["status"]
-        result.outcomes[f"job {status}"] += 1
+        code = (job.get("error") or {}).get("code") if status == JOB_FAILED else None
+        result.outcomes[f"job {status}" + (f" ({code})" if code else "")] += 1
         result.check("job terminal after drain", job_id, status in JOB_TERMINAL, status)
         result.check("job holds one line", job_id, num_lines == 1, f"{num_lines} lines")
         if status == JOB_COMPLETED:
