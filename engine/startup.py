@@ -135,10 +135,11 @@ def _build_runner(
 
 def resolve_quantization(config: EngineConfig, checkpoint: Checkpoint,
                          embedding: bool = False) -> str:
-    """"keep" or "dequantize" for the checkpoint's quantized weights (a GGUF's: nothing else
-    has any yet). ``config.quantization`` None keeps them where nothing stands in the way
-    (``cannot_keep``) and says on one line which it does and why; "keep" where something does
-    is a ValueError naming it and the way out, before any weight is read."""
+    """"keep" or "dequantize" for the checkpoint's quantized weights (a GGUF's, or an AWQ /
+    GPTQ / FP8 folder's: ``hf_quant.choose_mode``). ``config.quantization`` None keeps them
+    where nothing stands in the way (``cannot_keep``) and says on one line which it does and
+    why; "keep" where something does is a ValueError naming it and the way out, before any
+    weight is read."""
     if config.quantization == "dequantize":
         return "dequantize"
     hf = checkpoint.hf_quantization
