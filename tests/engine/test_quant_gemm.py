@@ -200,3 +200,14 @@ def test_repack_round_trips_every_bit(fmt):
     assert torch.equal(w.raw(), data)
     assert torch.equal(w.rows(torch.tensor([18, 0, 7]), torch.float32).nan_to_num(1e30),
                        dequantize(fmt, data[[18, 0, 7]], in_features).nan_to_num(1e30))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q6_K"])
+def test_panel_blocks_of_rows(fmt):
+    # at a depth of 2048 the panel path takes 48 rows at a time: 97 rows are 48 + 48 + 1
+    w, data = _weight(fmt, 24, 2048)
+    x = torch.randn(97, 2048, generator=torch.Generator().manual_seed(3))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = quant_linear(x.to(dtype), w, path="panel")
+        _assert_matches(out, x.to(dtype), dequantize(fmt, data, 2048), None)
