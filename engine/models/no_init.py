@@ -42,3 +42,25 @@ def no_init_weights() -> Iterator[None]:
     finally:
         for name, function in originals.items():
             setattr(torch.nn.init, name, function)
+
+
+def cast_unloaded(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """``model.to(dtype)`` for a model built under ``no_init_weights`` whose parameters are all
+    loaded next: each floating parameter becomes fresh ``torch.empty`` memory of ``dtype`` (a
+    tied one stays shared) instead of a converted copy of uninitialised memory. The copy writes
+    every page, so a bf16 engine committed its whole dense model before loading; with weights
+    kept quantized (``engine/layers/quantized.py``) most of that is dropped unused. Buffers
+    (the rotary tables, computed at build) are converted as ``to`` converts them."""
+    fresh: dict[int, torch.nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None or not param.is_floating_point() or param.dtype == dtype:
+                continue
+            if id(param) not in fresh:
+                fresh[id(param)] = torch.nn.Parameter(
+                    torch.empty(param.shape, dtype=dtype, device=param.device),
+                    requires_grad=param.requires_grad)
+            module._parameters[name] = fresh[id(param)]
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.is_floating_point():
+                module._buffers[name] = buffer.to(dtype)

@@ -28,7 +28,7 @@ from engine.lora.adapter import ShardLoRA
 from engine.lora.layers import LoRABatch, lora_batch, wrap_lora_linears
 from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
-from engine.models.no_init import no_init_weights
+from engine.models.no_init import cast_unloaded, no_init_weights
 from engine.models.registry import get_model_class
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.runner.base import Runner
@@ -98,7 +98,7 @@ class ModelRunner:
         # No random init: load_weights fills every parameter (and raises if one is missing).
         with torch.device(self.device), no_init_weights():
             model = model_cls(hf_config, max_position)
-        model.to(dtype=self.dtype)
+        cast_unloaded(model, self.dtype)  # (no copy of uninitialised memory)
         model.keep_fp32()  # the rotary tables stay fp32 whatever the weights are
         # Weights stored in the run's dtype are read straight into the parameters (no copy).
         destination = model.weight_destination()

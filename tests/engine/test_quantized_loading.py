@@ -512,3 +512,22 @@ def test_real_models_keep_their_blocks(name: str, all_kernels: None) -> None:
     expected = [list(o.token_ids) for o in dense.generate(prompts, params)]
     # fp32 products of the same values in another order: equal here; a near tie may flip late
     assert [g[:8] for g in got] == [e[:8] for e in expected]
+
+
+def test_cast_unloaded_is_to_without_the_copy() -> None:
+    # what a bf16 engine does to its freshly built model before loading (no page written)
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.no_init import cast_unloaded
+
+    config = tiny_config("llama-tied")
+    with no_init_weights():
+        model, reference = LlamaForCausalLM(config, 64), LlamaForCausalLM(config, 64)
+    reference.to(torch.bfloat16)
+    cast_unloaded(model, torch.bfloat16)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, param in reference.named_parameters(remove_duplicate=False):
+        assert params[name].dtype == param.dtype and params[name].shape == param.shape, name
+    buffers = dict(model.named_buffers())
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(buffers[name], buffer), name  # the rotary tables, converted alike
