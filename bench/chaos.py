@@ -40,7 +40,7 @@ from sqlalchemy import create_engine, text
 from bench import chaos_expiry
 from bench.chaos_audit import Audit, StatusWatch, audit, batch_rows
 from bench.chaos_deliveries import JOB_TERMINAL, audit_jobs, audit_webhooks, job_rows
-from bench.chaos_faults import Fault, Injector, schedule
+from bench.chaos_faults import KINDS, Fault, Injector, schedule
 from bench.chaos_proxy import DelayProxy
 from bench.chaos_webhooks import WebhookReceiver
 from bench.chaos_workload import ADAPTER, EMBEDDER, Workload
@@ -55,6 +55,8 @@ TENANTS = {"tenant-a": 12_000, "tenant-b": 5_000, "tenant-c": None}
 ENDPOINT_TENANT = "tenant-c"
 BATCH_FINAL_EVENTS = ["batch.completed", "batch.failed", "batch.expired", "batch.cancelled"]
 LINES_PER_S = 20  # per worker, paced like a GPU: about twice what the workload submits
+# How long a run with ``every_kind`` may go past its window for the last kinds of fault.
+EVERY_KIND_OVERTIME_S = 180.0
 DRAIN_S = 180.0
 AGE_EVERY_S = 10.0  # how often unused uploads are aged during the run
 # Webhook retries a few seconds apart (the default waits minutes), so a delivery a fault
@@ -147,8 +149,11 @@ class ChaosRun:
 
 
 def run(seed: int, minutes: float, *, mean_gap_s: float, max_outage_s: float,
-        drain_timeout_s: float = DRAIN_S) -> ChaosRun:
-    """One chaos run: the audit, the faults injected and the table."""
+        drain_timeout_s: float = DRAIN_S, every_kind: bool = False) -> ChaosRun:
+    """One chaos run: the audit, the faults injected and the table. ``every_kind``: the
+    window stretches (up to ``EVERY_KIND_OVERTIME_S``) until every kind of fault has been
+    injected once (the schedule puts one of each first), so a short run on a slow machine still
+    covers them all."""
     from service.keys import create_key
     from service.storage import S3Storage, put_bytes
     from tests.conftest import make_checkpoint
@@ -203,6 +208,10 @@ def run(seed: int, minutes: float, *, mean_gap_s: float, max_outage_s: float,
         workload.start()
         ager = Ager(stack.pg.url, workload).start()
         time.sleep(max(0.0, started + run_s - time.monotonic()))
+        if every_kind:  # a loaded machine restarts slowly and pushes the last kinds past the end
+            overtime = time.monotonic() + EVERY_KIND_OVERTIME_S
+            while set(injector.injected) < set(KINDS) and time.monotonic() < overtime:
+                time.sleep(0.5)
         workload.stop()
         injector.stop()
         stack.heal((*WORKERS, EMBED_WORKER))
