@@ -13,11 +13,13 @@ bf16 x. Then a decode step's linears (every layer's and the head) summed, and th
 weight keeps resident against ggml's.
 
 Each layer gets weights of its own (``--layers``, default the model's depth: 30 for SmolLM2-135M,
-18 for Gemma 3 270M) and a call's time is a pass over all of them divided by their number, so
-the weights come from memory as in a real decode step, not from a cache that holds one layer's
-(a 576x3072 fp32 weight is 7 MB). The weights are random valid blocks of each format
-(``ggml_quants.random_rows``); only the shapes are the models'. Times are the best of
-``--calls`` passes: on a shared machine the least disturbed one.
+18 for Gemma 3 270M) and every form is timed over whole decode steps, layer after layer then the
+head, so each weight comes from memory as in a real step, behind all the others (a single
+576x3072 fp32 weight, 7 MB, would sit in the cache between calls; 30 Q4_1 o_proj, 6 MB, too).
+The weights are random valid blocks of each format (``ggml_quants.random_rows``); only the shapes
+are the models'. A linear's figure is the mean over its layers of each call's best of
+``--calls`` steps: on a shared machine, a call that another process interrupted is dropped
+without dropping the whole step's figure.
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ MODELS: dict[str, tuple[int, tuple[Shape, ...], Shape]] = {
 
 
 @dataclass
-class Copies:
-    """One shape's weights, a copy per layer, in each form timed."""
+class Weights:
+    """A model's linears in each form timed: per linear name, a copy per layer (the head: one)."""
 
-    quant: list[QuantWeight]
-    fp32: list[Linear]
-    bf16: list[Linear]
-    ggml_bytes: int
+    shapes: list[Shape]
+    quant: dict[str, list[QuantWeight]]
+    fp32: dict[str, list[Linear]]
+    bf16: dict[str, list[Linear]]  # empty where oneDNN does not pack bf16
+    ggml_bytes: dict[str, int]
 
 
 def _dense(weight: torch.Tensor, gemm: str | None) -> Linear:
@@ -78,32 +81,48 @@ def _dense(weight: torch.Tensor, gemm: str | None) -> Linear:
     return linear
 
 
-def _copies(shape: Shape, count: int, generator: torch.Generator) -> Copies:
+def _weights(shapes: list[Shape], head: Shape, layers: int,
+             generator: torch.Generator) -> Weights:
     gemm = fp32_gemm()
     bf16 = bf16_packing_available()
-    copies = Copies([], [], [], 0)
-    for _ in range(count):
-        data = random_rows(shape.fmt, shape.out_features, shape.in_features, generator)
-        dense = dequantize(shape.fmt, data, shape.in_features)
-        copies.ggml_bytes = data.nbytes
-        copies.quant.append(pack(shape.fmt, data, shape.in_features))
-        if bf16:
-            copies.bf16.append(_dense(dense.bfloat16(), "onednn"))
-        copies.fp32.append(_dense(dense, gemm))
-    return copies
+    weights = Weights(shapes, {}, {}, {}, {})
+    for shape in shapes:
+        for _ in range(1 if shape is head else layers):
+            data = random_rows(shape.fmt, shape.out_features, shape.in_features, generator)
+            dense = dequantize(shape.fmt, data, shape.in_features)
+            weights.ggml_bytes[shape.name] = data.nbytes
+            weights.quant.setdefault(shape.name, []).append(
+                pack(shape.fmt, data, shape.in_features))
+            weights.fp32.setdefault(shape.name, []).append(_dense(dense, gemm))
+            if bf16:
+                weights.bf16.setdefault(shape.name, []).append(_dense(dense.bfloat16(), "onednn"))
+    return weights
 
 
-def _best_ms(calls: int, fns: list[Callable[[], object]]) -> float:
-    """Best of ``calls`` passes over ``fns`` (one per layer), in ms per fn."""
-    for fn in fns[:2]:
-        fn()
-    best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        for fn in fns:
+def _step_ms(calls: int, step: list[tuple[str, Callable[[], object]]]) -> dict[str, float]:
+    """Run ``step`` (a decode step's linears in order, layer after layer) ``calls`` times after
+    one pass to warm up; per linear name, the mean over its layers of each call's best time."""
+    best = [float("inf")] * len(step)
+    for done in range(calls + 1):
+        for i, (_, fn) in enumerate(step):
+            start = time.perf_counter()
             fn()
-        best = min(best, time.perf_counter() - start)
-    return 1e3 * best / len(fns)
+            elapsed = time.perf_counter() - start
+            if done:
+                best[i] = min(best[i], elapsed)
+    per_name: dict[str, list[float]] = {}
+    for (name, _), seconds in zip(step, best, strict=True):
+        per_name.setdefault(name, []).append(seconds)
+    return {name: 1e3 * sum(times) / len(times) for name, times in per_name.items()}
+
+
+def _step(forms: dict[str, list], shapes: list[Shape], layers: int,
+          x: dict[int, torch.Tensor]) -> list[tuple[str, Callable[[], object]]]:
+    """The calls of a step: each layer's linears in order, then the head (the last shape)."""
+    order = [(layer, shape) for layer in range(layers) for shape in shapes[:-1]]
+    order += [(0, shapes[-1])]
+    return [(shape.name, partial(forms[shape.name][layer], x[shape.in_features]))
+            for layer, shape in order if shape.name in forms]
 
 
 def _ratio(dense: float | None, quant: float | None) -> str:
@@ -114,49 +133,49 @@ def _ms(value: float | None) -> str:
     return f"{value:9.3f}" if value is not None else f"{'-':>9}"
 
 
+def _line(name: str, fmt: str, fan_in: str, fan_out: str, rows: int,
+          times: tuple[float, float, float | None, float | None]) -> str:
+    quant, fp32, quant_bf16, bf16 = times
+    return (f"{name:>13} {fmt:>5} {fan_in:>5} {fan_out:>6} {rows:4d} {_ms(quant)} {_ms(fp32)} "
+            f"{_ratio(fp32, quant)} {_ms(quant_bf16):>10} {_ms(bf16)} "
+            f"{_ratio(bf16, quant_bf16)}")
+
+
 def run_model(name: str, rows: list[int], calls: int, layers: int | None,
               only: set[str] | None) -> None:
-    depth, shapes, head = MODELS[name]
+    depth, layer_shapes, head = MODELS[name]
     layers = depth if layers is None else layers
-    generator = torch.Generator().manual_seed(0)
-    print(f"\n{name}: {layers} layers of their own weights; ms a call, best of {calls}")
+    shapes = [s for s in (*layer_shapes, head) if only is None or s.name in only]
+    weights = _weights(shapes, head, layers, torch.Generator().manual_seed(0))
+    linear = {n: [w.linear for w in ws] for n, ws in weights.quant.items()}
+    print(f"\n{name}: a decode step's linears, {layers} layers of weights of their own, then "
+          f"the head; ms a call, each call's best of {calls}")
     print(f"{'linear':>13} {'fmt':>5} {'in':>5} {'out':>6} {'rows':>4} {'quant':>9} "
           f"{'fp32':>9} {'fp32/q':>10} {'quant bf16':>10} {'bf16':>9} {'bf16/q':>10}")
-    totals: dict[int, list[float | None]] = {m: [0.0, 0.0, 0.0, 0.0] for m in rows}
-    resident = []
-    for shape in (*shapes, head):
-        if only is not None and shape.name not in only:
-            continue
-        count = 1 if shape is head else layers
-        times = depth if shape is not head else 1  # how often a step runs it
-        copies = _copies(shape, count, generator)
-        resident.append((shape, sum(w.nbytes for w in copies.quant) // count,
-                         copies.ggml_bytes))
-        for m in rows:
-            x = torch.randn(m, shape.in_features, generator=generator)
-            xb = x.bfloat16()
-            quant = _best_ms(calls, [partial(w.linear, x) for w in copies.quant])
-            fp32 = _best_ms(calls, [partial(d, x) for d in copies.fp32])
-            quant_bf16: float | None = None
-            bf16: float | None = None
-            if copies.bf16:
-                quant_bf16 = _best_ms(calls, [partial(w.linear, xb) for w in copies.quant])
-                bf16 = _best_ms(calls, [partial(d, xb) for d in copies.bf16])
-            print(f"{shape.name:>13} {shape.fmt:>5} {shape.in_features:5d} "
-                  f"{shape.out_features:6d} {m:4d} {_ms(quant)} {_ms(fp32)} "
-                  f"{_ratio(fp32, quant)} {_ms(quant_bf16):>10} {_ms(bf16)} "
-                  f"{_ratio(bf16, quant_bf16)}", flush=True)
-            for i, value in enumerate((quant, fp32, quant_bf16, bf16)):
-                total = totals[m][i]
-                totals[m][i] = None if value is None or total is None else total + times * value
-        del copies
+    all_shapes = [*layer_shapes, head]
+    for m in rows:
+        x = {fan_in: torch.randn(m, fan_in) for fan_in in {s.in_features for s in shapes}}
+        xb = {fan_in: t.bfloat16() for fan_in, t in x.items()}
+        quant = _step_ms(calls, _step(linear, all_shapes, layers, x))
+        fp32 = _step_ms(calls, _step(weights.fp32, all_shapes, layers, x))
+        quant_bf16 = _step_ms(calls, _step(linear, all_shapes, layers, xb)) if weights.bf16 else {}
+        bf16 = _step_ms(calls, _step(weights.bf16, all_shapes, layers, xb))
+        totals: list[float | None] = [0.0, 0.0, 0.0 if bf16 else None, 0.0 if bf16 else None]
+        for shape in shapes:
+            times = (quant[shape.name], fp32[shape.name], quant_bf16.get(shape.name),
+                     bf16.get(shape.name))
+            print(_line(shape.name, shape.fmt, str(shape.in_features), str(shape.out_features),
+                        m, times), flush=True)
+            count = 1 if shape is head else depth  # how often a step runs it
+            totals = [None if t is None or v is None else t + count * v
+                      for t, v in zip(totals, times, strict=True)]
+        print(_line("step", "", "", "", m, (totals[0] or 0.0, totals[1] or 0.0, totals[2],
+                                             totals[3])))
     what = "the linears above" if only is not None else "every linear"
-    print(f"a step ({what}: {depth} layers' and the head's), the sum of their ms:")
-    for m, (q, dense, q_bf16, dense_bf16) in totals.items():
-        print(f"{'step':>13} {'':>5} {'':>5} {'':>6} {m:4d} {_ms(q)} {_ms(dense)} "
-              f"{_ratio(dense, q)} {_ms(q_bf16):>10} {_ms(dense_bf16)} "
-              f"{_ratio(dense_bf16, q_bf16)}")
-    for shape, kept, ggml in resident:
+    print(f"step: the sum over {what}, {depth} layers' and the head's")
+    for shape in shapes:
+        kept = sum(w.nbytes for w in weights.quant[shape.name]) // len(weights.quant[shape.name])
+        ggml = weights.ggml_bytes[shape.name]
         print(f"resident {shape.name} ({shape.fmt}): {kept} bytes, ggml {ggml} bytes "
               f"({kept / ggml:.3f}x), dense fp32 {4 * shape.in_features * shape.out_features}")
 
