@@ -9,8 +9,9 @@ the one the engine has always loaded GGUF weights with, so both sources give the
 
 The checks refuse what would otherwise load as garbage or crash later: a byte count that does
 not match the shape (a truncated or corrupt tensor) and block scales (fp16 fields) that are not
-finite. Checking the scales of Gemma 3 270M's 262144 x 640 Q8_0 embedding (5.2 M blocks) takes
-about 20 ms.
+finite. The scales are read in place as 16-bit words through numpy: 0.06 s for the default
+model's 96 MB of blocks on a shared 2-core EPYC, where gathering them into an fp16 tensor first
+took 0.34 s.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class GGMLRows:
 
     def dequantize(self) -> torch.Tensor:
         """float32 ``[out_features, in_features]``: gguf's ``dequantize``, bit for bit what
-        the engine loaded before it kept anything quantized."""
+        the engine loaded before it kept anything quantized. (The kernels' torch reference
+        gives the same bits, but loading the default model's rows through it took 6-21 s
+        against gguf's 2-4 s, interleaved runs on a shared 2-core EPYC.)"""
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
@@ -89,18 +92,22 @@ def ggml_rows(name: str, fmt: str, data: torch.Tensor, shape: tuple[int, int]) -
 
 
 def _check_scales(name: str, fmt: str, data: torch.Tensor, block_bytes: int) -> None:
-    """Every block's fp16 scale fields finite (where the format's layout is known here)."""
-    blocks = data.reshape(-1, block_bytes)
-    for offset in HALF_FIELDS.get(fmt, ()):
-        field = blocks[:, offset:offset + 2].contiguous().view(torch.float16)
-        bad = ~torch.isfinite(field).view(-1)
-        if bool(bad.any()):
-            first = int(bad.nonzero()[0])
+    """Every block's fp16 scale fields finite (where the format's layout is known here): read
+    in place as 16-bit words, an all-ones exponent is an infinity or a NaN."""
+    offsets = HALF_FIELDS.get(fmt, ())
+    if not offsets:
+        return
+    words = data.numpy().view(np.uint16).reshape(-1, block_bytes // 2)  # every type size is even
+    for offset in offsets:
+        field = words[:, offset // 2]  # one scale a block, little-endian like the file
+        bad = (field & 0x7C00) == 0x7C00
+        if bad.any():
+            first = int(np.flatnonzero(bad)[0])
             blocks_per_row = data.shape[1] // block_bytes
             raise ValueError(
                 f"tensor {name!r} ({fmt}) has {int(bad.sum())} blocks whose fp16 scale is "
                 f"not finite, the first in row {first // blocks_per_row} "
-                f"({float(field.view(-1)[first])}): a corrupt file")
+                f"({float(field[first:first + 1].view(np.float16)[0])}): a corrupt file")
 
 
 def materialize(tensor: torch.Tensor | GGMLRows, dtype: torch.dtype,
