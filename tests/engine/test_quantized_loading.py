@@ -489,11 +489,10 @@ REAL_MODELS = {
 
 @pytest.mark.parametrize("name", list(REAL_MODELS))
 def test_real_models_keep_their_blocks(name: str, all_kernels: None) -> None:
-    """Measured here (2 shared cores, fp32 activations, 24 greedy tokens on 3 prompts each):
-    module weight bytes 1.00x the GGUF's tensor bytes for both (SmolLM2-135M Q4_1: 92.1 MiB,
-    where the dequantized engine holds 621 MiB with its packed copies; Gemma 3 270M: 235.5 MiB
-    against 1,663 MiB); RSS after load 518 MB against 1,023 MB, 1,057 MB against 3,059 MB;
-    the greedy text identical to the dequantized engine's on every prompt."""
+    """Module weight bytes 1.00x the GGUF's tensor bytes for both (SmolLM2-135M Q4_1:
+    92.1 MiB; Gemma 3 270M: 235.5 MiB; docs/quantization.md has the dequantized engine's and
+    the RSS beside them); greedy tokens as the dequantized engine's (here 12 on 2 prompts; 24
+    on 3 prompts each were identical too, fp32 activations)."""
     from engine.checkpoint.model_cache import resolve
 
     path = resolve(name)
