@@ -17,7 +17,7 @@
 //
 // Paths (quant_linear's `path`; "auto" picks by row count):
 //   fused   per tile, per block: unpack 8 rows' values into registers and FMA each against up
-//           to 8 activation rows (more rows: the tile again, from cache). The weight is read once
+//           to 4 activation rows (more rows: the tile again, from cache). The weight is read once
 //           for few rows, so this is the memory-bound decode path.
 //   panel   per pair of tiles (16 output rows), per 256 values of depth: dequantize into a 16 KB
 //           fp32 panel (L1), then a 6x16 register-blocked FMA micro-kernel over a block of
@@ -48,11 +48,15 @@ namespace {
 
 constexpr int kLanes = 8;         // output rows a tile interleaves
 constexpr int kPanelDepth = 256;  // values of depth a panel holds (16 rows x 256 x 4 B = 16 KB)
-constexpr int kFusedRows = 8;     // activation rows one fused pass holds in registers
+// Activation rows one fused pass holds in registers; more rows take the tile again (from cache).
+// Only up to kFusedMaxRows take this path under "auto", so 4 (not 8) instantiations a format:
+// the file's own compile time (beyond torch's headers, ~40 s) halves, 32 -> 16 s.
+constexpr int kFusedRows = 4;
 // Row counts up to this take the fused path under "auto". Fused over panel time on this repo's
 // AVX2 machine (Q4_1 576->1536, Q5_0 640->2048, Q4_K 1024->640, Q6_K 2048->640, Q8_0 640->256;
 // best of 60, 1 thread): 0.71-0.93 at 2 rows, 0.78-1.00 at 4, 1.01-1.07 at 5, 1.32-1.47 at 12.
 constexpr int64_t kFusedMaxRows = 4;
+static_assert(kFusedMaxRows <= kFusedRows, "auto's fused rows take one pass");
 
 // One row's block, unpacked: the repack's go-between from ggml's layout to the tile's and back.
 struct Block {
@@ -221,7 +225,7 @@ struct Simple {
 #if defined(BOXCAR_QUANT_AVX2)
   // sink(k, i, w): w holds the 8 rows' values at depth k + i of this block, i an
   // integral_constant (0-7): only the 8 positions of a word are unrolled, which keeps the
-  // instantiations (8 formats x 8 row counts) quick to compile.
+  // instantiations (8 formats x 4 row counts) quick to compile.
   template <class Sink>
   static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
     const __m256 d = halves(t);
@@ -639,11 +643,7 @@ void fused_rows(const uint8_t* tile, int64_t blocks, const float* x, int64_t dep
     case 1: return fused_tile<F, 1>(tile, blocks, x, depth, out);
     case 2: return fused_tile<F, 2>(tile, blocks, x, depth, out);
     case 3: return fused_tile<F, 3>(tile, blocks, x, depth, out);
-    case 4: return fused_tile<F, 4>(tile, blocks, x, depth, out);
-    case 5: return fused_tile<F, 5>(tile, blocks, x, depth, out);
-    case 6: return fused_tile<F, 6>(tile, blocks, x, depth, out);
-    case 7: return fused_tile<F, 7>(tile, blocks, x, depth, out);
-    default: return fused_tile<F, 8>(tile, blocks, x, depth, out);
+    default: return fused_tile<F, 4>(tile, blocks, x, depth, out);
   }
 }
 
