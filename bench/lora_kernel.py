@@ -76,7 +76,10 @@ def _one_layer(args, kernel, g, dtype) -> None:
 
     lora_s = base_s = library_s = 0.0
     weight_bytes = 0
-    long = args.rows_per_adapter >= LONG_ROWS
+    # oneDNN packs bf16 only where the CPU has bf16 units (AVX2-only CPUs: fp32 alone)
+    from engine.layers.linear import onednn_packing_available
+
+    long = args.rows_per_adapter >= LONG_ROWS and onednn_packing_available(dtype)
     for name, (in_features, slices) in SHAPES.items():
         x, out, segments, modules, nbytes = _linear_inputs(g, dtype, in_features, slices,
                                                            args.rows_per_adapter, kernel)

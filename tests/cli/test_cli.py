@@ -92,6 +92,7 @@ def test_parse_size_rejects(text: str) -> None:
 def test_model_pull(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Pull, convert and build the kernel, with a line per phase; a kernel that cannot be
     built (no compiler) is a warning, not a failure."""
+    from engine import startup
     from engine.checkpoint import loader, model_cache
     from engine.kernels import cpu_decode_attention
 
@@ -113,11 +114,15 @@ def test_model_pull(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixtu
     monkeypatch.setattr(loader, "prepare_model",
                         lambda name: prepared.append(name) or Path("/converted") / name)
     monkeypatch.setattr(cpu_decode_attention, "build", fake_build)
+    # the weights' memory as a start here would hold them (engine.startup.weight_summary)
+    monkeypatch.setattr(loader, "load_checkpoint", lambda name: name)
+    monkeypatch.setattr(startup, "weight_summary",
+                        lambda config, checkpoint: f"weights-of {checkpoint}")
     assert cli.main(["model", "pull"]) == 0
     out = capsys.readouterr().out
     assert [line.split()[0] for line in out.splitlines()] == [
         "[1/3]", f"/cache/{model_cache.DEFAULT_MODEL}", "[2/3]",
-        f"/converted/{model_cache.DEFAULT_MODEL}", "[3/3]", "/kernels/k.so"]
+        f"/converted/{model_cache.DEFAULT_MODEL}", "weights-of", "[3/3]", "/kernels/k.so"]
     assert cli.main(["model", "pull", "other"]) == 0
     assert "warning: cannot build the CPU decode-attention kernel: no c++" in (
         capsys.readouterr().err)
