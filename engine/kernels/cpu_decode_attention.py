@@ -124,7 +124,7 @@ def build(*, quiet: bool = False, variant: str = "native") -> Path:
         return target
     if not quiet:
         print(f"[boxcar] building the CPU decode-attention kernel into {target.parent} "
-              "(once per machine and torch/compiler version; about 30 s)...",
+              "(once per machine and torch/compiler version; about 2 min on two cores)...",
               file=sys.stderr, flush=True)
     start = time.monotonic()
     target.parent.mkdir(parents=True, exist_ok=True)
