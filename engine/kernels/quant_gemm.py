@@ -8,7 +8,8 @@ weight for a few rows of activations: reading fewer bytes is the speed-up, provi
 never materialized whole. ``pack`` validates ggml's bytes and keeps one copy, in the form the
 kernel here reads: where the library is loaded and has the format, tiles of 8 output rows with
 their blocks interleaved (within 1.03x of ggml's bytes; ``raw()`` gives ggml's rows back, bit
-for bit), else ggml's own rows, multiplied by ``linear_reference``. The kernel runs a fused
+for bit), else ggml's own rows, multiplied by ``triton_ggml_gemm`` on CUDA and by
+``linear_reference`` elsewhere. The kernel runs a fused
 unpack-and-FMA pass for up to 4 activation rows (memory-bound decode) and, above that,
 dequantizes 16 rows x 256 values at a time into an L1 panel for a register-blocked FMA kernel
 (the C++ file's header has the layout, the paths and why the values equal gguf's).
@@ -69,9 +70,14 @@ class QuantWeight:
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x [..., in] @ W.T (+ bias)`` -> [..., out] in ``x.dtype``: the C++ kernel for a
-        CPU fp32 or bf16 ``x`` where the weight is in its tiles, else ``linear_reference``."""
+        CPU fp32 or bf16 ``x`` where the weight is in its tiles, the Triton kernel
+        (``triton_ggml_gemm``) for a weight on CUDA, else ``linear_reference``."""
         if self.kernel and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
             return quant_linear(x, self, bias)
+        if self._data.device.type == "cuda":
+            from engine.kernels.triton_ggml_gemm import ggml_linear  # Triton: imported on CUDA
+
+            return ggml_linear(x, self.fmt, self._data, self.in_features, self.out_features, bias)
         return linear_reference(x, self, bias)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
