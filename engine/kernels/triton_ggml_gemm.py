@@ -186,8 +186,8 @@ def ggml_linear(x: torch.Tensor, fmt: str, data: torch.Tensor, in_features: int,
     ``split_k_for``) slices K; ``block_k`` (``BLOCK_KS``) is the K tile."""
     spec = get_format(fmt)
     expected = row_bytes(fmt, in_features)
-    if data.dtype != torch.uint8 or data.shape != (out_features, expected) or (
-            out_features > 1 and data.stride(1) != 1):
+    if (data.dtype != torch.uint8 or data.shape != (out_features, expected)
+            or data.stride(1) != 1):
         raise ValueError(f"{fmt} data must be uint8 [{out_features}, {expected}] with "
                          f"contiguous rows, got {data.dtype} {tuple(data.shape)} strides "
                          f"{data.stride()}")

@@ -24,7 +24,7 @@ if not torch.cuda.is_available():
 pytest.importorskip("triton")
 
 from engine.kernels.ggml_quants import FORMATS, dequantize, random_rows  # noqa: E402
-from engine.kernels.quant_gemm import QuantWeight, linear_reference  # noqa: E402
+from engine.kernels.quant_gemm import QuantWeight, linear_reference, pack  # noqa: E402
 from engine.kernels.triton_ggml_gemm import ggml_linear  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -47,12 +47,21 @@ def _run(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None,
     return ggml_linear(x, w.fmt, w.raw(), w.in_features, w.out_features, bias, **options)
 
 
+def _reference(x: torch.Tensor, w: QuantWeight,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear_reference`` on the CPU (see ``test_rows_dequantize_on_another_device``)."""
+    on_cpu = QuantWeight(w.fmt, w.raw().cpu(), w.out_features, w.in_features)
+    return linear_reference(x.cpu(), on_cpu, None if bias is None else bias.cpu())
+
+
 def _assert_matches_reference(out: torch.Tensor, x: torch.Tensor, w: QuantWeight,
                               bias: torch.Tensor | None) -> None:
     """``out`` equals ``linear_reference(x, w, bias)`` within the module's tolerance."""
-    ref = linear_reference(x, w, bias)
+    ref = _reference(x, w, bias)
+    out, x = out.cpu(), x.cpu()
     assert out.dtype == x.dtype and out.shape == ref.shape
-    magnitude = x.double().abs() @ w.dequantize().double().abs().T  # A
+    dense = dequantize(w.fmt, w.raw().cpu(), w.in_features)
+    magnitude = x.double().abs() @ dense.double().abs().T  # A
     if x.dtype == torch.float32:
         atol = 8 * w.in_features ** 0.5 * 2.0 ** -24 * magnitude
     else:
@@ -93,10 +102,10 @@ def test_float16_activations(fmt):
     w = _weight(fmt, 24, _depth(fmt), seed=4)
     x = torch.randn(5, w.in_features, generator=torch.Generator().manual_seed(5)).to(DEVICE)
     out = _run(x.half(), w)
-    ref = linear_reference(x.half(), w)
+    ref = _reference(x.half(), w)
     assert out.dtype == torch.float16
     scale = ref.float().abs().max().item()
-    assert (out.float() - ref.float()).abs().max().item() <= 2e-3 * scale
+    assert (out.cpu().float() - ref.float()).abs().max().item() <= 2e-3 * scale
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
@@ -119,6 +128,19 @@ def test_every_k_tile(fmt, block_k):
     w = _weight(fmt, 24, _depth(fmt), seed=8)
     x = torch.randn(2, w.in_features, generator=torch.Generator().manual_seed(9)).to(DEVICE)
     _assert_matches_reference(_run(x, w, block_k=block_k), x, w, None)
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="QuantWeight.linear takes the kernel for a weight "
+                    "on CUDA")
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_quant_weight_on_cuda_takes_the_kernel(fmt):
+    data = random_rows(fmt, 40, _depth(fmt), torch.Generator().manual_seed(10))
+    w = pack(fmt, data, _depth(fmt)).to("cuda")  # ggml's rows moved to the GPU
+    assert not w.kernel and w.device.type == "cuda"
+    x = torch.randn(2, 3, w.in_features, device="cuda")
+    out = w.linear(x)
+    assert out.shape == (2, 3, 40)
+    _assert_matches_reference(out.reshape(6, 40), x.reshape(6, -1), w, None)
 
 
 def test_launcher_checks_shapes():
