@@ -20,7 +20,7 @@ then ``- dmin * mn`` or ``+ m``), launched with FP fusion off so that no fused m
 changes a rounding: the tile holds ``ggml_quants.dequantize``'s values bit for bit. It is then
 rounded to the activations' dtype for ``tl.dot`` (fp32 accumulation; fp32 activations in
 "ieee" precision, no TF32). ``BLOCK_K`` is a power of two from 32 to 256, so a tile holds whole
-sub-blocks and never straddles a K-quant super-block. Each weight byte is read once per row tile
+sub-blocks and never straddles a K-quant super-block. The weight comes from memory once per row tile
 (4.5 to 8.5 bits a weight against bf16's 16), and a few-row product is also cut along K
 (``triton_int4_gemm.split_k_for``), as the int4 kernel's is.
 
