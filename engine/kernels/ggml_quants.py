@@ -99,7 +99,7 @@ def _nibbles(qs: torch.Tensor) -> torch.Tensor:
 
 def _bits(qh: torch.Tensor, count: int) -> torch.Tensor:
     """[n, bytes] little-endian bit field -> [n, count] of 0/1 (bit i of the field is value i)."""
-    shifts = torch.arange(8, dtype=torch.uint8)
+    shifts = torch.arange(8, dtype=torch.uint8, device=qh.device)
     return ((qh[..., None] >> shifts) & 1).reshape(*qh.shape[:-1], -1)[..., :count]
 
 
@@ -167,7 +167,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     # qh [n, 32]: bit j of byte i is the 5th bit of sub-block j's value i
-    shifts = torch.arange(8, dtype=torch.uint8)[:, None]
+    shifts = torch.arange(8, dtype=torch.uint8, device=b.device)[:, None]
     high = (b[:, 16:48][:, None, :] >> shifts) & 1  # [n, 8, 32]
     return _k_quant(b, _k_nibbles(b[:, 48:176]) | (high << 4))
 
@@ -177,7 +177,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     # (high), qh's 32 bytes give bits 4-5 of values i, i+32, i+64, i+96 (shifts 0, 2, 4, 6).
     ql = b[:, 0:128].reshape(-1, 2, 1, 64)
     ql = torch.cat((ql & 0x0F, ql >> 4), dim=2).reshape(-1, 8, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[:, None]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=b.device)[:, None]
     qh = ((b[:, 128:192].reshape(-1, 2, 1, 32) >> shifts) & 3).reshape(-1, 8, 32)
     q = ((ql | (qh << 4)).to(torch.int8) - 32).reshape(-1, 16, 16)
     scales = b[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
