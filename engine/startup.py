@@ -159,29 +159,39 @@ def resolve_quantization(config: EngineConfig, checkpoint: Checkpoint,
         print(f"[boxcar] dequantizing: {reason}", file=sys.stderr, flush=True)
         return "dequantize"
     print(f"[boxcar] keeping the weights quantized ({', '.join(_describe(types))}; every type "
-          "has a CPU kernel here)", file=sys.stderr, flush=True)
+          "has a kernel here)", file=sys.stderr, flush=True)
     return "keep"
 
 
 def cannot_keep(config: EngineConfig, types: dict[str, list[str]],
                 embedding: bool = False) -> str | None:
     """Why the quantized weights of ``types`` (block type -> tensor names) cannot stay
-    quantized in this engine, or None: each type needs a C++ kernel here
-    (``quant_gemm.kernel_formats``), the kernels run on the CPU, and the tensor-parallel and
-    embedding paths load dense weights."""
+    quantized in this engine, or None: each type needs a kernel on the engine's device
+    (``quant_gemm.kernel_formats``: the C++ kernels on a CPU, the Triton kernel on CUDA), and
+    the tensor-parallel and embedding paths load dense weights. Left to choose
+    (``quantization`` unset), a CUDA engine dequantizes still: its Triton kernel has run only
+    under Triton's interpreter (``GPU_UNMEASURED``)."""
     if config.tensor_parallel_size > 1:
         return (f"tensor parallelism (tensor_parallel_size={config.tensor_parallel_size}) "
                 "loads dense weights")
     if embedding:
         return "an embedding model loads dense weights"
     device = resolve_device(config.device)
-    if device.type != "cpu":
-        return (f"the GGUF block kernels run on the CPU, and this engine runs on {device.type} "
-                "(device='cpu' keeps them)")
-    missing = {fmt: names for fmt, names in types.items() if fmt not in kernel_formats()}
+    if device.type not in ("cpu", "cuda"):
+        return (f"the GGUF block kernels run on a CPU or CUDA, and this engine runs on "
+                f"{device.type} (device='cpu' keeps them)")
+    formats = kernel_formats(device.type)
+    missing = {fmt: names for fmt, names in types.items() if fmt not in formats}
     if missing:
         return "no kernel for " + "; ".join(_describe(missing))
+    if device.type == "cuda" and config.quantization is None:
+        return GPU_UNMEASURED
     return None
+
+
+# Why "keep" is not chosen for a CUDA engine unasked: no GPU has run the Triton kernel yet.
+GPU_UNMEASURED = ("the Triton GGUF kernel has been tested under Triton's interpreter but not yet "
+                  "run or timed on a GPU (quantization='keep' uses it)")
 
 
 def weight_summary(config: EngineConfig, checkpoint: Checkpoint) -> str:

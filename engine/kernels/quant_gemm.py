@@ -26,12 +26,13 @@ rows 72 against 70; Q6_K 2048 -> 640 at 256 rows 72 against 68.
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 import torch
 
 from engine.kernels import cpu_decode_attention
-from engine.kernels.ggml_quants import dequantize, get_format, row_bytes
+from engine.kernels.ggml_quants import FORMATS, dequantize, get_format, row_bytes
 
 PATHS = ("auto", "fused", "panel", "generic")  # the kernel's paths (quant_linear's ``path``)
 
@@ -176,9 +177,14 @@ def linear_reference(x: torch.Tensor, w: QuantWeight,
     return out.to(x.dtype)
 
 
-def kernel_formats() -> frozenset[str]:
-    """Formats with a C++ kernel loaded here (empty when the kernel library could not be built:
-    ``cpu_decode_attention.load()`` returns None)."""
+def kernel_formats(device_type: str = "cpu") -> frozenset[str]:
+    """Formats with a kernel on ``device_type`` here: on the CPU the C++ library's (empty when
+    it could not be built: ``cpu_decode_attention.load()`` returns None), on CUDA the Triton
+    kernel's (``triton_ggml_gemm``: every format, where Triton imports), none elsewhere."""
+    if device_type == "cuda":
+        return frozenset(FORMATS) if importlib.util.find_spec("triton") else frozenset()
+    if device_type != "cpu":
+        return frozenset()
     module = cpu_decode_attention.load()
     return frozenset() if module is None else frozenset(module.quant_formats)
 

@@ -30,7 +30,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.checkpoint import gguf_cache
 from engine.checkpoint.loader import load_checkpoint, prepare_model, safetensors_metadata
 from engine.kernels.ggml_quants import FORMATS, random_rows
-from engine.kernels.quant_gemm import QuantWeight
+from engine.kernels.quant_gemm import QuantWeight, kernel_formats
 from engine.layers.quantized import DenseWeight, QuantizedEmbedding, QuantizedLinear
 from engine.models.no_init import no_init_weights
 from engine.models.registry import get_model_class
@@ -47,7 +47,7 @@ SCHEDULE = dict(dtype="float32", block_size=8, max_num_batched_tokens=16, num_kv
 @pytest.fixture
 def all_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every known format counts as having a kernel (see the module docstring)."""
-    monkeypatch.setattr(engine.startup, "kernel_formats", lambda: frozenset(FORMATS))
+    monkeypatch.setattr(engine.startup, "kernel_formats", lambda device="cpu": frozenset(FORMATS))
 
 
 def write_mixed_gguf(path: Path, model: nn.Module, arch: str,
@@ -238,7 +238,7 @@ def test_auto_keeps_where_every_type_has_a_kernel_and_says_which(
     model, _ = make()
     path = write_mixed_gguf(tmp_path / "mixed.gguf", model, arch,
                             by_part(Q.Q5_0, attn_v=Q.Q8_0, token_embd=Q.Q8_0))
-    monkeypatch.setattr(engine.startup, "kernel_formats", lambda: frozenset({"Q8_0"}))
+    monkeypatch.setattr(engine.startup, "kernel_formats", lambda device="cpu": frozenset({"Q8_0"}))
     llm = LLM(str(path), dtype="float32")
     err = capsys.readouterr().err
     assert ("[boxcar] dequantizing: no kernel for Q5_0 (13 tensors, e.g. blk.0.attn_q.weight)"
@@ -248,7 +248,8 @@ def test_auto_keeps_where_every_type_has_a_kernel_and_says_which(
                                          r"quantization='dequantize'"):
         LLM(str(path), quantization="keep")
 
-    monkeypatch.setattr(engine.startup, "kernel_formats", lambda: frozenset({"Q8_0", "Q5_0"}))
+    monkeypatch.setattr(engine.startup, "kernel_formats",
+                        lambda device="cpu": frozenset({"Q8_0", "Q5_0"}))
     llm = LLM(str(path), dtype="float32")
     assert "[boxcar] keeping the weights quantized (Q5_0 (13 tensors" in capsys.readouterr().err
     assert isinstance(llm.engine.model_runner.model.lm_head, QuantizedLinear)
@@ -279,11 +280,23 @@ def test_keep_is_refused_where_it_cannot_run(tmp_path: Path, all_kernels: None,
         LLM(str(path), quantization="keep", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="keep': an embedding model loads dense weights"):
         LLM(str(path), quantization="keep", task="embed")
-    monkeypatch.setattr(engine.startup, "resolve_device", lambda name: torch.device("cuda"))
-    with pytest.raises(ValueError, match="kernels run on the CPU, and this engine runs on cuda"):
+    monkeypatch.setattr(engine.startup, "resolve_device", lambda name: torch.device("mps"))
+    with pytest.raises(ValueError, match="run on a CPU or CUDA, and this engine runs on mps"):
         LLM(str(path), quantization="keep")
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(str(path), quantization="fp8")
+
+
+def test_a_cuda_engine_keeps_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA every format has the Triton kernel (``triton_ggml_gemm``), so ``keep`` is taken;
+    left unset, the engine dequantizes and says why: no GPU has run that kernel yet."""
+    monkeypatch.setattr(engine.startup, "resolve_device", lambda name: torch.device("cuda"))
+    types = {"Q4_K": ["blk.0.ffn_up.weight"], "Q6_K": ["output.weight"]}
+    assert engine.startup.cannot_keep(EngineConfig(model="m", quantization="keep"), types) is None
+    assert (engine.startup.cannot_keep(EngineConfig(model="m"), types)
+            == engine.startup.GPU_UNMEASURED)
+    assert kernel_formats("cuda") == frozenset(FORMATS)
+    assert kernel_formats("mps") == frozenset()
 
 
 def test_tensor_parallel_dequantizes_from_the_packed_cache(tmp_path: Path) -> None:
@@ -466,12 +479,12 @@ def test_the_weight_summary_counts_what_a_start_keeps(tmp_path: Path,
     kept = checkpoint.weight_bytes(torch.float32, quantized=True)
     dense = checkpoint.weight_bytes(torch.float32, quantized=False)
     assert kept == gguf_tensor_bytes(path) and dense > 3 * kept
-    monkeypatch.setattr(engine.startup, "kernel_formats", lambda: frozenset({"Q8_0"}))
+    monkeypatch.setattr(engine.startup, "kernel_formats", lambda device="cpu": frozenset({"Q8_0"}))
     assert engine.startup.weight_summary(config, checkpoint) == (
         f"weights in memory: {dense / 2**20:.1f} MiB, dequantized to float32 (no kernel for "
         f"Q5_0 (13 tensors, e.g. blk.0.attn_q.weight); kept quantized they would take "
         f"{kept / 2**20:.1f} MiB)")
-    monkeypatch.setattr(engine.startup, "kernel_formats", lambda: frozenset(FORMATS))
+    monkeypatch.setattr(engine.startup, "kernel_formats", lambda device="cpu": frozenset(FORMATS))
     assert engine.startup.weight_summary(config, checkpoint) == (
         f"weights in memory: {kept / 2**20:.1f} MiB, kept quantized (Q5_0, Q8_0; dequantized "
         f"to float32 they would take {dense / 2**20:.1f} MiB)")
