@@ -51,6 +51,10 @@ KERNEL_TESTS = [
     "tests/engine/test_kernel_lora.py",
     "tests/engine/test_kernel_fused_moe.py",
     "tests/engine/test_lora.py",  # every scheduling mode on the GPU path, fp32, against peft
+    "tests/engine/test_kernel_int4.py",  # AWQ / GPTQ int4 (Triton)
+    "tests/engine/test_kernel_fp8.py",  # FP8 scaled matmul / dequantizing kernel
+    "tests/engine/test_triton_ggml_gemm.py",  # GGUF blocks kept quantized (Triton)
+    "tests/engine/test_hf_quant.py",  # AWQ / GPTQ / FP8 checkpoints end to end
 ]
 
 
