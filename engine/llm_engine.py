@@ -23,12 +23,20 @@ from engine.core.stop_strings import match_stop_string
 from engine.core.structured_output import StructuredOutputManager, accept_token
 from engine.core.window_kv import WindowBlocks
 from engine.errors import LoRAError, NotAnEmbeddingModel
-from engine.outputs import EngineStats, RequestOutput, RequestProgress
+from engine.outputs import (
+    EngineStats,
+    ModelRunnerOutput,
+    RequestOutput,
+    RequestProgress,
+    SchedulerOutput,
+)
 from engine.pooling.embedding import finish_pooling_request, pooling_request
 from engine.pooling.inputs import EmbeddingSpec, check_dimensions, encode_inputs, split_inputs
 from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.protocol import ChatTemplate, Prompt
 from engine.runner.allocator import keep_step_buffers_on_heap
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_pipeline import InFlightStep, StepPipeline
 from engine.sampling_params import SamplingParams
 from engine.startup import start
 
@@ -73,6 +81,14 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.prefill_time = 0.0
         self.decode_time = 0.0
+        # Async scheduling (EngineConfig.async_scheduling): the device side, and the step it
+        # runs while the host prepares the next one.
+        self._pipeline: StepPipeline | None = None
+        self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None
+        runner = self.model_runner
+        if (config.overlaps_steps(runner.device.type) and not self.is_embedding
+                and isinstance(runner, ModelRunner)):
+            self._pipeline = StepPipeline(runner)
         if self.model_runner.device.type == "cpu":
             # after the build: loading and packing the weights keeps glibc's defaults (their
             # large, once-only buffers go back to the kernel when freed)
@@ -284,13 +300,53 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Steps overlap: the host schedules step N+1 while step N runs."""
+        return self._pipeline is not None
+
     def step(self) -> list[RequestOutput]:
+        """One step's outputs: the requests that finished in it.
+
+        With async scheduling, the step scheduled now is launched and the one launched by the
+        previous call is finished: its outputs are the ones returned. A request whose sampling
+        needs the host's state each token (``Request.needs_host_each_token``) makes the steps
+        synchronous while it is unfinished, the step in flight finished first.
+        """
+        if self._pipeline is None:
+            return self._step_now()
+        if self.scheduler.num_host_each_token:
+            return self._finish_in_flight() + self._step_now()
+        scheduler_output = self.scheduler.schedule(overlap=True)
+        launched = None
+        if not scheduler_output.is_empty:
+            launched = scheduler_output, self._pipeline.launch(scheduler_output,
+                                                               self.scheduler.requests)
+        outputs = self._finish_in_flight()
+        self._in_flight = launched
+        return outputs
+
+    def _step_now(self) -> list[RequestOutput]:
+        """A synchronous step: scheduled, run and finished in this call."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         start = time.perf_counter()
         runner_output = self.model_runner.execute(scheduler_output, self.scheduler.requests)
-        elapsed = time.perf_counter() - start
+        return self._finish_step(scheduler_output, runner_output, time.perf_counter() - start)
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and finish it."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, launched = self._in_flight
+        self._in_flight = None
+        result = launched.result()
+        return self._finish_step(scheduler_output, result.output, result.seconds)
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                     elapsed: float) -> list[RequestOutput]:
+        """A step's tokens into its requests: stops, grammars, the finished requests' outputs."""
         num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1)
         num_tokens = max(scheduler_output.num_batched_tokens, 1)
         self.decode_time += elapsed * num_decode / num_tokens
@@ -336,9 +392,10 @@ class LLMEngine:
             RequestProgress(
                 request_id=request.parent_id or request.request_id,
                 running=running,
-                num_tokens=request.num_tokens,
-                num_computed_tokens=request.num_computed_tokens,
-                num_output_tokens=request.num_output_tokens,
+                num_tokens=request.num_sampled_tokens,
+                num_computed_tokens=min(request.num_computed_tokens,
+                                        request.num_sampled_tokens),
+                num_output_tokens=request.num_sampled_tokens - request.num_prompt_tokens,
                 max_tokens=request.max_tokens,
                 ignore_eos=request.sampling_params.ignore_eos,
             )

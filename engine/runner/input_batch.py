@@ -13,7 +13,9 @@ from itertools import chain
 import numpy as np
 import torch
 
+from engine.core.request import Request
 from engine.layers.attention_metadata import AttentionMetadata
+from engine.outputs import ScheduledRequest
 
 
 @dataclass
@@ -35,6 +37,16 @@ class InputBatch:
     metadata: AttentionMetadata
     sample_indices: list[int]  # the token row each sampling request samples from
     sample_rows: list[int]  # which of the given rows sample, in sample_indices' order
+
+
+@dataclass
+class PreparedStep:
+    """One step as the host laid it out (``ModelRunner.prepare_step``), ready for the device."""
+
+    scheduled: list[ScheduledRequest]  # in the runner's order (by adapter with LoRA on)
+    batch: InputBatch
+    sample_requests: list[Request]  # the rows that sample, in the sampled tokens' order
+    lora_rows: list[tuple[str | None, int]] | None  # (adapter, new tokens) a row; None: no LoRA
 
 
 def _block_table(rows: list[list[int]]) -> np.ndarray:
