@@ -242,6 +242,7 @@ class LLMEngine:
         lora = self.model_runner.lora
         if lora is None:
             raise LoRAError(name, "LoRA is off in this engine (start it with lora_modules)")
+        self._wait_for_device()
         lora.add_adapter(name, path)
 
     def _check_lora(self, name: str) -> None:
@@ -249,6 +250,7 @@ class LLMEngine:
         if lora is None:
             raise LoRAError(name, "LoRA is off in this engine (no lora_modules registered)")
         lora.check(name)
+        self._wait_for_device()
         lora.get(name)  # read it now if the LRU dropped it: a bad file fails this request
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
@@ -324,7 +326,17 @@ class LLMEngine:
                                                                self.scheduler.requests)
         outputs = self._finish_in_flight()
         self._in_flight = launched
+        if launched is not None and not self._parents:
+            # Every request finished in the step before: this one's rows are all dropped, and
+            # nothing is left to overlap it with. Done now, the engine is idle when it says so.
+            outputs += self._finish_in_flight()
         return outputs
+
+    def _wait_for_device(self) -> None:
+        """Let the step in flight finish on the device (its output is still to be finished):
+        the LoRA manager's adapters and slots are the device's while a step runs."""
+        if self._in_flight is not None:
+            self._in_flight[1].result()
 
     def _step_now(self) -> list[RequestOutput]:
         """A synchronous step: scheduled, run and finished in this call."""
