@@ -15,6 +15,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.core.request import PLACEHOLDER_TOKEN_ID
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.sampling_params import StructuredOutputParams
 from tests.conftest import make_checkpoint
 
 MODES: dict[str, dict[str, Any]] = {
@@ -175,10 +176,14 @@ def test_rows_that_need_the_host_each_token_run_synchronously(tiny_model_dir):
                        frequency_penalty=0.5, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=3, max_tokens=8, min_tokens=6),
         SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=8, structured_output=StructuredOutputParams(
+            json_schema={"type": "integer", "minimum": -5, "maximum": 120})),
     ]
-    # the penalized request arrives after the others started, and they outlive it
+    # the penalized and constrained requests arrive after the others started, which outlive
+    # them
     workload = {0: [("h0", ps[0], params[0]), ("h3", ps[3], params[3])],
-                3: [("h1", ps[1], params[1]), ("h2", ps[2], params[2])]}
+                3: [("h1", ps[1], params[1]), ("h2", ps[2], params[2])],
+                5: [("h4", ps[1], params[4])]}
     want = summary(run(sync, workload))
     in_flight_while_forced = []
     engine = overlapped
