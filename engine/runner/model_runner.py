@@ -198,16 +198,17 @@ class ModelRunner:
         self.kv_cache_seconds = time.perf_counter() - start
 
     def prepare_inputs(
-        self, scheduled: list[ScheduledRequest], requests: dict[str, Request]
+        self, scheduled: list[ScheduledRequest], requests: dict[str, Request],
+        device: torch.device | None = None,
     ) -> tuple[InputBatch, list[Request]]:
-        """The step's flat batch of ``scheduled`` (``_ordered``), and the requests that sample,
-        in its sample order."""
+        """The step's flat batch of ``scheduled`` (``_ordered``) on ``device`` (None: the
+        runner's), and the requests that sample, in its sample order."""
         rows = []
         for s in scheduled:
             request = requests[s.request_id]
             rows.append(StepRow(request.token_ids, request.block_ids, request.window_block_ids,
                                 s.num_computed_tokens, s.num_new_tokens, s.sample))
-        batch = build_input_batch(rows, self.block_size, self.device,
+        batch = build_input_batch(rows, self.block_size, device or self.device,
                                   with_window=self.kv_window is not None)
         return batch, [requests[scheduled[i].request_id] for i in batch.sample_rows]
 
@@ -240,14 +241,17 @@ class ModelRunner:
     ) -> ModelRunnerOutput:
         return self.run_step(self.prepare_step(scheduler_output, requests))
 
-    def prepare_step(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
-                     ) -> PreparedStep:
+    def prepare_step(self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
+                     on_host: bool = False) -> PreparedStep:
         """The host's half of a step: everything read from the requests (their tokens, block
         tables, adapters, in the batch's layout). With async scheduling it runs while the
-        previous step is still on the device, and the requests change after it returns."""
+        previous step is still on the device, and the requests change after it returns;
+        ``on_host`` leaves the batch's tensors on the CPU for ``run_step`` to copy (a copy
+        from pageable memory would wait here for the step on the device)."""
         scheduled = self._ordered(scheduler_output, requests)
         self._will_run(scheduled, requests)
-        batch, sample_requests = self.prepare_inputs(scheduled, requests)
+        batch, sample_requests = self.prepare_inputs(
+            scheduled, requests, torch.device("cpu") if on_host else None)
         lora_rows = None if self.lora is None else [
             (requests[s.request_id].lora_name, s.num_new_tokens) for s in scheduled]
         return PreparedStep(scheduled, batch, sample_requests, lora_rows)
@@ -256,7 +260,7 @@ class ModelRunner:
     def run_step(self, step: PreparedStep) -> ModelRunnerOutput:
         """The device's half: the forward pass and the sampled tokens. Reads no request state
         the host changes between steps (``engine/runner/step_pipeline.py``)."""
-        batch = step.batch
+        batch = step.batch = step.batch.to(self.device)
         metadata = batch.metadata
         lora = None if step.lora_rows is None else self._lora_batch(step.lora_rows)
         graphs = self.graphs if lora is None else self.lora_graphs

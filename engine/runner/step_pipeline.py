@@ -51,7 +51,9 @@ class StepPipeline:
     def launch(self, scheduler_output: SchedulerOutput,
                requests: dict[str, Request]) -> InFlightStep:
         """Lay the step out now (it reads the requests) and queue it behind the step before."""
-        step = self.runner.prepare_step(scheduler_output, requests)
+        # Everything here stays on the host: a copy to the device from this thread would wait
+        # for the step in flight (one stream).
+        step = self.runner.prepare_step(scheduler_output, requests, on_host=True)
         gather = self._gather(step)
         previous = self._last
         future = self._executor.submit(self._run, step, gather, previous)
@@ -78,18 +80,18 @@ class StepPipeline:
             decode_row += 1
         if not dst:
             return None
-        device = self.runner.device
-        return (torch.tensor(dst, dtype=torch.int64).to(device, non_blocking=True),
-                torch.tensor(src, dtype=torch.int64).to(device, non_blocking=True))
+        return torch.tensor(dst, dtype=torch.int64), torch.tensor(src, dtype=torch.int64)
 
     def _run(self, step: PreparedStep, gather: tuple[torch.Tensor, torch.Tensor] | None,
              previous: InFlightStep | None) -> StepResult:
         start = time.perf_counter()
+        device = self.runner.device
+        step.batch = step.batch.to(device)
         if gather is not None:
             assert previous is not None
             # done: it ran before this one, on this thread
             tokens = previous.result().tokens
-            dst, src = gather
+            dst, src = (t.to(device, non_blocking=True) for t in gather)
             step.batch.input_ids[dst] = tokens[src]
         output = self.runner.run_step(step)
         sampled = output.sampled_token_ids

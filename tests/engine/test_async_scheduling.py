@@ -6,6 +6,7 @@ synchronous path, sliding-window layers and LoRA adapters."""
 
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from engine import LLM, EngineConfig, SamplingParams
 from engine.core.request import PLACEHOLDER_TOKEN_ID
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.runner.input_batch import StepRow, build_input_batch
 from engine.sampling_params import StructuredOutputParams
 from tests.conftest import make_checkpoint
 
@@ -247,6 +249,25 @@ def test_lora_rows_equal_the_synchronous_engine(tiny_model_dir, tmp_path):
     lora = {"l0": "qv", "l1": None, "l2": "mlp", "l3": "qv"}
     assert summary(run(overlapped, workload, lora=lora)) == summary(run(sync, workload,
                                                                         lora=lora))
+
+
+def test_a_batch_laid_out_on_the_host_moves_whole_to_the_device():
+    """Async scheduling lays a step out on the host and the step thread copies it (a copy from
+    the host's thread would wait for the step in flight on a GPU); "meta" stands in for it."""
+    rows = [StepRow([5, 6, 7], [3], [2], 2, 1, True), StepRow([1, 2, 3, 4, 5], [4, 1], [0, 5],
+                                                             0, 5, True)]
+    batch = build_input_batch(rows, 4, torch.device("cpu"), with_window=True)
+    moved = batch.to(torch.device("meta"))
+    assert moved.to(torch.device("meta")) is moved and batch.to(torch.device("cpu")) is batch
+    tensors = [moved.input_ids, moved.positions]
+    for metadata in (moved.metadata, moved.metadata.window):
+        assert metadata is not None
+        tensors += [getattr(metadata, f.name) for f in fields(metadata)
+                    if isinstance(getattr(metadata, f.name), torch.Tensor)]
+        assert metadata.prefill_query_lens_list == [5]
+    assert len(tensors) == 14 and all(t.device.type == "meta" for t in tensors)
+    assert batch.input_ids.device.type == "cpu"  # the host's batch is left as it was
+    assert moved.sample_indices == batch.sample_indices == [0, 5]
 
 
 def test_the_option_resolves_by_device_and_refuses_tensor_parallel():
