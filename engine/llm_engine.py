@@ -405,8 +405,11 @@ class LLMEngine:
                 request_id=request.parent_id or request.request_id,
                 running=running,
                 num_tokens=request.num_sampled_tokens,
-                num_computed_tokens=min(request.num_computed_tokens,
-                                        request.num_sampled_tokens),
+                # async scheduling: the tokens of steps in flight are counted when back, as
+                # the synchronous engine counts them (its last token is computed next)
+                num_computed_tokens=(min(request.num_computed_tokens,
+                                         request.num_sampled_tokens - 1)
+                                     if request.num_placeholders else request.num_computed_tokens),
                 num_output_tokens=request.num_sampled_tokens - request.num_prompt_tokens,
                 max_tokens=request.max_tokens,
                 ignore_eos=request.sampling_params.ignore_eos,

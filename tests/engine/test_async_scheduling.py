@@ -42,6 +42,21 @@ def engine_pair(path, **kw) -> tuple[LLMEngine, LLMEngine]:
     return sync.engine, overlapped.engine
 
 
+def count_overlaps(engine: LLMEngine) -> list[bool]:
+    """For each step the engine launches from now on: whether another was still in flight."""
+    pipeline = engine._pipeline
+    assert pipeline is not None
+    overlaps: list[bool] = []
+    launch = pipeline.launch
+
+    def launch_and_count(*args, **kwargs):
+        overlaps.append(engine._in_flight is not None)
+        return launch(*args, **kwargs)
+
+    pipeline.launch = launch_and_count  # type: ignore[method-assign]
+    return overlaps
+
+
 def run(engine: LLMEngine, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]],
         aborts: dict[int, list[str]] | None = None,
         lora: dict[str, str | None] | None = None) -> dict[str, RequestOutput]:
@@ -120,6 +135,7 @@ def test_greedy_outputs_equal_the_synchronous_engine(tiny_model_dir, stop_tokens
     sync, overlapped = engine_pair(tiny_model_dir, **MODES[mode])
     workload = greedy_workload(sync.vocab_size, stop_tokens)
     want = summary(run(sync, workload))
+    overlaps = count_overlaps(overlapped)
     got = summary(run(overlapped, workload))
     assert got == want
     reasons = {row[3] for rows in want.values() for row in rows}
@@ -128,8 +144,8 @@ def test_greedy_outputs_equal_the_synchronous_engine(tiny_model_dir, stop_tokens
         assert overlapped.get_stats().num_preemptions > 0
     if mode == "default":  # the shared prefix was hit, as in the synchronous engine
         assert overlapped.get_stats().prefix_cache_hits > 0
-    # overlapping happened: its steps were launched while the one before was running
-    assert overlapped.scheduler.num_host_each_token == 0
+    # the steps overlapped: all but the first of each busy stretch launched while one ran
+    assert sum(overlaps) > 0.8 * len(overlaps)
 
 
 SAMPLED = [
@@ -215,6 +231,18 @@ def test_abort_mid_flight_returns_a_prefix_and_frees_everything(tiny_model_dir):
     # the engine keeps going: a new request reusing an aborted id is exact
     again = run(overlapped, {0: [("a1", ps[1], params)]})
     assert summary(again)["a1"] == want["a1"]
+
+
+def test_progress_counts_the_tokens_whose_output_is_back(tiny_model_dir):
+    engine = LLM(str(tiny_model_dir), async_scheduling=True).engine
+    prompt = list(range(3, 15))  # 12 tokens
+    engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    # three steps launched (the prompt, two decodes); the first two's tokens are back
+    assert engine.scheduler.requests["a"].num_computed_tokens == 14
+    (a,) = engine.progress()
+    assert (a.num_tokens, a.num_computed_tokens, a.num_output_tokens) == (14, 13, 2)
 
 
 @pytest.mark.parametrize("mode", ["default", "preempt-tiny-kv", "chunked-tiny-budget"])
