@@ -3,7 +3,9 @@
 It satisfies ``engine.protocol.Engine``, the contract every caller sees. Its parts, one job a
 file: ``engine.startup`` builds it (and times the start-up), ``engine.core.parallel_sampling``
 fans a request out to its n sequences and assembles their output, ``engine.core.stop_strings``
-finds stop strings; the scheduler, the model runner and the sampler do a step.
+finds stop strings; the scheduler, the model runner and the sampler do a step. With async
+scheduling (``EngineConfig.async_scheduling``) the runner's device half runs on
+``engine.runner.step_pipeline`` while the next step is scheduled and the previous one finished.
 """
 
 from __future__ import annotations
