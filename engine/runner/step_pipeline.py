@@ -98,6 +98,3 @@ class StepPipeline:
         tokens = torch.tensor([sampled[r.request_id] for r in step.sample_requests],
                               dtype=torch.int64).to(self.runner.device, non_blocking=True)
         return StepResult(output, tokens, time.perf_counter() - start)
-
-    def close(self) -> None:
-        self._executor.shutdown(wait=True)
