@@ -55,6 +55,9 @@ KERNEL_TESTS = [
     "tests/engine/test_kernel_fp8.py",  # FP8 scaled matmul / dequantizing kernel
     "tests/engine/test_triton_ggml_gemm.py",  # GGUF blocks kept quantized (Triton)
     "tests/engine/test_hf_quant.py",  # AWQ / GPTQ / FP8 checkpoints end to end
+    # async scheduling's steps on the GPU path (CUDA graphs replayed on the step thread) give
+    # the synchronous engine's tokens
+    "tests/engine/test_async_scheduling.py",
 ]
 
 
@@ -255,12 +258,14 @@ def workload(num_requests: int) -> tuple[list[list[int]], list[int]]:
     return prompts, [rng.randint(128, 512) for _ in range(num_requests)]
 
 
-def run_engine(folder: Path, prompts: list[list[int]], max_tokens: list[int]) -> tuple[int, float]:
+def run_engine(folder: Path, prompts: list[list[int]], max_tokens: list[int],
+               async_scheduling: bool | None = None) -> tuple[int, float]:
     from engine import LLM, EngineConfig, SamplingParams
 
     wanted = {
         "max_num_seqs": 256, "max_num_batched_tokens": 8192, "max_model_len": 2048,
         "kv_cache_memory": 24 << 30, "attention_backend": "triton",
+        "async_scheduling": async_scheduling,
     }
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     llm = LLM(model=str(folder), dtype="bfloat16", device="cuda",
@@ -348,6 +353,14 @@ def bench_e2e(num_requests: int, hf_timeout_s: float, deadline: float) -> list[R
             traceback.print_exc()
             rows.append(Row("e2e", "boxcar LLM", f"error: {type(exc).__name__}: {exc}"[:160],
                             ok=False))
+        try:  # the default above overlaps steps on a GPU (async_scheduling): the same, without
+            tokens, seconds = run_engine(folder, prompts, max_tokens, async_scheduling=False)
+            rows.append(Row("e2e", "boxcar LLM, async_scheduling off",
+                            f"{tokens / seconds:,.0f} tok/s ({tokens} tok in {seconds:.1f}s)"))
+        except Exception as exc:
+            traceback.print_exc()
+            rows.append(Row("e2e", "boxcar LLM, async_scheduling off",
+                            f"error: {type(exc).__name__}: {exc}"[:160], ok=False))
         try:
             timeout_s = max(30.0, min(hf_timeout_s, deadline - time.perf_counter()))
             tokens, seconds, note = run_transformers(folder, prompts, max_tokens, timeout_s)

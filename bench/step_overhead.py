@@ -24,6 +24,17 @@ of them run one of two rank-8 adapters. Phases, in microseconds a step:
   (attention and LoRA set-up, stop checks, grammar advance, outputs).
 
 ``host`` is the step's wall time less ``forward``; ``us/seq`` divides it by the running sequences.
+
+``--async`` times each case twice instead, synchronous and with async scheduling
+(``EngineConfig.async_scheduling``: the forward pass and the sampler of step N run on the
+engine's step thread while the main thread schedules step N+1 and finishes step N-1), without the
+phase clock (the two threads would share it):
+
+* ``step``: wall time a step; ``device``: the step thread's part (forward and sampling, timed
+  in ``ModelRunner.run_step``); ``wait``: the main thread blocked on the step in flight;
+* ``host``: the main thread's own work a step: ``step`` less ``wait`` and less the device
+  work it ran itself (all of it synchronous; async, the steps a grammar or penalty row makes
+  synchronous).
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -171,33 +183,7 @@ def params_for(case: Case, index: int, max_tokens: int) -> Any:
 
 def run_case(model: Path, adapters: list[str], case: Case, steps: int, threads: int,
              mixed_max_tokens: int) -> dict[str, float]:
-    from engine import EngineConfig, LLMEngine
-
-    budget = case.seqs + (512 if case.mode == "mixed" else 0)
-    config = EngineConfig(
-        model=str(model), dtype="float32", device="cpu", num_threads=threads,
-        max_num_seqs=case.seqs, max_num_batched_tokens=max(budget, 2048),
-        num_kv_blocks=case.seqs * 24 + 64, max_model_len=1024,
-        lora_modules=tuple(adapters) if case.lora else (), max_lora_rank=8)
-    engine = LLMEngine(config)
-    vocab = engine.vocab_size
-    names = [a.split("=", 1)[0] for a in adapters]
-    counter = 0
-
-    def add(prompt_len: int, max_tokens: int) -> None:
-        nonlocal counter
-        prompt = [(counter * 31 + 7 * j) % (vocab - 1) + 1 for j in range(prompt_len)]
-        lora = names[counter % 2] if case.lora and counter % 2 == 0 else None
-        engine.add_request(f"r{counter}", prompt, params_for(case, counter, max_tokens),
-                           lora_name=lora)
-        counter += 1
-
-    long = steps + 64  # decode-mode sequences outlive the timed steps
-    for _ in range(case.seqs):
-        add(PROMPT_LEN, long if case.mode == "decode" else mixed_max_tokens)
-    while engine.scheduler.waiting or any(
-            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
-        engine.step()
+    engine, add = start_case(model, adapters, case, steps, threads, mixed_max_tokens, False)
     clock = instrument(engine)
     for _ in range(3):  # warm: steady sizes
         engine.step()
@@ -226,6 +212,95 @@ def run_case(model: Path, adapters: list[str], case: Case, steps: int, threads: 
     return result
 
 
+def run_overlap_case(model: Path, adapters: list[str], case: Case, steps: int, threads: int,
+                     mixed_max_tokens: int, async_scheduling: bool) -> dict[str, float]:
+    """``--async``: step, device, wait and host time a step (the module's docstring)."""
+    from engine.runner import step_pipeline
+
+    engine, add = start_case(model, adapters, case, steps, threads, mixed_max_tokens,
+                             async_scheduling)
+    assert engine.async_scheduling == async_scheduling
+    engine.model_runner.greedy_screen = None  # as ``instrument`` does
+    # "inline": device work on the main thread (every synchronous step; async, the steps a
+    # grammar or penalty row makes synchronous)
+    seconds = {"device": 0.0, "wait": 0.0, "inline": 0.0}
+    timing = [False]
+
+    def timed(owner: Any, attribute: str, name: str) -> Callable[[], None]:
+        original = getattr(owner, attribute)
+
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if timing[0]:
+                    elapsed = time.perf_counter() - start
+                    seconds[name] += elapsed
+                    if name == "device" and threading.current_thread() is threading.main_thread():
+                        seconds["inline"] += elapsed
+
+        setattr(owner, attribute, wrapper)
+        return lambda: setattr(owner, attribute, original)
+
+    restore = [timed(engine.model_runner, "run_step", "device"),
+               timed(step_pipeline.InFlightStep, "result", "wait")]
+    try:
+        for _ in range(3):
+            engine.step()
+        timing[0] = True
+        wall = 0.0
+        for _ in range(steps):
+            if case.mode == "mixed":
+                for _ in range(case.seqs - engine.num_unfinished_requests):
+                    add(MIXED_PROMPT_LEN, mixed_max_tokens)
+            start = time.perf_counter()
+            engine.step()
+            wall += time.perf_counter() - start
+        timing[0] = False
+    finally:
+        for undo in restore:
+            undo()
+    result = {"step": wall / steps * 1e6, "device": seconds["device"] / steps * 1e6,
+              "wait": seconds["wait"] / steps * 1e6}
+    result["host"] = result["step"] - (seconds["wait"] + seconds["inline"]) / steps * 1e6
+    return result
+
+
+def start_case(model: Path, adapters: list[str], case: Case, steps: int, threads: int,
+               mixed_max_tokens: int, async_scheduling: bool) -> tuple[Any, Callable[..., None]]:
+    """An engine running ``case.seqs`` sequences, prompts prefilled, and its request adder."""
+    from engine import EngineConfig, LLMEngine
+
+    budget = case.seqs + (512 if case.mode == "mixed" else 0)
+    config = EngineConfig(
+        model=str(model), dtype="float32", device="cpu", num_threads=threads,
+        max_num_seqs=case.seqs, max_num_batched_tokens=max(budget, 2048),
+        num_kv_blocks=case.seqs * 24 + 64, max_model_len=1024,
+        lora_modules=tuple(adapters) if case.lora else (), max_lora_rank=8,
+        async_scheduling=async_scheduling)
+    engine = LLMEngine(config)
+    vocab = engine.vocab_size
+    names = [a.split("=", 1)[0] for a in adapters]
+    counter = 0
+
+    def add(prompt_len: int, max_tokens: int) -> None:
+        nonlocal counter
+        prompt = [(counter * 31 + 7 * j) % (vocab - 1) + 1 for j in range(prompt_len)]
+        lora = names[counter % 2] if case.lora and counter % 2 == 0 else None
+        engine.add_request(f"r{counter}", prompt, params_for(case, counter, max_tokens),
+                           lora_name=lora)
+        counter += 1
+
+    long = steps + 64  # decode-mode sequences outlive the timed steps
+    for _ in range(case.seqs):
+        add(PROMPT_LEN, long if case.mode == "decode" else mixed_max_tokens)
+    while engine.scheduler.waiting or any(
+            r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
+        engine.step()
+    return engine, add
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seqs", default="64,256,1024")
@@ -237,6 +312,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--mixed-max-tokens", type=int, default=24)
+    parser.add_argument("--async", dest="overlap", action="store_true",
+                        help="each case synchronous and with async scheduling (step, device, "
+                             "wait, host)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
 
@@ -260,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
                 folder = Path(tmp) / f"adapter{i}"
                 write_adapter(folder, config, str(model), rank=8, seed=i)
                 adapters.append(f"a{i}={folder}")
+        if args.overlap:
+            results = overlap_table(model, adapters, cases, args)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
+            return 0
         columns = ("step", "host", "us_per_seq", "schedule", "prepare", "forward", "sample",
                    "update", "rest")
         print(f"{'seqs':>5} {'mode':<7} {'sampling':<8} {'extra':<10} "
@@ -276,6 +359,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
     return 0
+
+
+def overlap_table(model: Path, adapters: list[str], cases: list[Case],
+                  args: argparse.Namespace) -> list[dict[str, Any]]:
+    columns = ("step", "host", "device", "wait")
+    print(f"{'seqs':>5} {'mode':<7} {'sampling':<8} {'extra':<10} {'async':<5} "
+          + " ".join(f"{c:>10}" for c in columns))
+    results = []
+    for case in cases:
+        extra = "structured" if case.structured else "lora" if case.lora else ""
+        for overlap in (False, True):
+            figures = run_overlap_case(model, adapters, case, args.steps, args.threads,
+                                       args.mixed_max_tokens, overlap)
+            print(f"{case.seqs:>5} {case.mode:<7} {case.sampling:<8} {extra:<10} "
+                  f"{'on' if overlap else 'off':<5} "
+                  + " ".join(f"{figures[c]:>10.1f}" for c in columns), flush=True)
+            results.append({"case": case.__dict__, "async": overlap, **figures})
+    print("(microseconds a step; host = step - wait - device work on the main thread)")
+    return results
 
 
 if __name__ == "__main__":

@@ -132,6 +132,8 @@ _HELP: dict[str, dict[str, Any]] = {
     "normalize": {"help": "true/false: L2-normalize embeddings (default: the model's files)"},
     "truncate_embedding_inputs": {"help": "cut embedding inputs longer than the model's "
                                           "limit instead of failing their line"},
+    "async_scheduling": {"help": "true/false: schedule step N+1 while step N runs (default: on "
+                                 "for CUDA, off on a CPU, where it measured slower)"},
     "quantization": {"choices": ("keep", "dequantize"),
                      "help": "a GGUF's quantized weights: keep them in their blocks (about the "
                              "file's memory) or dequantize them at load (default: keep where "

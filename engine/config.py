@@ -77,6 +77,14 @@ class EngineConfig:
     # load to the run's dtype. None: keep them where every quantized type has a kernel here and
     # the model runs on the CPU on one device, else dequantize, saying why.
     quantization: str | None = None
+    # Overlapped ("async") scheduling (vLLM v1's async scheduling, SGLang's overlap scheduler):
+    # while step N runs on the device, the host schedules step N+1 and finishes step N-1's
+    # outputs; a decode's input token is read from step N's sampled tokens on the device.
+    # Outputs are token for token those of the synchronous loop (greedy and seeded sampling).
+    # Steps with a request that needs the host each token (a grammar, penalties, min_tokens)
+    # run synchronously. None: on for CUDA, off on a CPU (measured there with
+    # ``python -m bench.step_overhead --async``). Not with tensor_parallel_size > 1.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -119,6 +127,10 @@ class EngineConfig:
             raise ValueError("expert_parallel spreads the experts over tensor_parallel_size "
                              "ranks: set tensor_parallel_size > 1, or leave expert_parallel "
                              "off")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling is not implemented with tensor_parallel_size > "
+                             "1 (the helper ranks run each step in lockstep): leave it unset "
+                             "or false")
         if self.task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
         if self.pooling is not None and self.pooling not in POOLING_TYPES:
@@ -149,6 +161,15 @@ class EngineConfig:
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
             raise ValueError(f"lora_modules names {duplicates} more than once")
+
+    def overlaps_steps(self, device_type: str) -> bool:
+        """Whether the engine on a ``device_type`` device schedules step N+1 while step N runs
+        (``async_scheduling``, None resolved by device)."""
+        if self.tensor_parallel_size > 1:
+            return False
+        if self.async_scheduling is None:
+            return device_type == "cuda"
+        return self.async_scheduling
 
     @property
     def lora_paths(self) -> dict[str, str]:

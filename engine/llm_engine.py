@@ -3,7 +3,9 @@
 It satisfies ``engine.protocol.Engine``, the contract every caller sees. Its parts, one job a
 file: ``engine.startup`` builds it (and times the start-up), ``engine.core.parallel_sampling``
 fans a request out to its n sequences and assembles their output, ``engine.core.stop_strings``
-finds stop strings; the scheduler, the model runner and the sampler do a step.
+finds stop strings; the scheduler, the model runner and the sampler do a step. With async
+scheduling (``EngineConfig.async_scheduling``) the runner's device half runs on
+``engine.runner.step_pipeline`` while the next step is scheduled and the previous one finished.
 """
 
 from __future__ import annotations
@@ -23,12 +25,20 @@ from engine.core.stop_strings import match_stop_string
 from engine.core.structured_output import StructuredOutputManager, accept_token
 from engine.core.window_kv import WindowBlocks
 from engine.errors import LoRAError, NotAnEmbeddingModel
-from engine.outputs import EngineStats, RequestOutput, RequestProgress
+from engine.outputs import (
+    EngineStats,
+    ModelRunnerOutput,
+    RequestOutput,
+    RequestProgress,
+    SchedulerOutput,
+)
 from engine.pooling.embedding import finish_pooling_request, pooling_request
 from engine.pooling.inputs import EmbeddingSpec, check_dimensions, encode_inputs, split_inputs
 from engine.pooling_params import EmbeddingInputs, PoolingParams
 from engine.protocol import ChatTemplate, Prompt
 from engine.runner.allocator import keep_step_buffers_on_heap
+from engine.runner.model_runner import ModelRunner
+from engine.runner.step_pipeline import InFlightStep, StepPipeline
 from engine.sampling_params import SamplingParams
 from engine.startup import start
 
@@ -73,6 +83,14 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.prefill_time = 0.0
         self.decode_time = 0.0
+        # Async scheduling (EngineConfig.async_scheduling): the device side, and the step it
+        # runs while the host prepares the next one.
+        self._pipeline: StepPipeline | None = None
+        self._in_flight: tuple[SchedulerOutput, InFlightStep] | None = None
+        runner = self.model_runner
+        if (config.overlaps_steps(runner.device.type) and not self.is_embedding
+                and isinstance(runner, ModelRunner)):
+            self._pipeline = StepPipeline(runner)
         if self.model_runner.device.type == "cpu":
             # after the build: loading and packing the weights keeps glibc's defaults (their
             # large, once-only buffers go back to the kernel when freed)
@@ -226,6 +244,7 @@ class LLMEngine:
         lora = self.model_runner.lora
         if lora is None:
             raise LoRAError(name, "LoRA is off in this engine (start it with lora_modules)")
+        self._wait_for_device()
         lora.add_adapter(name, path)
 
     def _check_lora(self, name: str) -> None:
@@ -233,6 +252,7 @@ class LLMEngine:
         if lora is None:
             raise LoRAError(name, "LoRA is off in this engine (no lora_modules registered)")
         lora.check(name)
+        self._wait_for_device()
         lora.get(name)  # read it now if the LRU dropped it: a bad file fails this request
 
     def _validate_prompt(self, prompt_ids: list[int]) -> None:
@@ -284,13 +304,63 @@ class LLMEngine:
 
     # ---- the loop -----------------------------------------------------------------------------
 
+    @property
+    def async_scheduling(self) -> bool:
+        """Steps overlap: the host schedules step N+1 while step N runs."""
+        return self._pipeline is not None
+
     def step(self) -> list[RequestOutput]:
+        """One step's outputs: the requests that finished in it.
+
+        With async scheduling, the step scheduled now is launched and the one launched by the
+        previous call is finished: its outputs are the ones returned. A request whose sampling
+        needs the host's state each token (``Request.needs_host_each_token``) makes the steps
+        synchronous while it is unfinished, the step in flight finished first.
+        """
+        if self._pipeline is None:
+            return self._step_now()
+        if self.scheduler.num_host_each_token:
+            return self._finish_in_flight() + self._step_now()
+        scheduler_output = self.scheduler.schedule(overlap=True)
+        launched = None
+        if not scheduler_output.is_empty:
+            launched = scheduler_output, self._pipeline.launch(scheduler_output,
+                                                               self.scheduler.requests)
+        outputs = self._finish_in_flight()
+        self._in_flight = launched
+        if launched is not None and not self._parents:
+            # Every request finished in the step before: this one's rows are all dropped, and
+            # nothing is left to overlap it with. Done now, the engine is idle when it says so.
+            outputs += self._finish_in_flight()
+        return outputs
+
+    def _wait_for_device(self) -> None:
+        """Let the step in flight finish on the device (its output is still to be finished):
+        the LoRA manager's adapters and slots are the device's while a step runs."""
+        if self._in_flight is not None:
+            self._in_flight[1].result()
+
+    def _step_now(self) -> list[RequestOutput]:
+        """A synchronous step: scheduled, run and finished in this call."""
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
             return []
         start = time.perf_counter()
         runner_output = self.model_runner.execute(scheduler_output, self.scheduler.requests)
-        elapsed = time.perf_counter() - start
+        return self._finish_step(scheduler_output, runner_output, time.perf_counter() - start)
+
+    def _finish_in_flight(self) -> list[RequestOutput]:
+        """Wait for the step in flight, if any, and finish it."""
+        if self._in_flight is None:
+            return []
+        scheduler_output, launched = self._in_flight
+        self._in_flight = None
+        result = launched.result()
+        return self._finish_step(scheduler_output, result.output, result.seconds)
+
+    def _finish_step(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput,
+                     elapsed: float) -> list[RequestOutput]:
+        """A step's tokens into its requests: stops, grammars, the finished requests' outputs."""
         num_decode = sum(1 for s in scheduler_output.scheduled if s.num_new_tokens == 1)
         num_tokens = max(scheduler_output.num_batched_tokens, 1)
         self.decode_time += elapsed * num_decode / num_tokens
@@ -336,9 +406,13 @@ class LLMEngine:
             RequestProgress(
                 request_id=request.parent_id or request.request_id,
                 running=running,
-                num_tokens=request.num_tokens,
-                num_computed_tokens=request.num_computed_tokens,
-                num_output_tokens=request.num_output_tokens,
+                num_tokens=request.num_sampled_tokens,
+                # async scheduling: the tokens of steps in flight are counted when back, as
+                # the synchronous engine counts them (its last token is computed next)
+                num_computed_tokens=(min(request.num_computed_tokens,
+                                         request.num_sampled_tokens - 1)
+                                     if request.num_placeholders else request.num_computed_tokens),
+                num_output_tokens=request.num_sampled_tokens - request.num_prompt_tokens,
                 max_tokens=request.max_tokens,
                 ignore_eos=request.sampling_params.ignore_eos,
             )

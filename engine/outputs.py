@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from engine.core.request import Request
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -22,6 +24,9 @@ class ScheduledRequest:
     num_new_tokens: int
     # The request samples a token this step: its prompt (and any recomputed output) is done.
     sample: bool
+    # Async scheduling: the input token (a decode's one) is the one this request samples in
+    # the step still in flight; the runner reads it from that step's sampled tokens.
+    prev_token: bool = False
 
 
 @dataclass
@@ -31,6 +36,11 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     num_preempted: int = 0
+    # Async scheduling (``Scheduler.schedule(overlap=True)``): the scheduled requests in
+    # ``scheduled`` order, their computed tokens already advanced and a placeholder appended for
+    # each sampled token. A request may finish, and its id be reused, before the output of this
+    # step comes back: the output goes to these objects. None: a synchronous step.
+    requests: list[Request] | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -52,7 +52,8 @@ class KVCacheManager:
     def _update_block_hashes(self, request: Request) -> None:
         bs = self.block_size
         hashes = request.block_hashes
-        num_full = request.num_tokens // bs
+        # Only tokens known on the host: a hash never covers a placeholder (async scheduling).
+        num_full = request.num_sampled_tokens // bs
         # The adapter is an extra key of every block: one prompt under two adapters has two
         # KVs (vLLM's extra keys); under one adapter it is shared.
         extra = (f"lora:{request.lora_name}",) if request.lora_name is not None else ()
@@ -150,19 +151,21 @@ class KVCacheManager:
             request.block_ids.extend(b.block_id for b in self.pool.allocate(num_new_blocks))
         return True
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Publish the request's blocks whose tokens are all computed; free its windowed
-        layers' blocks that fell behind the window."""
+    def cache_full_blocks(self, request: Request, num_computed: int) -> None:
+        """Publish the request's blocks whose ``num_computed`` first tokens are computed (by
+        steps that are done: with async scheduling ``request.num_computed_tokens`` also counts
+        the step in flight); free its windowed layers' blocks that fell behind the window
+        (those a step in flight still reads are reused only by later steps)."""
         if not self.enable_caching:
             if self.window is not None:
                 self.window.release_behind(request)
             return
         bs = self.block_size
-        num_done = request.num_computed_tokens // bs
+        num_done = num_computed // bs
         if self.window is None and num_done <= request.num_published_blocks:
             return  # most decode steps: no block filled up (hashes catch up when one does)
         self._update_block_hashes(request)
-        num_full = min(request.num_computed_tokens // bs, len(request.block_hashes))
+        num_full = min(num_done, len(request.block_hashes))
         for i in range(request.num_published_blocks, num_full):
             block = self.pool.blocks[request.block_ids[i]]
             self.pool.cache_block(

@@ -15,6 +15,11 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import xgrammar as xgr
 
+# Async scheduling: the token a step will sample, appended when the step is scheduled and
+# replaced when its output comes back. Never a real id, so a leak fails loudly (an embedding
+# lookup, a decode) instead of passing for a token.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
@@ -92,10 +97,21 @@ class Request:
     embedding: torch.Tensor | None = field(default=None, init=False)
     # ``sampling_params.argmax_only``, read once: the sampler asks every step.
     argmax_only: bool = field(default=False, init=False)
+    # Async scheduling: trailing entries of ``token_ids`` that are PLACEHOLDER_TOKEN_ID, tokens
+    # of steps scheduled (and counted in ``num_computed_tokens``) whose output is not back yet.
+    num_placeholders: int = field(default=0, init=False)
+    # Sampling needs the host's state of every token (a grammar, penalties, min_tokens): its
+    # steps run synchronously.
+    needs_host_each_token: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.argmax_only = self.sampling_params.argmax_only
+        params = self.sampling_params
+        self.needs_host_each_token = (
+            self.grammar is not None or params.structured_output is not None
+            or params.min_tokens > 0 or params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 
@@ -124,6 +140,17 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        """Prompt and output tokens known on the host (``token_ids`` less its placeholders)."""
+        return len(self.token_ids) - self.num_placeholders
+
+    def drop_placeholders(self) -> None:
+        """Forget the tokens of steps still in flight (the request finished before them)."""
+        if self.num_placeholders:
+            del self.token_ids[-self.num_placeholders:]
+            self.num_placeholders = 0
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from engine.config import EngineConfig
 from engine.core.block_pool import KVBlock
 from engine.core.kv_cache_manager import KVCacheManager
-from engine.core.request import Request, RequestStatus
+from engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 from engine.core.step_budget import Admit, StepBudget
 from engine.core.window_kv import WindowBlocks
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
@@ -36,6 +36,9 @@ class Scheduler:
         # ... or because their LoRA adapter would have been one more than max_loras.
         self.num_lora_holds = 0
         self.num_steps = 0
+        # Unfinished requests whose sampling needs the host's state of every token: while
+        # there is one, the engine runs its steps synchronously.
+        self.num_host_each_token = 0
         self.batch_size_hist: Counter[int] = Counter()
         self.scheduled_tokens_hist: Counter[int] = Counter()
 
@@ -46,6 +49,7 @@ class Scheduler:
         self._num_arrived += 1
         insort(self.waiting, request, key=_sort_key)
         self.requests[request.request_id] = request
+        self.num_host_each_token += request.needs_host_each_token
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -57,15 +61,23 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None or request.is_finished:
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.running.remove(request)
-            else:
-                self.waiting.remove(request)
+            self._dequeue(request)
             self._finish(request, status)
             finished.append(request)
         return finished
 
+    def _dequeue(self, request: Request) -> None:
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+
     def _finish(self, request: Request, status: RequestStatus) -> None:
+        # A step still in flight may compute one more token for it: that token is dropped (and
+        # the step's output for it ignored), its blocks freed now; a later step that reuses
+        # them runs after that one, in device order.
+        request.drop_placeholders()
+        self.num_host_each_token -= request.needs_host_each_token
         request.status = status
         request.metrics.finished_time = time.monotonic()
         self.kv.free(request)
@@ -73,7 +85,7 @@ class Scheduler:
 
     # ---- the step -----------------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, overlap: bool = False) -> SchedulerOutput:
         """One token budget, spent on running requests first, then on waiting ones.
 
         Every request moves ``num_computed_tokens`` toward ``num_tokens``: a decode needs one
@@ -104,6 +116,11 @@ class Scheduler:
         each is scheduled whole in one step with no KV blocks (alone when longer than the
         budget), one that does not fit what is left waits while smaller ones behind it fill
         the step, and each finishes in the step that computes it.
+
+        ``overlap`` (async scheduling): the previous step may still be running. The scheduled
+        requests' ``num_computed_tokens`` are advanced now and each sampled token is a
+        placeholder until ``update_from_output``; a request whose placeholder will reach its
+        length limit is not scheduled again.
         """
         step = StepBudget(self.config.max_num_batched_tokens)
         step.urgent_priority, step.bulk_budget = self._bulk_cap()
@@ -112,6 +129,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
+            if request.num_placeholders and self._reaches_length(request):
+                i += 1  # its step in flight samples its last token
+                continue
             num_new = step.cap(request, min(len(request.token_ids) - request.num_computed_tokens,
                                             step.budget))
             if num_new == 0:
@@ -136,7 +156,30 @@ class Scheduler:
             self.num_steps += 1
             self.batch_size_hist[len(scheduled)] += 1
             self.scheduled_tokens_hist[num_batched] += 1
-        return SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
+        output = SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
+        if overlap:
+            output.requests = self._advance(scheduled)
+        return output
+
+    def _advance(self, scheduled: list[ScheduledRequest]) -> list[Request]:
+        """Async scheduling: count the step's tokens as computed now and give each sampled
+        token a placeholder, so the next step can be scheduled before this one's output."""
+        requests = []
+        for s in scheduled:
+            request = self.requests[s.request_id]
+            # Any placeholder now is the step in flight's token: this step's input (a decode).
+            s.prev_token = request.num_placeholders > 0
+            request.num_computed_tokens = s.num_computed_tokens + s.num_new_tokens
+            if s.sample:
+                request.token_ids.append(PLACEHOLDER_TOKEN_ID)
+                request.num_placeholders += 1
+            requests.append(request)
+        return requests
+
+    def _reaches_length(self, request: Request) -> bool:
+        """Its tokens so far, placeholders included, reach max_tokens or the context."""
+        return (request.num_output_tokens >= request.max_tokens
+                or request.num_tokens >= self.max_model_len)
 
     def _bulk_cap(self) -> tuple[int | None, int | None]:
         """(most urgent priority, token budget of the less urgent) while priorities differ.
@@ -340,16 +383,26 @@ class Scheduler:
     ) -> tuple[list[Request], list[Request]]:
         """Advance computed tokens, append sampled tokens and apply token-level stops.
 
+        An overlapped step (``schedule(overlap=True)``) advanced its tokens when it was
+        scheduled: its sampled tokens replace their placeholders, by position, and its requests
+        that finished (or were aborted) meanwhile are passed over; one preempted meanwhile still
+        takes its token (it recomputes it later).
+
         Returns (requests that got a new token, requests that finished).
         """
         now = time.monotonic()
         updated: list[Request] = []
         finished: list[Request] = []
-        requests = self.requests
+        overlapped = scheduler_output.requests
+        requests = (overlapped if overlapped is not None
+                    else [self.requests[s.request_id] for s in scheduler_output.scheduled])
         sampled = runner_output.sampled_token_ids
-        for sched in scheduler_output.scheduled:
-            request = requests[sched.request_id]
-            request.num_computed_tokens += sched.num_new_tokens
+        for sched, request in zip(scheduler_output.scheduled, requests, strict=True):
+            num_computed = sched.num_computed_tokens + sched.num_new_tokens
+            if overlapped is None:
+                request.num_computed_tokens = num_computed
+            elif request.is_finished:
+                continue
             if request.is_pooling:  # done in its one step: its vector is its output
                 request.embedding = runner_output.pooled[request.request_id]
                 request.metrics.first_token_time = now
@@ -357,15 +410,19 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 finished.append(request)
                 continue
-            self.kv.cache_full_blocks(request)
+            if request.status == RequestStatus.RUNNING:
+                self.kv.cache_full_blocks(request, num_computed)
             if not sched.sample:
                 continue
             token_id = sampled[request.request_id]
-            token_ids = request.token_ids
-            token_ids.append(token_id)
+            if overlapped is None:
+                request.token_ids.append(token_id)
+            else:
+                request.token_ids[num_computed] = token_id
+                request.num_placeholders -= 1
             if request.logprobs is not None:
                 request.logprobs.append(runner_output.logprobs[request.request_id])
-            num_out = len(token_ids) - len(request.prompt_token_ids)
+            num_out = num_computed + 1 - len(request.prompt_token_ids)
             metrics = request.metrics
             metrics.num_generated_tokens = num_out
             if metrics.first_token_time is None:
@@ -373,7 +430,7 @@ class Scheduler:
             updated.append(request)
             status = self._check_token_stop(request, token_id, num_out)
             if status is not None:
-                self.running.remove(request)
+                self._dequeue(request)
                 self._finish(request, status)
                 finished.append(request)
         return updated, finished
@@ -381,7 +438,7 @@ class Scheduler:
     def _check_token_stop(self, request: Request, token_id: int,
                           num_out: int) -> RequestStatus | None:
         """Why ``request`` ends at ``token_id``, its ``num_out``-th output token (None: it goes
-        on)."""
+        on). Placeholders after it (steps in flight) do not count."""
         params = request.sampling_params
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token_id in request.eos_token_ids:
@@ -390,14 +447,15 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 request.stop_reason = token_id
                 return RequestStatus.FINISHED_STOPPED
-        if num_out >= request.max_tokens or len(request.token_ids) >= self.max_model_len:
+        if (num_out >= request.max_tokens
+                or request.num_prompt_tokens + num_out >= self.max_model_len):
             return RequestStatus.FINISHED_LENGTH
         return None
 
     def finish_stopped(self, request: Request, stop_reason: str) -> None:
         """A stop string matched (checked by the engine, which owns the detokenizer)."""
         request.stop_reason = stop_reason
-        self.running.remove(request)
+        self._dequeue(request)
         self._finish(request, RequestStatus.FINISHED_STOPPED)
 
 

@@ -14,7 +14,9 @@ def match_stop_string(request: Request, decode: Callable[[list[int], bool], str]
     the output decoded by ``decode(token_ids, skip_special_tokens)``, cut at the match (after it
     with ``include_stop_str_in_output``)."""
     params = request.sampling_params
-    text = decode(request.output_token_ids, params.skip_special_tokens)
+    # (not the placeholders of steps in flight: async scheduling)
+    text = decode(request.token_ids[request.num_prompt_tokens:request.num_sampled_tokens],
+                  params.skip_special_tokens)
     longest = max(len(s) for s in params.stop)
     search_from = max(0, len(request.text) - longest)
     request.text = text

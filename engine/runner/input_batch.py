@@ -7,13 +7,16 @@ passes such as ``ModelRunner.score_tokens`` go through the same code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+from dataclasses import dataclass, fields, replace
 from itertools import chain
 
 import numpy as np
 import torch
 
+from engine.core.request import Request
 from engine.layers.attention_metadata import AttentionMetadata
+from engine.outputs import ScheduledRequest
 
 
 @dataclass
@@ -35,6 +38,36 @@ class InputBatch:
     metadata: AttentionMetadata
     sample_indices: list[int]  # the token row each sampling request samples from
     sample_rows: list[int]  # which of the given rows sample, in sample_indices' order
+
+    def to(self, device: torch.device) -> InputBatch:
+        """The batch with its tensors on ``device`` (itself when they are on its kind)."""
+        if self.input_ids.device.type == device.type:
+            return self
+        return replace(self, input_ids=self.input_ids.to(device, non_blocking=True),
+                       positions=self.positions.to(device, non_blocking=True),
+                       metadata=_metadata_to(self.metadata, device))
+
+
+def _metadata_to(metadata: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    moved = copy.copy(metadata)
+    for f in fields(metadata):
+        value = getattr(metadata, f.name)
+        if isinstance(value, torch.Tensor):
+            setattr(moved, f.name, value.to(device, non_blocking=True))
+    moved.extra = {name: t.to(device, non_blocking=True) for name, t in metadata.extra.items()}
+    if metadata.window is not None:
+        moved.window = _metadata_to(metadata.window, device)
+    return moved
+
+
+@dataclass
+class PreparedStep:
+    """One step as the host laid it out (``ModelRunner.prepare_step``), ready for the device."""
+
+    scheduled: list[ScheduledRequest]  # in the runner's order (by adapter with LoRA on)
+    batch: InputBatch
+    sample_requests: list[Request]  # the rows that sample, in the sampled tokens' order
+    lora_rows: list[tuple[str | None, int]] | None  # (adapter, new tokens) a row; None: no LoRA
 
 
 def _block_table(rows: list[list[int]]) -> np.ndarray:

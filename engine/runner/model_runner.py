@@ -36,7 +36,7 @@ from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.device import bf16_is_native, resolve_device, resolve_dtype
 from engine.runner.greedy_dispatch import sample_tokens
 from engine.runner.greedy_screen import GreedyScreen
-from engine.runner.input_batch import InputBatch, StepRow, build_input_batch
+from engine.runner.input_batch import InputBatch, PreparedStep, StepRow, build_input_batch
 from engine.runner.kv_cache import KVCache, plan_kv_cache
 from engine.runner.sampler import Sampler
 
@@ -198,16 +198,17 @@ class ModelRunner:
         self.kv_cache_seconds = time.perf_counter() - start
 
     def prepare_inputs(
-        self, scheduled: list[ScheduledRequest], requests: dict[str, Request]
+        self, scheduled: list[ScheduledRequest], requests: dict[str, Request],
+        device: torch.device | None = None,
     ) -> tuple[InputBatch, list[Request]]:
-        """The step's flat batch of ``scheduled`` (``_ordered``), and the requests that sample,
-        in its sample order."""
+        """The step's flat batch of ``scheduled`` (``_ordered``) on ``device`` (None: the
+        runner's), and the requests that sample, in its sample order."""
         rows = []
         for s in scheduled:
             request = requests[s.request_id]
             rows.append(StepRow(request.token_ids, request.block_ids, request.window_block_ids,
                                 s.num_computed_tokens, s.num_new_tokens, s.sample))
-        batch = build_input_batch(rows, self.block_size, self.device,
+        batch = build_input_batch(rows, self.block_size, device or self.device,
                                   with_window=self.kv_window is not None)
         return batch, [requests[scheduled[i].request_id] for i in batch.sample_rows]
 
@@ -238,12 +239,30 @@ class ModelRunner:
     def execute(
         self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
     ) -> ModelRunnerOutput:
+        return self.run_step(self.prepare_step(scheduler_output, requests))
+
+    def prepare_step(self, scheduler_output: SchedulerOutput, requests: dict[str, Request],
+                     on_host: bool = False) -> PreparedStep:
+        """The host's half of a step: everything read from the requests (their tokens, block
+        tables, adapters, in the batch's layout). With async scheduling it runs while the
+        previous step is still on the device, and the requests change after it returns;
+        ``on_host`` leaves the batch's tensors on the CPU for ``run_step`` to copy (a copy
+        from pageable memory would wait here for the step on the device)."""
         scheduled = self._ordered(scheduler_output, requests)
         self._will_run(scheduled, requests)
-        batch, sample_requests = self.prepare_inputs(scheduled, requests)
+        batch, sample_requests = self.prepare_inputs(
+            scheduled, requests, torch.device("cpu") if on_host else None)
+        lora_rows = None if self.lora is None else [
+            (requests[s.request_id].lora_name, s.num_new_tokens) for s in scheduled]
+        return PreparedStep(scheduled, batch, sample_requests, lora_rows)
+
+    @torch.inference_mode()
+    def run_step(self, step: PreparedStep) -> ModelRunnerOutput:
+        """The device's half: the forward pass and the sampled tokens. Reads no request state
+        the host changes between steps (``engine/runner/step_pipeline.py``)."""
+        batch = step.batch = step.batch.to(self.device)
         metadata = batch.metadata
-        lora = None if self.lora is None else self._lora_batch(
-            [(requests[s.request_id].lora_name, s.num_new_tokens) for s in scheduled])
+        lora = None if step.lora_rows is None else self._lora_batch(step.lora_rows)
         graphs = self.graphs if lora is None else self.lora_graphs
         if graphs is not None and metadata.num_prefills == 0:
             if lora is not None:
@@ -265,6 +284,7 @@ class ModelRunner:
         # Only the rows we sample from go through the (large) output projection; plain greedy
         # rows take the screened argmax instead where there is one.
         index = torch.tensor(batch.sample_indices, dtype=torch.int64, device=self.device)
+        sample_requests = step.sample_requests
         tokens, logprobs = sample_tokens(self.model, self.greedy_screen, self.sampler,
                                          hidden.index_select(0, index), sample_requests)
         return ModelRunnerOutput(

@@ -27,6 +27,22 @@ def test_every_case_reports_its_phases(tmp_path, capsys):
     assert "us_per_seq" in capsys.readouterr().out
 
 
+def test_async_times_each_case_both_ways(tmp_path, capsys):
+    out = tmp_path / "figures.json"
+    assert step_overhead.main(["--seqs", "8", "--steps", "3", "--threads", "1", "--vocab", "512",
+                               "--modes", "decode", "--sampling", "greedy", "--structured",
+                               "--async", "--json", str(out)]) == 0
+    results = json.loads(out.read_text())
+    assert [(r["case"]["structured"], r["async"]) for r in results] == [
+        (False, False), (False, True), (True, False), (True, True)]
+    for r in results:
+        assert r["step"] > 0 and r["device"] > 0 and 0 < r["host"] <= r["step"]
+        # synchronous steps never wait on a step thread; a structured row keeps async ones
+        # synchronous too
+        assert (r["wait"] > 0) == (r["async"] and not r["case"]["structured"])
+    assert "wait" in capsys.readouterr().out
+
+
 def test_the_sampler_bench_times_every_setting(monkeypatch, capsys):
     import sys
 

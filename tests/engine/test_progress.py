@@ -7,7 +7,9 @@ from engine import LLM, SamplingParams
 
 
 def test_progress_lists_running_then_waiting_sequences_with_their_counts(tiny_model_dir):
-    engine = LLM(str(tiny_model_dir), max_num_seqs=2).engine
+    # synchronous steps (the default on a GPU overlaps them, and a step's tokens come back with
+    # the next step() call): the counts below are those after three steps' outputs
+    engine = LLM(str(tiny_model_dir), max_num_seqs=2, async_scheduling=False).engine
     prompt = list(range(3, 15))  # 12 tokens
     engine.add_request("a", prompt, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     engine.add_request("pair", prompt, SamplingParams(temperature=0, max_tokens=7, n=2))
