@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from engine.core.request import Request
-
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -36,11 +34,6 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     num_preempted: int = 0
-    # Async scheduling (``Scheduler.schedule(overlap=True)``): the scheduled requests in
-    # ``scheduled`` order, their computed tokens already advanced and a placeholder appended for
-    # each sampled token. A request may finish, and its id be reused, before the output of this
-    # step comes back: the output goes to these objects. None: a synchronous step.
-    requests: list[Request] | None = None
 
     @property
     def is_empty(self) -> bool:

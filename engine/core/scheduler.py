@@ -6,6 +6,7 @@ import time
 from bisect import insort
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.core.block_pool import KVBlock
@@ -14,6 +15,16 @@ from engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
 from engine.core.step_budget import Admit, StepBudget
 from engine.core.window_kv import WindowBlocks
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class OverlappedOutput(SchedulerOutput):
+    """An async-scheduled step (``Scheduler.schedule(overlap=True)``), with its requests in
+    ``scheduled`` order, their computed tokens already advanced and a placeholder appended for
+    each sampled token. A request may finish, and its id be reused, before this step's output
+    comes back: the output goes to these objects."""
+
+    requests: list[Request] = field(default_factory=list)
 
 
 class Scheduler:
@@ -156,10 +167,10 @@ class Scheduler:
             self.num_steps += 1
             self.batch_size_hist[len(scheduled)] += 1
             self.scheduled_tokens_hist[num_batched] += 1
-        output = SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
         if overlap:
-            output.requests = self._advance(scheduled)
-        return output
+            return OverlappedOutput(scheduled, max(num_batched, 0), step.num_preempted,
+                                    self._advance(scheduled))
+        return SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
 
     def _advance(self, scheduled: list[ScheduledRequest]) -> list[Request]:
         """Async scheduling: count the step's tokens as computed now and give each sampled
@@ -393,7 +404,8 @@ class Scheduler:
         now = time.monotonic()
         updated: list[Request] = []
         finished: list[Request] = []
-        overlapped = scheduler_output.requests
+        overlapped = (scheduler_output.requests if isinstance(scheduler_output, OverlappedOutput)
+                      else None)
         requests = (overlapped if overlapped is not None
                     else [self.requests[s.request_id] for s in scheduler_output.scheduled])
         sampled = runner_output.sampled_token_ids

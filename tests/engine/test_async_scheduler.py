@@ -14,7 +14,7 @@ import pytest
 
 from engine.core.block_pool import hash_block_tokens
 from engine.core.request import PLACEHOLDER_TOKEN_ID, Request, RequestStatus
-from engine.core.scheduler import Scheduler
+from engine.core.scheduler import OverlappedOutput, Scheduler
 from engine.outputs import ModelRunnerOutput, RequestMetrics, SchedulerOutput
 from engine.sampling_params import SamplingParams
 from tests.engine.test_scheduler import check_invariants, make_request, make_scheduler
@@ -28,7 +28,8 @@ class FakeDevice:
 
     def run(self, sched: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
         sampled = {}
-        requests = out.requests or [sched.requests[s.request_id] for s in out.scheduled]
+        requests = (out.requests if isinstance(out, OverlappedOutput)
+                    else [sched.requests[s.request_id] for s in out.scheduled])
         for s, request in zip(out.scheduled, requests, strict=True):
             last = s.num_computed_tokens + s.num_new_tokens - 1
             if s.prev_token:
