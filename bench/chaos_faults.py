@@ -96,7 +96,7 @@ class Injector:
         stack = self.stack
         if fault.kind == "worker_sigkill":
             stack.kill_worker(fault.target)
-            stack.start_worker(fault.target)
+            stack.restart_worker(fault.target)
         elif fault.kind == "worker_sigstop":
             pid = stack.workers[fault.target].pid
             os.killpg(pid, signal.SIGSTOP)

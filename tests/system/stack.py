@@ -228,7 +228,7 @@ class PrivateStack:
             proc = self.workers.get(name)
             if proc is None or proc.poll() is not None:
                 self.workers.pop(name, None)
-                self.start_worker(name)
+                self.restart_worker(name)
         return self
 
     # -- the API process ---------------------------------------------------------------------
@@ -288,17 +288,21 @@ class PrivateStack:
     # -- workers -------------------------------------------------------------------------------
 
     def start_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        """Start worker ``name`` (``env`` over the stack's; none given: the one it was last
-        started with) and wait until Celery is ready."""
+        """Start worker ``name`` (``env`` over the stack's; none: the stack's alone) and wait
+        until Celery is ready."""
         return self.start_workers({name: env})[name]
+
+    def restart_worker(self, name: str) -> subprocess.Popen:
+        """Start worker ``name`` again with the environment it was last started with (a fault
+        run's restart of a killed worker)."""
+        return self.start_workers({name: self.worker_envs.get(name)})[name]
 
     def start_workers(self, envs: dict[str, dict[str, str] | None]) -> dict[str, subprocess.Popen]:
         """Start these workers at once (each with its ``env`` as in ``start_worker``), then
         wait until each is ready: their start-ups overlap."""
         waits = []
         for name, env in envs.items():
-            if env is not None:
-                self.worker_envs[name] = env
+            self.worker_envs[name] = env or {}
             log_path = os.path.join(self.logdir, f"{name}.log")
             log = open(log_path, "ab")
             offset = log.tell()
