@@ -21,7 +21,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kernels.triton_int4_gemm import launch_split, split_k_for
+from engine.kernels.triton_int4_gemm import (
+    dot_tile,
+    launch_split,
+    split_k_for,
+    store_split_tile,
+)
 
 
 @triton.jit
@@ -71,14 +76,9 @@ def _fp8_gemm_kernel(
             values = _e4m3_to_float(codes)
         scale = tl.load(scale_cols + (k0 // SCALE_BK) * stride_sk, mask=col_mask, other=0.0)
         w = (values * scale.to(tl.float32)[None, :]).to(x.dtype)
-        if UPCAST_DOT:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = (out_ptr + split * stride_os + rows.to(tl.int64)[:, None] * stride_om
-           + cols[None, :] * stride_on)
-    tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+        acc = dot_tile(acc, x, w, PRECISION, UPCAST_DOT)
+    store_split_tile(acc, bias_ptr, out_ptr, rows, cols, row_mask, col_mask, split,
+                     stride_os, stride_om, stride_on, HAS_BIAS)
 
 
 # Triton's CPU interpreter multiplies the raw bits of bf16 dot operands (it stores bf16 as

@@ -35,7 +35,12 @@ import triton
 import triton.language as tl
 
 from engine.kernels.ggml_quants import get_format, row_bytes
-from engine.kernels.triton_int4_gemm import launch_split, split_k_for
+from engine.kernels.triton_int4_gemm import (
+    dot_tile,
+    launch_split,
+    split_k_for,
+    store_split_tile,
+)
 
 BLOCK_KS = (32, 64, 128, 256)  # the K tiles the kernel takes (powers of two: tl.arange)
 _SUB = {"Q4_0": 32, "Q4_1": 32, "Q5_0": 32, "Q5_1": 32, "Q8_0": 32,
@@ -162,14 +167,9 @@ def _ggml_gemm_kernel(
         j = (s[:, None] * SUB + lanes[None, :])[:, :, None]  # [SUBS, SUB, 1]
         w = _dequantize_tile(block, s[:, None], j, mask, FMT)  # [SUBS, SUB, BLOCK_N]
         w = tl.reshape(w, (BLOCK_K, BLOCK_N)).to(x.dtype)
-        if UPCAST_DOT:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = (out_ptr + split * stride_os + rows.to(tl.int64)[:, None] * stride_om
-           + cols[None, :] * stride_on)
-    tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+        acc = dot_tile(acc, x, w, PRECISION, UPCAST_DOT)
+    store_split_tile(acc, bias_ptr, out_ptr, rows, cols, row_mask, col_mask, split,
+                     stride_os, stride_om, stride_on, HAS_BIAS)
 
 
 # Triton's CPU interpreter multiplies the raw bits of bf16 dot operands (it stores bf16 as

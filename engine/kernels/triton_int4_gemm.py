@@ -28,6 +28,26 @@ SUPPORTED_GROUP_SIZES = (32, 64, 128)  # and one group a row (group_size == in_f
 
 
 @triton.jit
+def dot_tile(acc, x, w, PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr):
+    """``acc + x @ w`` (fp32 accumulation); ``UPCAST_DOT``: fp32 operands (the interpreter's)."""
+    if UPCAST_DOT:
+        x, w = x.to(tl.float32), w.to(tl.float32)
+    return acc + tl.dot(x, w, input_precision=PRECISION)
+
+
+@triton.jit
+def store_split_tile(acc, bias_ptr, out_ptr, rows, cols, row_mask, col_mask, split,
+                     stride_os, stride_om, stride_on, HAS_BIAS: tl.constexpr):
+    """A program's ``[BLOCK_M, BLOCK_N]`` tile (+ bias) into its K slice's output
+    (``launch_split``'s layout)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    out = (out_ptr + split * stride_os + rows.to(tl.int64)[:, None] * stride_om
+           + cols[None, :] * stride_on)
+    tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+
+
+@triton.jit
 def _int4_gemm_kernel(
     x_ptr, qweight_ptr, zeros_ptr, scales_ptr, bias_ptr, out_ptr,
     M, N, K, K_PER_SPLIT,
@@ -59,14 +79,9 @@ def _int4_gemm_kernel(
                         other=0.0)
         w = (codes - zero.to(tl.int32)[None, :]).to(tl.float32) * scale.to(tl.float32)[None, :]
         w = w.to(x.dtype)
-        if UPCAST_DOT:
-            x, w = x.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(x, w, input_precision=PRECISION)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    out = (out_ptr + split * stride_os + rows.to(tl.int64)[:, None] * stride_om
-           + cols[None, :] * stride_on)
-    tl.store(out, acc, mask=row_mask[:, None] & col_mask[None, :])
+        acc = dot_tile(acc, x, w, PRECISION, UPCAST_DOT)
+    store_split_tile(acc, bias_ptr, out_ptr, rows, cols, row_mask, col_mask, split,
+                     stride_os, stride_om, stride_on, HAS_BIAS)
 
 
 # Triton's CPU interpreter multiplies the raw bits of bf16 dot operands (it stores bf16 as
