@@ -180,9 +180,14 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def penalized(self) -> bool:
+        """A repetition, presence or frequency penalty: the logits depend on the tokens so far."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+    @property
     def argmax_only(self) -> bool:
         """The token is the argmax of the raw logits (once ``min_tokens`` are out): greedy, with
         no logprobs, no logit_bias or grammar, no penalties."""
         return (self.greedy and self.logprobs is None and self.plain_logits
-                and self.repetition_penalty == 1.0 and self.presence_penalty == 0.0
-                and self.frequency_penalty == 0.0)
+                and not self.penalized)

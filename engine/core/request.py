@@ -100,18 +100,10 @@ class Request:
     # Async scheduling: trailing entries of ``token_ids`` that are PLACEHOLDER_TOKEN_ID, tokens
     # of steps scheduled (and counted in ``num_computed_tokens``) whose output is not back yet.
     num_placeholders: int = field(default=0, init=False)
-    # Sampling needs the host's state of every token (a grammar, penalties, min_tokens): its
-    # steps run synchronously.
-    needs_host_each_token: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.argmax_only = self.sampling_params.argmax_only
-        params = self.sampling_params
-        self.needs_host_each_token = (
-            self.grammar is not None or params.structured_output is not None
-            or params.min_tokens > 0 or params.repetition_penalty != 1.0
-            or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 
@@ -140,6 +132,14 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids) :]
+
+    @property
+    def needs_host_each_token(self) -> bool:
+        """Sampling needs the host's state of every token (a grammar, penalties, min_tokens):
+        its steps run synchronously (async scheduling)."""
+        params = self.sampling_params
+        return (self.grammar is not None or params.structured_output is not None
+                or params.min_tokens > 0 or params.penalized)
 
     @property
     def num_sampled_tokens(self) -> int:
