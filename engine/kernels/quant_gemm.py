@@ -12,7 +12,10 @@ for bit), else ggml's own rows, multiplied by ``triton_ggml_gemm`` on CUDA and b
 ``linear_reference`` elsewhere. The kernel runs a fused
 unpack-and-FMA pass for up to 4 activation rows (memory-bound decode) and, above that,
 dequantizes 16 rows x 256 values at a time into an L1 panel for a register-blocked FMA kernel
-(the C++ file's header has the layout, the paths and why the values equal gguf's).
+(the C++ file's header has the layout, the paths and why the values equal gguf's). On a CPU
+with AVX512-BF16 a bf16 ``x`` above 4 rows takes a bf16 panel instead (``bf16_panel()``): the
+dequantized values rounded to bf16, as the dequantize mode's bf16 weights are, multiplied by
+``vdpbf16ps`` at twice the fp32 FMA's multiply-adds an instruction.
 
 Measured on this repo's AVX2 EPYC, one thread, CPU time (the machine is shared), against
 oneDNN's packed fp32 weight of the same values (``bench.quant_gemm`` prints the 2-thread
@@ -161,7 +164,7 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     _library().quant_linear(w.fmt, w._data, w.in_features, w.out_features,
-                            x.reshape(rows, w.in_features).float().contiguous(), bias, out, path)
+                            x.reshape(rows, w.in_features).contiguous(), bias, out, path)
     return out.view(*x.shape[:-1], w.out_features)
 
 
@@ -190,9 +193,21 @@ def kernel_formats(device_type: str = "cpu") -> frozenset[str]:
 
 
 def kernel_isa() -> str | None:
-    """The instruction set the loaded kernel runs (``avx2`` or ``generic``); None without it."""
+    """The instruction set the loaded kernel runs (``avx512_bf16``: AVX2 paths and the bf16
+    panel; ``avx2``; or ``generic``); None without it."""
     module = cpu_decode_attention.load()
     return None if module is None else str(module.quant_isa)
+
+
+# Row counts up to this take the fused path under ``path="auto"`` (kFusedMaxRows in the C++).
+FUSED_MAX_ROWS = 4
+
+
+def bf16_panel(dtype: torch.dtype, rows: int, path: str = "auto") -> bool:
+    """Whether ``quant_linear`` of ``rows`` rows of ``dtype`` multiplies the weight rounded to
+    bf16 (the bf16 panel, on a CPU with AVX512-BF16), rather than its exact fp32 values."""
+    panel = path == "panel" or (path == "auto" and rows > FUSED_MAX_ROWS)
+    return dtype == torch.bfloat16 and panel and kernel_isa() == "avx512_bf16"
 
 
 def _library() -> ModuleType:

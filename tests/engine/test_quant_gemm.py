@@ -9,7 +9,10 @@ sqrt(K) * u * A, for either order. The tests allow 4 sqrt(K) u A per output (A c
 float64 from |x| @ |W|.T), and in bf16 also one bf16 rounding step (2^-8 of the value), since
 two fp32 sums a hair apart may round to neighbouring bf16 values. On unit-scale data (A ~ K/2)
 that is ~1e-4 * sqrt(K) at K = 768, in line with what fp32 GEMMs are held to, while a single
-wrong weight moves an output by ~|x_k w_k| ~ 0.5.
+wrong weight moves an output by ~|x_k w_k| ~ 0.5. Where a bf16 x takes the bf16 panel
+(``bf16_panel``: a CPU with AVX512-BF16), the reference's weights are the dequantized values
+rounded to bf16 (the dequantize mode's bf16 weights), with the same tolerance: bf16 products are
+exact in fp32.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from engine.kernels.ggml_quants import FORMATS, dequantize, random_rows, row_byt
 from engine.kernels.quant_gemm import (
     PATHS,
     QuantWeight,
+    bf16_panel,
     kernel_formats,
     kernel_isa,
     linear_reference,
@@ -39,8 +43,11 @@ def _weight(fmt: str, out_features: int, in_features: int, seed: int = 0) -> tup
 
 
 def _assert_matches(out: torch.Tensor, x: torch.Tensor, dense: torch.Tensor,
-                    bias: torch.Tensor | None) -> None:
-    """``out`` equals (x.float() @ dense.T + bias).to(x.dtype) within the module's tolerance."""
+                    bias: torch.Tensor | None, path: str = "auto") -> None:
+    """``out`` equals (x.float() @ dense.T + bias).to(x.dtype) within the module's tolerance;
+    ``dense`` rounded to bf16 first where ``path`` takes the bf16 panel for ``x``."""
+    if bf16_panel(x.dtype, x.numel() // x.shape[-1], path):
+        dense = dense.to(torch.bfloat16).float()
     x64, w64 = x.double(), dense.double()
     exact = x64 @ w64.T + (bias.double() if bias is not None else 0)
     magnitude = x64.abs() @ w64.abs().T  # A: the largest a partial sum can be
@@ -130,7 +137,7 @@ def test_kernel_formats_are_known_formats():
 @needs_kernel
 def test_every_format_has_a_kernel():
     assert kernel_formats() == set(FORMATS)
-    assert kernel_isa() in ("avx2", "generic")
+    assert kernel_isa() in ("avx512_bf16", "avx2", "generic")
 
 
 def test_row_bytes_of_a_packed_weight():
@@ -158,7 +165,7 @@ def test_kernel_equals_the_reference(fmt, path):
                 for b in (None, bias):
                     out = quant_linear(xd, w, b, path=path)
                     assert out.dtype == dtype and out.shape == (rows, out_features)
-                    _assert_matches(out, xd, dense, b)
+                    _assert_matches(out, xd, dense, b, path)
 
 
 @needs_kernel
@@ -210,4 +217,4 @@ def test_panel_blocks_of_rows(fmt):
     x = torch.randn(97, 2048, generator=torch.Generator().manual_seed(3))
     for dtype in (torch.float32, torch.bfloat16):
         out = quant_linear(x.to(dtype), w, path="panel")
-        _assert_matches(out, x.to(dtype), dequantize(fmt, data, 2048), None)
+        _assert_matches(out, x.to(dtype), dequantize(fmt, data, 2048), None, "panel")

@@ -24,8 +24,17 @@
 //           activation rows (all of them up to 48-108, by depth: panel_rows): the dequantization
 //           is paid once for many rows, the FMAs run at the GEMM's rate.
 //   generic plain loops the compiler vectorizes, for CPUs without AVX2+FMA+F16C (and the tests).
-// x is fp32 (a bf16 x is widened once by the launcher); the sums are fp32; out is fp32 or bf16
-// (rounded once, to nearest even), with the bias added in fp32.
+// x is fp32 or bf16; the sums are fp32; out is x's dtype (bf16 rounded once, to nearest even),
+// with the bias added in fp32. A bf16 x is widened once for the fused and generic paths, and for
+// the panel path where the CPU has no AVX512-BF16. Where it has (built with it: BOXCAR_QUANT_BF16),
+// a bf16 x's panel path is the bf16 panel:
+//   panel   as above, but the panel holds the dequantized values rounded to bf16 (to nearest
+//   (bf16)  even, as torch's .to(bfloat16) rounds them: the dequantize mode's bf16 weights) in
+//           pairs of depth, [128 pairs][16 rows][2], and the micro-kernel's `vdpbf16ps` multiplies
+//           a broadcast pair of x's values with 16 rows' pairs and adds both products (exact in
+//           fp32) to fp32 sums: twice the multiply-adds of an fp32 FMA an instruction, and half
+//           the bytes of x and the panel. Its products are those of the dequantized bf16 model's
+//           weights; only the order of the fp32 sums differs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -34,6 +43,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define BOXCAR_QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__)
+#define BOXCAR_QUANT_BF16 1
+#endif
 #endif
 
 #include <algorithm>
@@ -565,26 +578,57 @@ torch::Tensor quant_unpack_rows(const std::string& fmt, const torch::Tensor& til
 struct Problem {
   const uint8_t* tiles;
   int64_t blocks, num_tiles;  // blocks of depth a row; tiles of 8 output rows
-  const float* x;             // [rows, depth]
+  const float* x;             // [rows, depth] fp32 (null on the bf16 panel path)
+  const uint16_t* xh;         // [rows, depth] bf16 bits (the bf16 panel path), else null
   int64_t rows, depth, out_features;
   const float* bias;          // [out_features] or null
   torch::Tensor out;          // [rows, out_features] fp32 or bf16
 };
 
-// out[m, col0 + c] = acc[m * stride + c] + bias, for the c < cols that exist.
+#if defined(BOXCAR_QUANT_AVX2)
+// 8 fp32 -> 8 bf16 bits, to nearest even (NaN -> 0x7FC0), as c10::BFloat16(float) rounds.
+inline __m128i to_bf16(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i rounded = _mm256_srli_epi32(
+      _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC0), nan);
+  const __m256i packed = _mm256_packus_epi32(rounded, rounded);  // per 128-bit lane
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+}
+#endif
+
+// out[m, col0 + c] = acc[m * stride + c] + bias, for the c < cols that exist: 8 at a time
+// where the CPU has AVX2 (a scalar bf16 rounding a value cost a quarter of a 64-row step's
+// time at a depth of 640), else one by one.
 void write_out(const Problem& p, const float* acc, int64_t stride, int64_t m0, int64_t rows,
                int64_t col0, int64_t cols) {
   cols = std::min(cols, p.out_features - col0);
+  const bool fp32 = p.out.scalar_type() == torch::kFloat;
+  float* out_f = fp32 ? p.out.data_ptr<float>() : nullptr;
+  c10::BFloat16* out_h = fp32 ? nullptr : p.out.data_ptr<c10::BFloat16>();
   for (int64_t m = 0; m < rows; ++m) {
     const float* a = acc + m * stride;
     const int64_t at = (m0 + m) * p.out_features + col0;
-    if (p.out.scalar_type() == torch::kFloat) {
-      float* o = p.out.data_ptr<float>() + at;
-      for (int64_t c = 0; c < cols; ++c) o[c] = a[c] + (p.bias ? p.bias[col0 + c] : 0.0f);
-    } else {
-      c10::BFloat16* o = p.out.data_ptr<c10::BFloat16>() + at;
-      for (int64_t c = 0; c < cols; ++c) {
-        o[c] = c10::BFloat16(a[c] + (p.bias ? p.bias[col0 + c] : 0.0f));  // nearest even
+    int64_t c = 0;
+#if defined(BOXCAR_QUANT_AVX2)
+    for (; c + 8 <= cols; c += 8) {
+      __m256 v = _mm256_loadu_ps(a + c);
+      if (p.bias) v = _mm256_add_ps(v, _mm256_loadu_ps(p.bias + col0 + c));
+      if (fp32) {
+        _mm256_storeu_ps(out_f + at + c, v);
+      } else {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out_h + at + c), to_bf16(v));
+      }
+    }
+#endif
+    for (; c < cols; ++c) {
+      const float v = a[c] + (p.bias ? p.bias[col0 + c] : 0.0f);
+      if (fp32) {
+        out_f[at + c] = v;
+      } else {
+        out_h[at + c] = c10::BFloat16(v);  // nearest even
       }
     }
   }
@@ -749,13 +793,111 @@ void run_panel(const Problem& p) {
 }
 #endif
 
+#if defined(BOXCAR_QUANT_BF16)
+// c[MR][16] += x[MR rows, 2 * pairs] @ panel[pairs][16][2], x and the panel bf16: each step
+// broadcasts one row's pair (x[2p], x[2p + 1]) and adds both products to 16 sums.
+template <int MR>
+inline void micro_kernel_bf16(const uint16_t* x, int64_t stride, const uint16_t* panel,
+                              int pairs, float* c) {
+  __m512 acc[MR];
+  unroll<MR>([&](auto r) { acc[r] = _mm512_loadu_ps(c + 16 * r); });
+  for (int q = 0; q < pairs; ++q) {
+    const __m512bh w = (__m512bh)_mm512_load_si512(panel + 32 * q);
+    unroll<MR>([&](auto r) {
+      uint32_t pair;
+      std::memcpy(&pair, x + r * stride + 2 * q, sizeof pair);
+      acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)), w);
+    });
+  }
+  unroll<MR>([&](auto r) { _mm512_storeu_ps(c + 16 * r, acc[r]); });
+}
+
+// Rows a bf16 micro-kernel call takes: MR accumulators, the panel's pair and a broadcast fit
+// the 32 zmm registers with room to spare.
+constexpr int kMicroRowsBf16 = 12;
+
+void micro_rows_bf16(int rows, const uint16_t* x, int64_t stride, const uint16_t* panel,
+                     int pairs, float* c) {
+  switch (rows) {
+#define BOXCAR_ROWS(n) case n: return micro_kernel_bf16<n>(x, stride, panel, pairs, c);
+    BOXCAR_ROWS(1) BOXCAR_ROWS(2) BOXCAR_ROWS(3) BOXCAR_ROWS(4) BOXCAR_ROWS(5) BOXCAR_ROWS(6)
+    BOXCAR_ROWS(7) BOXCAR_ROWS(8) BOXCAR_ROWS(9) BOXCAR_ROWS(10) BOXCAR_ROWS(11)
+#undef BOXCAR_ROWS
+    default: return micro_kernel_bf16<kMicroRowsBf16>(x, stride, panel, pairs, c);
+  }
+}
+
+// 8 rows' values at depth k (even) and k + 1 -> the panel's 16 bf16 of those rows' pairs,
+// (row 0: k, k + 1), (row 1: k, k + 1), ..., each rounded to nearest even: one conversion of
+// both vectors ([k: rows 0-7, k + 1: rows 0-7]) and one permutation of its 16-bit halves.
+inline __m256i pairs_bf16(__m256 even, __m256 odd) {
+  const __m256i both = (__m256i)_mm256_cvtne2ps_pbh(odd, even);  // even's in the low half
+  const __m256i interleave = _mm256_setr_epi16(0, 8, 1, 9, 2, 10, 3, 11,
+                                               4, 12, 5, 13, 6, 14, 7, 15);
+  return _mm256_permutexvar_epi16(interleave, both);
+}
+
+template <class F>
+void run_panel_bf16(const Problem& p) {
+  constexpr int kBlocksAPanel = std::max(1, kPanelDepth / F::kBlock);
+  const int64_t pairs_of_tiles = (p.num_tiles + 1) / 2;
+  const int64_t block_rows = std::min(p.rows, 2 * panel_rows(p.depth));  // x is half the bytes
+  at::parallel_for(0, pairs_of_tiles, 1, [&](int64_t begin, int64_t end) {
+    // panel[k / 2][16][2] bf16 (8 KB): a pair's two tiles side by side; c[rows][16]: their sums
+    std::vector<uint16_t> storage(kPanelDepth * 16 + 32);
+    uint16_t* panel = reinterpret_cast<uint16_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
+    std::vector<float> sums(block_rows * 16);
+    float* c = sums.data();
+    for (int64_t r0 = 0; r0 < p.rows; r0 += block_rows) {
+      const int64_t rows = std::min(block_rows, p.rows - r0);
+      const uint16_t* x = p.xh + r0 * p.depth;
+      for (int64_t pair = begin; pair < end; ++pair) {
+        const int64_t t0 = 2 * pair;
+        const bool two = t0 + 1 < p.num_tiles;
+        std::fill(c, c + rows * 16, 0.0f);
+        if (!two) std::fill(panel, panel + kPanelDepth * 16, uint16_t{0});
+        for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
+          const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, p.blocks - b0));
+          for (int blk = 0; blk < count; ++blk) {
+            for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
+              uint16_t* dst = panel + blk * F::kBlock * 16 + 16 * half_index;
+              __m256 even = _mm256_setzero_ps();
+              // k + i is even exactly when i is: every format's sink walks k in steps of 8
+              auto sink = [&](int k, auto i, __m256 w) __attribute__((always_inline)) {
+                if constexpr (i % 2 == 0) {
+                  even = w;
+                } else {
+                  _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * (k + i - 1)),
+                                     pairs_bf16(even, w));
+                }
+              };
+              F::dequant(p.tiles + ((t0 + half_index) * p.blocks + b0 + blk) * F::kTileBytes,
+                         sink);
+            }
+          }
+          const int pairs = count * F::kBlock / 2;
+          for (int64_t m0 = 0; m0 < rows; m0 += kMicroRowsBf16) {
+            micro_rows_bf16(static_cast<int>(std::min<int64_t>(kMicroRowsBf16, rows - m0)),
+                            x + m0 * p.depth + b0 * F::kBlock, p.depth, panel, pairs,
+                            c + m0 * 16);
+          }
+        }
+        write_out(p, c, 16, r0, rows, t0 * kLanes, 16);
+      }
+    }
+  });
+}
+#endif
+
 // out = x @ W.T (+ bias). path: "auto", "fused", "panel" or "generic".
 void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in_features,
                   int64_t out_features, const torch::Tensor& x,
                   const c10::optional<torch::Tensor>& bias, torch::Tensor& out,
                   const std::string& path) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.dim() == 2 && x.is_contiguous() &&
-                  x.size(1) == in_features, "x must be a contiguous fp32 [rows, in_features]");
+  TORCH_CHECK((x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16) &&
+                  x.dim() == 2 && x.is_contiguous() && x.size(1) == in_features,
+              "x must be a contiguous fp32 or bf16 [rows, in_features]");
   TORCH_CHECK(out.dim() == 2 && out.is_contiguous() && out.size(0) == x.size(0) &&
                   out.size(1) == out_features &&
                   (out.scalar_type() == torch::kFloat || out.scalar_type() == torch::kBFloat16),
@@ -773,12 +915,22 @@ void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in
     TORCH_CHECK(tiles.dim() == 2 && tiles.size(0) == num_tiles &&
                     tiles.size(1) == blocks * F::kTileBytes, "tiles do not fit ", out_features,
                 " x ", in_features, " in ", fmt);
-    const Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, x.data_ptr<float>(),
-                    x.size(0), in_features, out_features,
+    if (x.size(0) == 0) return;
+    const bool fused = path == "fused" || (path == "auto" && x.size(0) <= kFusedMaxRows);
+#if defined(BOXCAR_QUANT_BF16)
+    if (x.scalar_type() == torch::kBFloat16 && !fused && path != "generic") {
+      const Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, nullptr,
+                      reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.size(0),
+                      in_features, out_features, bias ? bias->data_ptr<float>() : nullptr, out};
+      return run_panel_bf16<F>(p);
+    }
+#endif
+    const torch::Tensor xf = x.to(torch::kFloat);  // x itself when it is fp32
+    const Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, xf.data_ptr<float>(), nullptr,
+                    xf.size(0), in_features, out_features,
                     bias ? bias->data_ptr<float>() : nullptr, out};
-    if (p.rows == 0) return;
 #if defined(BOXCAR_QUANT_AVX2)
-    if (path == "fused" || (path == "auto" && p.rows <= kFusedMaxRows)) return run_fused<F>(p);
+    if (fused) return run_fused<F>(p);
     if (path != "generic") return run_panel<F>(p);
 #endif
     run_generic<F>(p);
@@ -801,7 +953,9 @@ void register_quant_gemm(pybind11::module& m) {
         py::arg("x"), py::arg("bias"), py::arg("out"), py::arg("path") = "auto",
         py::call_guard<py::gil_scoped_release>());
   m.attr("quant_formats") = kFormats;
-#if defined(BOXCAR_QUANT_AVX2)
+#if defined(BOXCAR_QUANT_BF16)
+  m.attr("quant_isa") = "avx512_bf16";
+#elif defined(BOXCAR_QUANT_AVX2)
   m.attr("quant_isa") = "avx2";
 #else
   m.attr("quant_isa") = "generic";
