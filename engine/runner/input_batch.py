@@ -162,7 +162,7 @@ def lay_out(token_ids: list[list[int]], starts: np.ndarray, query_lens: np.ndarr
     if len(tables) > 1:
         batch_metadata.window = metadata(tables[1])
     return InputBatch(
-        torch.tensor(input_ids, dtype=torch.int64, device=device),
+        _to(np.array(input_ids, dtype=np.int64), device),  # (~2x torch.tensor's speed)
         _to(positions, device),
         batch_metadata, sample_indices, sample_rows,
     )
