@@ -104,6 +104,8 @@ def drive(seed: int, *, window: bool, overlap: bool, num_steps: int = 200) -> Sc
             want = reference(scheduled, sched.requests, window)
             got = persistent.prepare(scheduled, sched.requests, CPU)
             assert_same(got, want)
+            # a slot for every running request (one skipping this step too) and no other
+            assert persistent.num_requests == len(sched.running)
             if previous is not None:
                 assert_same(*previous)
             previous = got, want
@@ -115,7 +117,6 @@ def drive(seed: int, *, window: bool, overlap: bool, num_steps: int = 200) -> Sc
             finished_ids += [r.request_id for r in finished]
         if not overlap:
             check_invariants(sched)
-        assert persistent.num_requests <= sched.config.max_num_seqs + len(out.scheduled)
     return sched
 
 
