@@ -39,6 +39,9 @@ from engine.runner.input_batch import InputBatch, batch_order, lay_out
 
 
 class PersistentBatch:
+    """The runner's slots: one a running request, its block tables a numpy row each
+    (``num_slots`` and ``max_num_blocks`` are where they start; both grow as needed)."""
+
     def __init__(self, block_size: int, with_window: bool, num_slots: int = 64,
                  max_num_blocks: int = 16) -> None:
         self.block_size = block_size
@@ -101,10 +104,11 @@ class PersistentBatch:
             self._free(slot)
             return -1
         blocks = request.block_ids
-        if self._block_lists[slot] is not blocks or len(blocks) < self._num_blocks[slot]:
+        num_blocks = len(blocks)
+        if self._block_lists[slot] is not blocks or num_blocks < self._num_blocks[slot]:
             self._write(slot, request)  # freed (preempted) and allocated again
             return slot
-        if len(blocks) > self._num_blocks[slot]:
+        if num_blocks > self._num_blocks[slot]:
             self._append(slot, blocks)
         if self.with_window:
             window = request.window_block_ids
