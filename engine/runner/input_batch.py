@@ -1,8 +1,10 @@
 """One step's flat batch: input ids, positions, slot mapping and block tables of every request.
 
 Decodes (one token each) come first, then the prefill chunks back to back (the layout
-``AttentionMetadata`` describes). Built from ``StepRow``s, so the engine's steps and one-off
-passes such as ``ModelRunner.score_tokens`` go through the same code.
+``AttentionMetadata`` describes). ``lay_out`` does it for both ways in: ``build_input_batch``
+from ``StepRow``s (one-off passes such as ``ModelRunner.score_tokens``, a tensor-parallel
+helper's step) and ``PersistentBatch.prepare`` from the block tables it keeps across the engine's
+steps (``persistent_batch.py``).
 """
 
 from __future__ import annotations
@@ -83,39 +85,63 @@ def _block_table(rows: list[list[int]]) -> np.ndarray:
     return table
 
 
+def batch_order(query_lens: np.ndarray) -> np.ndarray:
+    """The rows' indices in the flat batch's order: the decodes (one new token), then the
+    prefill chunks, each in the rows' order."""
+    return np.concatenate((np.flatnonzero(query_lens == 1), np.flatnonzero(query_lens > 1)))
+
+
 def build_input_batch(rows: list[StepRow], block_size: int, device: torch.device,
                       with_window: bool = False) -> InputBatch:
-    """The flat batch of ``rows`` (decodes are the rows with one new token).
+    """The flat batch of ``rows`` (decodes are the rows with one new token), its block tables
+    padded from the rows' lists (``persistent_batch.py`` keeps them across a run's steps)."""
+    count = len(rows)
+    query_lens = np.fromiter((r.num_new_tokens for r in rows), dtype=np.int64, count=count)
+    order = batch_order(query_lens)
+    ordered = [rows[i] for i in order.tolist()]
+    tables = [_block_table([r.block_ids for r in ordered])]
+    if with_window:
+        tables.append(_block_table([r.window_block_ids or [] for r in ordered]))
+    return lay_out(
+        [r.token_ids for r in rows],
+        np.fromiter((r.num_computed_tokens for r in rows), dtype=np.int64, count=count),
+        query_lens, np.fromiter((r.sample for r in rows), dtype=bool, count=count),
+        order, tables, block_size, device)
 
-    One pass of list comprehensions over the rows, then numpy over the batch: positions, slot
-    mapping and block tables are gathered from one padded table, not row by row."""
-    order_ids = ([i for i, r in enumerate(rows) if r.num_new_tokens == 1]
-                 + [i for i, r in enumerate(rows) if r.num_new_tokens > 1])
-    order = [rows[i] for i in order_ids]
-    num_decodes = sum(1 for r in rows if r.num_new_tokens == 1)
-    decodes, prefills = order[:num_decodes], order[num_decodes:]
-    starts = np.fromiter((r.num_computed_tokens for r in order), dtype=np.int64,
-                         count=len(order))
-    query_lens = np.fromiter((r.num_new_tokens for r in order), dtype=np.int64,
-                             count=len(order))
+
+def lay_out(token_ids: list[list[int]], starts: np.ndarray, query_lens: np.ndarray,
+            samples: np.ndarray, order: np.ndarray, tables: list[np.ndarray], block_size: int,
+            device: torch.device) -> InputBatch:
+    """The flat batch of rows given by their tokens, computed tokens (``starts``), new tokens
+    and whether they sample, laid out in ``order`` (``batch_order``). ``tables``: the rows'
+    block table, in that order and padded with block 0, then the windowed layers' if they
+    have their own.
+
+    Numpy over the batch: positions, slot mapping and context lengths are gathered from the
+    padded table, not row by row; only the input ids are read from the rows' token lists."""
+    starts = starts[order]
+    query_lens = query_lens[order]
+    num_decodes = int(np.count_nonzero(query_lens == 1))
     ends = starts + query_lens
     offsets = np.cumsum(query_lens) - query_lens  # each row's first token in the batch
     num_tokens = int(query_lens.sum())
     row_of_token = np.repeat(np.arange(len(order)), query_lens)
     positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(offsets - starts, query_lens)
-    input_ids = [r.token_ids[r.num_computed_tokens] for r in decodes]
-    for r in prefills:
-        input_ids.extend(r.token_ids[r.num_computed_tokens:r.num_computed_tokens
-                                     + r.num_new_tokens])
-    sample_rows_in_order = [i for i, r in enumerate(order) if r.sample]
-    sample_indices = (offsets + query_lens - 1)[sample_rows_in_order].tolist()
-    sample_rows = [order_ids[i] for i in sample_rows_in_order]
+    rows = order.tolist()
+    input_ids = [token_ids[i][start] for i, start in zip(
+        rows[:num_decodes], starts[:num_decodes].tolist(), strict=True)]
+    for i, start, end in zip(rows[num_decodes:], starts[num_decodes:].tolist(),
+                             ends[num_decodes:].tolist(), strict=True):
+        input_ids.extend(token_ids[i][start:end])
+    sample_in_order = np.flatnonzero(samples[order])
+    sample_indices = (offsets + query_lens - 1)[sample_in_order].tolist()
+    sample_rows = order[sample_in_order].tolist()
     context_lens = ends.astype(np.int32)
-    query_start = np.zeros(len(prefills) + 1, dtype=np.int32)
+    num_prefills = len(order) - num_decodes
+    query_start = np.zeros(num_prefills + 1, dtype=np.int32)
     np.cumsum(query_lens[num_decodes:], out=query_start[1:])
 
-    def metadata(tables: list[list[int]]) -> AttentionMetadata:
-        table = _block_table(tables)
+    def metadata(table: np.ndarray) -> AttentionMetadata:
         slots = (table[row_of_token, positions // block_size].astype(np.int64) * block_size
                  + positions % block_size)
         return AttentionMetadata(
@@ -123,7 +149,7 @@ def build_input_batch(rows: list[StepRow], block_size: int, device: torch.device
             num_decodes=num_decodes,
             decode_block_tables=_to(table[:num_decodes], device),
             decode_context_lens=_to(context_lens[:num_decodes], device),
-            num_prefills=len(prefills),
+            num_prefills=num_prefills,
             prefill_query_start_loc=_to(query_start, device),
             prefill_block_tables=_to(table[num_decodes:], device),
             prefill_context_lens=_to(context_lens[num_decodes:], device),
@@ -132,11 +158,11 @@ def build_input_batch(rows: list[StepRow], block_size: int, device: torch.device
             decode_context_lens_list=context_lens[:num_decodes].tolist(),
         )
 
-    batch_metadata = metadata([r.block_ids for r in order])
-    if with_window:
-        batch_metadata.window = metadata([r.window_block_ids or [] for r in order])
+    batch_metadata = metadata(tables[0])
+    if len(tables) > 1:
+        batch_metadata.window = metadata(tables[1])
     return InputBatch(
-        torch.tensor(input_ids, dtype=torch.int64, device=device),
+        _to(np.array(input_ids, dtype=np.int64), device),  # (~2x torch.tensor's speed)
         _to(positions, device),
         batch_metadata, sample_indices, sample_rows,
     )

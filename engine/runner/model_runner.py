@@ -38,6 +38,7 @@ from engine.runner.greedy_dispatch import sample_tokens
 from engine.runner.greedy_screen import GreedyScreen
 from engine.runner.input_batch import InputBatch, PreparedStep, StepRow, build_input_batch
 from engine.runner.kv_cache import KVCache, plan_kv_cache
+from engine.runner.persistent_batch import PersistentBatch
 from engine.runner.sampler import Sampler
 
 
@@ -65,6 +66,9 @@ class ModelRunner:
         if self._native_cpu_path():
             self._pack_weights()
         self._allocate_kv_cache(hf_config)
+        # The running requests' block tables across steps (prepare_inputs).
+        self.persistent_batch = PersistentBatch(self.block_size, self.kv_window is not None,
+                                                num_slots=config.max_num_seqs)
         self.graphs: CUDAGraphRunner | None = None
         self.lora_graphs: CUDAGraphRunner | None = None  # decode steps with adapter rows
         # The captured graphs read one block table: a model with a windowed group runs eager;
@@ -202,15 +206,9 @@ class ModelRunner:
         device: torch.device | None = None,
     ) -> tuple[InputBatch, list[Request]]:
         """The step's flat batch of ``scheduled`` (``_ordered``) on ``device`` (None: the
-        runner's), and the requests that sample, in its sample order."""
-        rows = []
-        for s in scheduled:
-            request = requests[s.request_id]
-            rows.append(StepRow(request.token_ids, request.block_ids, request.window_block_ids,
-                                s.num_computed_tokens, s.num_new_tokens, s.sample))
-        batch = build_input_batch(rows, self.block_size, device or self.device,
-                                  with_window=self.kv_window is not None)
-        return batch, [requests[scheduled[i].request_id] for i in batch.sample_rows]
+        runner's), and the requests that sample, in its sample order: from the running
+        requests' tables kept across steps (``persistent_batch.py``)."""
+        return self.persistent_batch.prepare(scheduled, requests, device or self.device)
 
     def _ordered(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
                  ) -> list[ScheduledRequest]:
