@@ -72,17 +72,20 @@ class QuantWeight:
                 f"in_features={self.in_features}, {self.nbytes} bytes, "
                 f"{'kernel' if self.kernel else 'reference'})")
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``x [..., in] @ W.T (+ bias)`` -> [..., out] in ``x.dtype``: the C++ kernel for a
-        CPU fp32 or bf16 ``x`` where the weight is in its tiles, the Triton kernel
-        (``triton_ggml_gemm``) for a weight on CUDA, else ``linear_reference``."""
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None, *,
+               out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``x [..., in] @ W.T (+ bias)`` -> [..., out] in ``out_dtype`` (None: ``x.dtype``;
+        fp32 gives the fp32 sums unrounded): the C++ kernel for a CPU fp32 or bf16 ``x`` where
+        the weight is in its tiles, the Triton kernel (``triton_ggml_gemm``) for a weight on
+        CUDA, else ``linear_reference``."""
         if self.kernel and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
-            return quant_linear(x, self, bias)
+            return quant_linear(x, self, bias, out_dtype=out_dtype)
         if self._data.device.type == "cuda":
             from engine.kernels.triton_ggml_gemm import ggml_linear  # Triton: imported on CUDA
 
-            return ggml_linear(x, self.fmt, self._data, self.in_features, self.out_features, bias)
-        return linear_reference(x, self, bias)
+            out = ggml_linear(x, self.fmt, self._data, self.in_features, self.out_features, bias)
+            return out if out_dtype is None else out.to(out_dtype)
+        return linear_reference(x, self, bias, out_dtype=out_dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight, [out, in] in ``dtype`` (for a reference, or the dequantize mode)."""
@@ -145,11 +148,11 @@ def pack(fmt: str, data: torch.Tensor, in_features: int) -> QuantWeight:
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
-                 path: str = "auto") -> torch.Tensor:
+                 path: str = "auto", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The C++ kernel: ``x [..., in]`` (CPU fp32 or bf16) ``@ W.T (+ bias)`` -> [..., out] in
-    ``x.dtype``, for a weight packed in the kernel's tiles. ``path`` (``PATHS``): ``auto`` picks
-    by row count; the others force one, for tests and benchmarks (``generic``: the plain C++
-    loops that CPUs without AVX2 run)."""
+    ``out_dtype`` (fp32 or bf16; None: ``x.dtype``), for a weight packed in the kernel's tiles.
+    ``path`` (``PATHS``): ``auto`` picks by row count; the others force one, for tests and
+    benchmarks (``generic``: the plain C++ loops that CPUs without AVX2 run)."""
     if not w.kernel:
         raise ValueError(f"{w!r} is not in the kernel's tiles (pack it where the kernel runs)")
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
@@ -159,8 +162,11 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         raise ValueError(f"x has {x.shape[-1]} features, the weight takes {w.in_features}")
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
     rows = x.numel() // w.in_features
-    out = torch.empty((rows, w.out_features), dtype=x.dtype)
+    out = torch.empty((rows, w.out_features), dtype=out_dtype)
     if bias is not None:
         bias = bias.to(torch.float32).contiguous()
     _library().quant_linear(w.fmt, w._data, w.in_features, w.out_features,
@@ -168,16 +174,16 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
     return out.view(*x.shape[:-1], w.out_features)
 
 
-def linear_reference(x: torch.Tensor, w: QuantWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``(x.float() @ w.dequantize(float32).T + bias).to(x.dtype)``: fp32 math, the kernels'
-    reference."""
+def linear_reference(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = None, *,
+                     out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``(x.float() @ w.dequantize(float32).T + bias).to(out_dtype or x.dtype)``: fp32 math,
+    the kernels' reference."""
     if x.shape[-1] != w.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the weight takes {w.in_features}")
     out = x.float() @ w.dequantize(torch.float32).T
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(x.dtype if out_dtype is None else out_dtype)
 
 
 def kernel_formats(device_type: str = "cpu") -> frozenset[str]:

@@ -94,6 +94,10 @@ class QuantizedLinear(nn.Module):
     """``nn.Linear``'s product over row ranges of packed weights (``pieces``, in row order)."""
 
     packed_by: str | None = None  # no oneDNN-packed copy (``LoRALinear`` asks)
+    # None: the output in x's dtype. float32 (the runner sets it on a bf16 model's output layer
+    # kept in ggml blocks, ``QuantWeight`` pieces only): the logits' fp32 sums, unrounded, as
+    # the dense path's greedy screen takes its argmax of, and no bf16 [rows, vocab] to widen.
+    out_dtype: torch.dtype | None = None
 
     def __init__(self, pieces: Sequence[PackedWeight], bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -118,12 +122,18 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if len(self.pieces) == 1:
-            return self.pieces[0].linear(x, self.bias)
+            return self._linear(self.pieces[0], x, self.bias)
         outs = []
         for piece, start in zip(self.pieces, self.row_offsets, strict=True):
             bias = None if self.bias is None else self.bias[start: start + piece.out_features]
-            outs.append(piece.linear(x, bias))  # [..., piece.out_features]
+            outs.append(self._linear(piece, x, bias))  # [..., piece.out_features]
         return torch.cat(outs, dim=-1)
+
+    def _linear(self, piece: PackedWeight, x: torch.Tensor,
+                bias: torch.Tensor | None) -> torch.Tensor:
+        if self.out_dtype is None:
+            return piece.linear(x, bias)
+        return piece.linear(x, bias, out_dtype=self.out_dtype)  # type: ignore[call-arg]
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole weight ``[out, in]`` (tests and references only: it is the dense copy)."""

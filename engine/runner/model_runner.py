@@ -20,9 +20,11 @@ from engine.checkpoint.loader import Checkpoint
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.kernels import cpu_decode_attention
+from engine.kernels.quant_gemm import QuantWeight
 from engine.layers.attention_metadata import AttentionBackend
 from engine.layers.linear import Linear, pack_linear_weights, packing_gemm
 from engine.layers.moe import pack_experts
+from engine.layers.quantized import QuantizedLinear
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.lora.adapter import ShardLoRA
 from engine.lora.layers import LoRABatch, lora_batch, wrap_lora_linears
@@ -157,11 +159,15 @@ class ModelRunner:
         projection (``greedy_screen.py``): in fp32 where the CPU has bf16 units; in bf16
         always, since the screen's token is the fp32 argmax and the plain bf16 projection's
         is not. The output layer keeps its weight when the embedding or the screen reads
-        it."""
+        it. An output layer kept in ggml blocks has no dense weight to screen or pack: in bf16
+        it gives fp32 logits instead (``QuantizedLinear.out_dtype``), so its argmax too is of
+        the fp32 sums."""
         lm_head = self.model.lm_head
-        # a quantized output layer (QuantizedLinear) has no dense weight to screen or pack
         head = lm_head.weight if isinstance(lm_head, Linear) else None
         fp32 = self.dtype == torch.float32
+        if (isinstance(lm_head, QuantizedLinear) and not fp32
+                and all(isinstance(p, QuantWeight) for p in lm_head.pieces)):
+            lm_head.out_dtype = torch.float32
         if head is not None and (not fp32 or bf16_is_native()):
             self.greedy_screen = GreedyScreen(head.detach()[: self.vocab_size])
         gemm = packing_gemm(self.dtype, self.config.cpu_gemm)

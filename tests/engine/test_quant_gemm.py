@@ -169,6 +169,29 @@ def test_kernel_equals_the_reference(fmt, path):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [3, 17])  # the fused path and the (bf16) panel
+def test_fp32_out_keeps_the_sums_unrounded(rows):
+    # out_dtype=float32 from a bf16 x: the fp32 sums as they are (the logits of a bf16
+    # model's kept output layer), not their bf16 rounding widened
+    w, data = _weight("Q8_0", 40, 256)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    bias = torch.randn(40)
+    out = quant_linear(x, w, bias, out_dtype=torch.float32)
+    assert out.dtype == torch.float32
+    _assert_matches(out, x.float(), (dequantize("Q8_0", data, 256).bfloat16().float()
+                                     if bf16_panel(x.dtype, rows) else
+                                     dequantize("Q8_0", data, 256)), bias)
+    assert not torch.equal(out, out.bfloat16().float())
+    assert torch.equal(quant_linear(x, w, bias, out_dtype=torch.bfloat16),
+                       quant_linear(x, w, bias))
+    reference = linear_reference(x, w, bias, out_dtype=torch.float32)
+    assert reference.dtype == torch.float32
+    assert torch.equal(w.linear(x, bias, out_dtype=torch.float32), out)
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
+        quant_linear(x, w, out_dtype=torch.float16)
+
+
+@needs_kernel
 def test_linear_takes_the_kernel_and_keeps_leading_dims():
     w, data = _weight("Q4_0", 24, 64)
     x = torch.randn(2, 3, 64)

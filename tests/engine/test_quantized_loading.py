@@ -231,6 +231,30 @@ def test_keep_equals_dequantize(tmp_path: Path, case: str, all_kernels: None) ->
     assert stats.prefix_cache_hits > 0
 
 
+def test_a_bf16_model_s_kept_head_gives_fp32_logits(tmp_path: Path, all_kernels: None) -> None:
+    # in bf16 the kept output layer returns its fp32 sums (the argmax the dense path's greedy
+    # screen takes is of fp32 sums too); the layers before it stay bf16
+    arch, make, type_of = CASES["qwen3-q5_0-q8_0"]
+    model, extra = make()
+    path = write_mixed_gguf(tmp_path / "head.gguf", model, arch, type_of, extra)
+    llm = LLM(str(path), quantization="keep", **{**SCHEDULE, "dtype": "bfloat16"})
+    runner = llm.engine.model_runner
+    head = runner.model.lm_head
+    assert isinstance(head, QuantizedLinear) and head.out_dtype is torch.float32
+    assert runner.model.model.layers[0].mlp.down_proj.out_dtype is None
+    hidden = torch.randn(6, head.in_features).bfloat16()
+    logits = runner.model.compute_logits(hidden)
+    assert logits.dtype == torch.float32
+    expected = torch.cat([piece.linear(hidden, out_dtype=torch.float32) for piece in head.pieces],
+                         dim=-1)
+    assert torch.equal(logits, runner.model.cap_logits(expected))
+    outs = llm.generate(prompts(llm.engine.vocab_size),
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert all(len(o.token_ids) == 4 for o in outs)
+    fp32 = LLM(str(path), quantization="keep", **SCHEDULE)
+    assert fp32.engine.model_runner.model.lm_head.out_dtype is None  # fp32 sums already
+
+
 def test_auto_keeps_where_every_type_has_a_kernel_and_says_which(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
