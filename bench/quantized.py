@@ -271,6 +271,13 @@ def main(argv: list[str] | None = None) -> int:
                   f"teacher-forced positions (target >= {TARGETS['agreement']:.0%}); mean "
                   f"|delta logprob| {quality['mean_abs_delta_logprob']:.4f}")
             failed |= quality["agreement"] < TARGETS["agreement"]
+            if quality["dtype"] != "float32":
+                # the activations' dtype alone: the dense path's own agreement in that dtype
+                dense_quality = run_child({**spec, "task": "quality",
+                                           "quantization": "dequantize"})
+                model["quality_dequantized"] = dense_quality
+                print(f"  for the dtype: dequantize ({dense_quality['dtype']}) "
+                      f"{dense_quality['agreement']:.2%} on the same positions")
         figures[reference] = model
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
