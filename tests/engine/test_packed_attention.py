@@ -114,23 +114,26 @@ def test_backend_matches_reference(causal, use_triton):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_kernel_matches_reference(causal, dtype):
+# 32: all-MiniLM's; 16, 64, 128: the AVX-512 path's other widths; 24: the plain loops
+@pytest.mark.parametrize("head_dim", [32, 16, 64, 128, 24])
+def test_cpu_kernel_matches_reference(causal, dtype, head_dim):
     from engine.kernels import cpu_packed_attention
 
     lens = [1, 7, 33, 2, 120, 16]
-    q, k, v, cu = _inputs(lens, 6, 2, 32, dtype=dtype)
+    q, k, v, cu = _inputs(lens, 6, 2, head_dim, dtype=dtype)
     q, k, v, cu = q.cpu(), k.cpu(), v.cpu(), cu.cpu()
     if not cpu_packed_attention.available(q):
         pytest.skip("the CPU kernel library cannot be built here")
-    expected = packed_attention_ref(q, k, v, cu, 32**-0.5, causal=causal)
+    scale = head_dim**-0.5
+    expected = packed_attention_ref(q, k, v, cu, scale, causal=causal)
     # strided rows, as the model hands them over (q/k/v are views of one qkv row)
     qkv = torch.cat([q, k, v], dim=1)
     got = cpu_packed_attention.cpu_packed_attention(qkv[:, :6], qkv[:, 6:8], qkv[:, 8:],
-                                                    cu, 32**-0.5, causal=causal)
+                                                    cu, scale, causal=causal)
     tol = {"atol": 2e-5, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 2e-2,
                                                                        "rtol": 2e-2}
     torch.testing.assert_close(got.float(), expected.float(), **tol)
     backend = PackedAttentionBackend(causal=causal, use_triton=False, use_cpu_kernel=True)
     empty = torch.empty(0)
-    via_backend = backend.forward(q, k, v, empty, empty, _metadata(lens, cu), 32**-0.5)
+    via_backend = backend.forward(q, k, v, empty, empty, _metadata(lens, cu), scale)
     torch.testing.assert_close(via_backend.float(), expected.float(), **tol)
