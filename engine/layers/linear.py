@@ -105,15 +105,25 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def onednn_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
+# GELU's forms oneDNN applies inside the product (``Linear.forward_gelu``): torch's
+# ``approximate`` -> oneDNN's algorithm.
+GELU_ALGORITHMS = {"none": "none", "tanh": "tanh"}
+
+
+def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                  gelu: str | None = None) -> torch.Tensor:
     """``x [rows, in] @ W.T (+ bias)`` for a weight packed by ``_reorder_linear_weight`` (bf16
-    or fp32), at the row count's bucket (module docstring)."""
+    or fp32), at the row count's bucket (module docstring); ``gelu`` (a ``GELU_ALGORITHMS``
+    key): GELU applied to the fp32 sums inside the product."""
     rows = x.shape[0]
     padded = row_bucket(rows)
     if padded != rows:
         x = F.pad(x, (0, 0, 0, padded - rows))
-    out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    if gelu is None:
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    else:
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [],
+                                                 GELU_ALGORITHMS[gelu])
     return out[:rows] if padded != rows else out
 
 
@@ -148,6 +158,19 @@ class Linear(nn.Linear):
         if not keep_weight:
             shape_only = torch.zeros((1, 1), dtype=weight.dtype).expand(weight.shape)
             self.weight = nn.Parameter(shape_only, requires_grad=False)
+
+    def forward_gelu(self, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        """``F.gelu(self(x), approximate=approximate)``; for a bf16 weight packed by oneDNN,
+        one call with GELU applied to the fp32 sums before they are rounded (a [2,048, 1,536]
+        product 7.6 -> 6.2 ms, 2 threads, Zen 4). fp32 keeps the two steps."""
+        if (self.packed_weight is not None and self.packed_by == "onednn"
+                and self.weight.dtype == torch.bfloat16 and approximate in GELU_ALGORITHMS
+                and x.numel()):
+            rows = x.numel() // x.shape[-1]
+            out = onednn_linear(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias,
+                                gelu=approximate)
+            return out.view(*x.shape[:-1], self.out_features)
+        return F.gelu(self(x), approximate=approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_weight is None:

@@ -21,12 +21,10 @@ from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.linear import Linear
 from engine.models.llama import head_dim_of
 
-_ACTIVATIONS = {
-    "gelu": lambda x: F.gelu(x),
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "relu": F.relu,
-}
+# hidden_act -> GELU's ``approximate`` (torch's name, and oneDNN's for the fused product);
+# relu beside them
+_GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+_ACTIVATIONS = (*_GELU, "relu")
 
 
 class BertEmbeddings(nn.Module):
@@ -97,11 +95,13 @@ class BertIntermediate(nn.Module):
         if act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: "
                              f"{sorted(_ACTIVATIONS)}")
-        self.act = _ACTIVATIONS[act]
+        self.gelu = _GELU.get(act)  # None: relu
         self.dense = Linear(config.hidden_size, config.intermediate_size, bias=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.act(self.dense(x))  # [num_tokens, intermediate_size]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # -> [num_tokens, intermediate_size]
+        if self.gelu is None:
+            return F.relu(self.dense(x))
+        return self.dense.forward_gelu(x, self.gelu)  # inside the product where oneDNN can
 
 
 class BertOutput(nn.Module):

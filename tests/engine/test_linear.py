@@ -72,6 +72,33 @@ def test_bucketed_onednn_rows_equal_their_unpadded_results(rows):
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-1)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_forward_gelu_is_gelu_of_the_product(dtype, approximate):
+    # bf16 packed by oneDNN: GELU of the fp32 sums inside the product, so within one bf16
+    # rounding of GELU of the exact product (the two-step path rounds the product first);
+    # fp32, and a plain (unpacked) layer: the two steps themselves
+    layer, x = make_linear(dtype, bias=True)
+    exact = F.gelu(F.linear(x.double(), layer.weight.double(), layer.bias.double()),
+                   approximate=approximate)
+    plain = layer.forward_gelu(x, approximate)
+    assert torch.equal(plain, F.gelu(layer(x), approximate=approximate))
+    if dtype == torch.bfloat16 and not bf16_packing_available():
+        pytest.skip("oneDNN packs bf16 only on CPUs with bf16 units")
+    layer.pack(gemm="onednn")
+    got = layer.forward_gelu(x, approximate)
+    assert got.shape == (3, 5, 160) and got.dtype == dtype
+    if dtype == torch.float32:
+        assert torch.equal(got, F.gelu(layer(x), approximate=approximate))
+    else:
+        # one bf16 rounding (2^-8 relative) of each output, and the products' fp32 sums
+        tol = 2.0 ** -8 * exact.abs() + 1e-4 * x.double().abs().sum(-1, keepdim=True)
+        assert ((got.double() - exact).abs() <= tol).all()
+        two_step = F.gelu(layer(x), approximate=approximate)
+        assert not torch.equal(got, two_step)  # the fused path ran: rounded once, not twice
+    assert layer.forward_gelu(x[:0], approximate).shape == (0, 5, 160)
+
+
 def test_packing_refuses_other_dtypes():
     layer, _ = make_linear(torch.float16, bias=False)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
