@@ -748,42 +748,65 @@ inline int64_t panel_rows(int64_t depth) {
   return std::max<int64_t>(48, (65536 / depth) / 6 * 6);
 }
 
-template <class F>
+// The fp32 panel: panel[k][16] fp32, a pair's two tiles side by side (16 KB).
+struct PanelF32 {
+  using Elem = float;
+  using X = float;
+  static constexpr int kAlign = 32;
+  static constexpr int kMicroRows = 6;
+  static int64_t block_rows(int64_t depth) { return panel_rows(depth); }
+  static const X* x(const Problem& p) { return p.x; }
+  template <class F>
+  static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
+    float* dst = panel + blk * F::kBlock * 16 + 8 * half_index;
+    auto sink = [&](int k, auto i, __m256 w) __attribute__((always_inline)) {
+      _mm256_store_ps(dst + 16 * (k + i), w);
+    };
+    F::dequant(tile, sink);
+  }
+  static void micro(int rows, const X* x, int64_t stride, const Elem* panel, int depth,
+                    float* c) {
+    micro_rows(rows, x, stride, panel, depth, c);
+  }
+};
+
+// The panel path's driver, for a panel kind P (PanelF32, PanelBf16): per pair of tiles (16
+// output rows), per kPanelDepth values of depth, P::fill dequantizes the pair into the panel,
+// then P::micro multiplies a block of x's rows by it (P::block_rows(depth) rows at a time).
+template <class F, class P>
 void run_panel(const Problem& p) {
+  using Elem = typename P::Elem;
   constexpr int kBlocksAPanel = std::max(1, kPanelDepth / F::kBlock);
-  constexpr int kMicroRows = 6;
   const int64_t pairs = (p.num_tiles + 1) / 2;
-  const int64_t block_rows = std::min(p.rows, panel_rows(p.depth));
+  const int64_t block_rows = std::min(p.rows, P::block_rows(p.depth));
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
-    // panel[k][16]: a pair's two tiles side by side; c[rows][16]: their sums
-    std::vector<float> storage(kPanelDepth * 16 + 8 + block_rows * 16);
-    float* panel = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + 31) & ~static_cast<uintptr_t>(31));
-    float* c = panel + kPanelDepth * 16;
+    constexpr uintptr_t kMask = P::kAlign - 1;
+    std::vector<Elem> storage(kPanelDepth * 16 + P::kAlign / sizeof(Elem));
+    Elem* panel = reinterpret_cast<Elem*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + kMask) & ~kMask);
+    std::vector<float> sums(block_rows * 16);  // c[rows][16]: the pair's sums
+    float* c = sums.data();
     for (int64_t r0 = 0; r0 < p.rows; r0 += block_rows) {
       const int64_t rows = std::min(block_rows, p.rows - r0);
-      const float* x = p.x + r0 * p.depth;
+      const typename P::X* x = P::x(p) + r0 * p.depth;
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t t0 = 2 * pair;
         const bool two = t0 + 1 < p.num_tiles;
         std::fill(c, c + rows * 16, 0.0f);
-        if (!two) std::fill(panel, panel + kPanelDepth * 16, 0.0f);
+        if (!two) std::fill(panel, panel + kPanelDepth * 16, Elem{0});
         for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
           const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, p.blocks - b0));
           for (int blk = 0; blk < count; ++blk) {
             for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
-              float* dst = panel + blk * F::kBlock * 16 + 8 * half_index;
-              auto sink = [&](int k, auto i, __m256 w) __attribute__((always_inline)) {
-                _mm256_store_ps(dst + 16 * (k + i), w);
-              };
-              F::dequant(p.tiles + ((t0 + half_index) * p.blocks + b0 + blk) * F::kTileBytes,
-                         sink);
+              P::template fill<F>(
+                  p.tiles + ((t0 + half_index) * p.blocks + b0 + blk) * F::kTileBytes, panel,
+                  blk, half_index);
             }
           }
-          const int depth = count * F::kBlock;
-          for (int64_t m0 = 0; m0 < rows; m0 += kMicroRows) {
-            micro_rows(static_cast<int>(std::min<int64_t>(kMicroRows, rows - m0)),
-                       x + m0 * p.depth + b0 * F::kBlock, p.depth, panel, depth, c + m0 * 16);
+          for (int64_t m0 = 0; m0 < rows; m0 += P::kMicroRows) {
+            P::micro(static_cast<int>(std::min<int64_t>(P::kMicroRows, rows - m0)),
+                     x + m0 * p.depth + b0 * F::kBlock, p.depth, panel, count * F::kBlock,
+                     c + m0 * 16);
           }
         }
         write_out(p, c, 16, r0, rows, t0 * kLanes, 16);
@@ -837,57 +860,34 @@ inline __m256i pairs_bf16(__m256 even, __m256 odd) {
   return _mm256_permutexvar_epi16(interleave, both);
 }
 
-template <class F>
-void run_panel_bf16(const Problem& p) {
-  constexpr int kBlocksAPanel = std::max(1, kPanelDepth / F::kBlock);
-  const int64_t pairs_of_tiles = (p.num_tiles + 1) / 2;
-  const int64_t block_rows = std::min(p.rows, 2 * panel_rows(p.depth));  // x is half the bytes
-  at::parallel_for(0, pairs_of_tiles, 1, [&](int64_t begin, int64_t end) {
-    // panel[k / 2][16][2] bf16 (8 KB): a pair's two tiles side by side; c[rows][16]: their sums
-    std::vector<uint16_t> storage(kPanelDepth * 16 + 32);
-    uint16_t* panel = reinterpret_cast<uint16_t*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~static_cast<uintptr_t>(63));
-    std::vector<float> sums(block_rows * 16);
-    float* c = sums.data();
-    for (int64_t r0 = 0; r0 < p.rows; r0 += block_rows) {
-      const int64_t rows = std::min(block_rows, p.rows - r0);
-      const uint16_t* x = p.xh + r0 * p.depth;
-      for (int64_t pair = begin; pair < end; ++pair) {
-        const int64_t t0 = 2 * pair;
-        const bool two = t0 + 1 < p.num_tiles;
-        std::fill(c, c + rows * 16, 0.0f);
-        if (!two) std::fill(panel, panel + kPanelDepth * 16, uint16_t{0});
-        for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
-          const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, p.blocks - b0));
-          for (int blk = 0; blk < count; ++blk) {
-            for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
-              uint16_t* dst = panel + blk * F::kBlock * 16 + 16 * half_index;
-              __m256 even = _mm256_setzero_ps();
-              // k + i is even exactly when i is: every format's sink walks k in steps of 8
-              auto sink = [&](int k, auto i, __m256 w) __attribute__((always_inline)) {
-                if constexpr (i % 2 == 0) {
-                  even = w;
-                } else {
-                  _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * (k + i - 1)),
-                                     pairs_bf16(even, w));
-                }
-              };
-              F::dequant(p.tiles + ((t0 + half_index) * p.blocks + b0 + blk) * F::kTileBytes,
-                         sink);
-            }
-          }
-          const int pairs = count * F::kBlock / 2;
-          for (int64_t m0 = 0; m0 < rows; m0 += kMicroRowsBf16) {
-            micro_rows_bf16(static_cast<int>(std::min<int64_t>(kMicroRowsBf16, rows - m0)),
-                            x + m0 * p.depth + b0 * F::kBlock, p.depth, panel, pairs,
-                            c + m0 * 16);
-          }
-        }
-        write_out(p, c, 16, r0, rows, t0 * kLanes, 16);
+// The bf16 panel: panel[k / 2][16][2] bf16 (8 KB), the values of depth in pairs.
+struct PanelBf16 {
+  using Elem = uint16_t;
+  using X = uint16_t;
+  static constexpr int kAlign = 64;
+  static constexpr int kMicroRows = kMicroRowsBf16;
+  static int64_t block_rows(int64_t depth) { return 2 * panel_rows(depth); }  // half x's bytes
+  static const X* x(const Problem& p) { return p.xh; }
+  template <class F>
+  static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
+    uint16_t* dst = panel + blk * F::kBlock * 16 + 16 * half_index;
+    __m256 even = _mm256_setzero_ps();
+    // k + i is even exactly when i is: every format's sink walks k in steps of 8
+    auto sink = [&](int k, auto i, __m256 w) __attribute__((always_inline)) {
+      if constexpr (i % 2 == 0) {
+        even = w;
+      } else {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 16 * (k + i - 1)),
+                           pairs_bf16(even, w));
       }
-    }
-  });
-}
+    };
+    F::dequant(tile, sink);
+  }
+  static void micro(int rows, const X* x, int64_t stride, const Elem* panel, int depth,
+                    float* c) {
+    micro_rows_bf16(rows, x, stride, panel, depth / 2, c);
+  }
+};
 #endif
 
 // out = x @ W.T (+ bias). path: "auto", "fused", "panel" or "generic".
@@ -922,7 +922,7 @@ void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in
       const Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, nullptr,
                       reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.size(0),
                       in_features, out_features, bias ? bias->data_ptr<float>() : nullptr, out};
-      return run_panel_bf16<F>(p);
+      return run_panel<F, PanelBf16>(p);
     }
 #endif
     const torch::Tensor xf = x.to(torch::kFloat);  // x itself when it is fp32
@@ -931,7 +931,7 @@ void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in
                     bias ? bias->data_ptr<float>() : nullptr, out};
 #if defined(BOXCAR_QUANT_AVX2)
     if (fused) return run_fused<F>(p);
-    if (path != "generic") return run_panel<F>(p);
+    if (path != "generic") return run_panel<F, PanelF32>(p);
 #endif
     run_generic<F>(p);
   });
