@@ -106,15 +106,15 @@ def row_bucket(rows: int) -> int:
 
 
 # GELU's forms oneDNN applies inside the product (``Linear.forward_gelu``): torch's
-# ``approximate`` -> oneDNN's algorithm.
-GELU_ALGORITHMS = {"none": "none", "tanh": "tanh"}
+# ``approximate`` values, which are oneDNN's algorithm names too.
+GELU_ALGORITHMS = ("none", "tanh")
 
 
 def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                   gelu: str | None = None) -> torch.Tensor:
     """``x [rows, in] @ W.T (+ bias)`` for a weight packed by ``_reorder_linear_weight`` (bf16
-    or fp32), at the row count's bucket (module docstring); ``gelu`` (a ``GELU_ALGORITHMS``
-    key): GELU applied to the fp32 sums inside the product."""
+    or fp32), at the row count's bucket (module docstring); ``gelu`` (one of
+    ``GELU_ALGORITHMS``): GELU applied to the fp32 sums inside the product."""
     rows = x.shape[0]
     padded = row_bucket(rows)
     if padded != rows:
@@ -122,8 +122,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if gelu is None:
         out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     else:
-        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [],
-                                                 GELU_ALGORITHMS[gelu])
+        out = torch.ops.mkldnn._linear_pointwise(x, packed, bias, "gelu", [], gelu)
     return out[:rows] if padded != rows else out
 
 
@@ -163,13 +162,9 @@ class Linear(nn.Linear):
         """``F.gelu(self(x), approximate=approximate)``; for a bf16 weight packed by oneDNN,
         one call with GELU applied to the fp32 sums before they are rounded (a [2,048, 1,536]
         product 7.6 -> 6.2 ms, 2 threads, Zen 4). fp32 keeps the two steps."""
-        if (self.packed_weight is not None and self.packed_by == "onednn"
-                and self.weight.dtype == torch.bfloat16 and approximate in GELU_ALGORITHMS
-                and x.numel()):
-            rows = x.numel() // x.shape[-1]
-            out = onednn_linear(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias,
-                                gelu=approximate)
-            return out.view(*x.shape[:-1], self.out_features)
+        if (self.packed_by == "onednn" and self.weight.dtype == torch.bfloat16
+                and approximate in GELU_ALGORITHMS and x.numel()):
+            return self._onednn(x, gelu=approximate)
         return F.gelu(self(x), approximate=approximate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -179,9 +174,15 @@ class Linear(nn.Linear):
         if rows == 0:
             return x.new_empty((*x.shape[:-1], self.out_features))
         if self.packed_by == "onednn":
-            out = onednn_linear(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias)
-            return out.view(*x.shape[:-1], self.out_features)
+            return self._onednn(x)
         return torch.ops.mkl._mkl_linear(x, self.packed_weight, self.weight, self.bias, rows)
+
+    def _onednn(self, x: torch.Tensor, gelu: str | None = None) -> torch.Tensor:
+        """``onednn_linear`` over x's rows (at least one), in x's leading shape."""
+        assert self.packed_weight is not None
+        rows = x.numel() // x.shape[-1]
+        out = onednn_linear(x.reshape(rows, x.shape[-1]), self.packed_weight, self.bias, gelu)
+        return out.view(*x.shape[:-1], self.out_features)
 
 
 def pack_linear_weights(model: nn.Module, shared: set[int] | None = None, *,

@@ -134,26 +134,20 @@ void packed_attention_impl(const T* q, const T* k, const T* v, T* out, const int
                            bool causal) {
   const int64_t group = num_heads / num_kv_heads;
 #if defined(__AVX512F__)
-  const int64_t blocks = head_dim % kVec == 0 ? head_dim / kVec : 0;
-  if (blocks == 1 || blocks == 2 || blocks == 4 || blocks == 8) {
+  // the item function for this head_dim (NB blocks of 16), or none: the plain loops below
+  auto* const item_fn = head_dim == 16 ? &item_avx512<1, T>
+                        : head_dim == 32 ? &item_avx512<2, T>
+                        : head_dim == 64 ? &item_avx512<4, T>
+                        : head_dim == 128 ? &item_avx512<8, T> : nullptr;
+  if (item_fn != nullptr) {
     at::parallel_for(0, num_seqs * num_heads, 1, [&](int64_t begin, int64_t end) {
       Scratch scratch;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t s = item / num_heads, h = item % num_heads, kh = h / group;
         const int64_t start = cu[s], len = cu[s + 1] - cu[s];
         if (len <= 0) continue;
-        const T *qh = q + h * sqh, *kh_ = k + kh * skh, *vh = v + kh * svh;
-        T* oh = out + h * soh;
-        switch (blocks) {
-          case 1: item_avx512<1>(qh, kh_, vh, oh, start, len, sq, sk, sv, so, scale, causal,
-                                 scratch); break;
-          case 2: item_avx512<2>(qh, kh_, vh, oh, start, len, sq, sk, sv, so, scale, causal,
-                                 scratch); break;
-          case 4: item_avx512<4>(qh, kh_, vh, oh, start, len, sq, sk, sv, so, scale, causal,
-                                 scratch); break;
-          default: item_avx512<8>(qh, kh_, vh, oh, start, len, sq, sk, sv, so, scale, causal,
-                                  scratch); break;
-        }
+        item_fn(q + h * sqh, k + kh * skh, v + kh * svh, out + h * soh, start, len, sq, sk, sv,
+                so, scale, causal, scratch);
       }
     });
     return;
