@@ -5,8 +5,8 @@ SiLU times up, rotary) is a few dozen rows of hidden size: as torch ops, a dozen
 allocations and bf16 <-> fp32 conversions each, which a profile put at ~25% of a bf16 step's CPU
 time on an AMX CPU. The C++ kernels (``csrc/cpu_fused_ops.cpp``, built into the decode
 attention's library by ``cpu_decode_attention``) do each in one pass, in fp32, rounding to bf16
-where Hugging Face's modules round (the norm) or once (SiLU times up, rotary). Only bf16 on the
-CPU takes them: fp32 stays on the torch ops, whose bits the correctness tests pin.
+once (the norm, SiLU times up, rotary). Only bf16 on the CPU takes them: fp32 stays on the torch
+ops, whose bits the correctness tests pin.
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                        eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """In place: ``residual += x``, then ``x = rms_norm(residual) * weight``; returns
-    ``(x, residual)``. ``x``, ``residual``: [num_tokens, hidden_size]; ``weight``: [hidden_size]."""
+    ``(x, residual)``. ``x``: [num_tokens, hidden_size] bf16; ``residual``: the same shape in
+    fp32 (the residual stream, ``engine/layers/norm.py``); ``weight``: [hidden_size] bf16."""
     _check_rows("x", x)
-    _check_rows("residual", residual)
+    if (residual.dim() != 2 or residual.dtype != torch.float32 or residual.device.type != "cpu"
+            or residual.stride(1) != 1):
+        raise ValueError(f"residual must be a 2-D CPU float32 tensor with a contiguous last dim, "
+                         f"got {tuple(residual.shape)} {residual.dtype} on {residual.device}, "
+                         f"strides {residual.stride()}")
     if x.shape != residual.shape:
         raise ValueError(f"x {tuple(x.shape)} and residual {tuple(residual.shape)} differ")
     if (weight.shape != (x.shape[1],) or weight.dtype != torch.bfloat16
@@ -54,11 +59,11 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def fused_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                            eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The torch ops the kernel replaces, out of place: a bf16 add, then Hugging Face's
-    LlamaRMSNorm (normalize in fp32, round to bf16, scale)."""
-    residual = x + residual
-    normed = F.rms_norm(residual.float(), (residual.shape[-1],), None, eps)
-    return weight * normed.to(residual.dtype), residual
+    """The torch ops the kernel replaces, out of place: an fp32 add, then the norm in fp32,
+    rounded once (``RMSNorm``)."""
+    residual = residual + x
+    normed = F.rms_norm(residual, (residual.shape[-1],), weight.float(), eps)
+    return normed.to(weight.dtype), residual
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

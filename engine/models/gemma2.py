@@ -17,7 +17,7 @@ from torch import nn
 from engine.layers.attention import SelfAttention
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.mlp import GatedMLP
-from engine.layers.norm import GemmaRMSNorm
+from engine.layers.norm import GemmaRMSNorm, residual_stream
 from engine.layers.rotary import RotaryEmbedding, rope_parameters_of
 from engine.models.causal_lm import CausalLM, check_window, layer_windows
 from engine.models.llama import head_dim_of
@@ -52,13 +52,13 @@ class GemmaDecoderLayer(nn.Module):
         attn: AttentionBackend,
         metadata: AttentionMetadata,
     ) -> torch.Tensor:
-        residual = hidden_states
+        residual = hidden_states  # the fp32 residual stream (engine/layers/norm.py)
         hidden_states = self.self_attn(positions, self.input_layernorm(hidden_states), kv_cache,
                                        attn, metadata)
-        hidden_states = residual + self.post_attention_layernorm(hidden_states)
+        hidden_states = residual + self.post_attention_layernorm(hidden_states, torch.float32)
         residual = hidden_states
         hidden_states = self.mlp(self.pre_feedforward_layernorm(hidden_states))
-        return residual + self.post_feedforward_layernorm(hidden_states)
+        return residual + self.post_feedforward_layernorm(hidden_states, torch.float32)
 
 
 class GemmaModel(nn.Module):
@@ -87,7 +87,7 @@ class GemmaModel(nn.Module):
     ) -> torch.Tensor:
         embeddings = self.embed_tokens(input_ids)  # [num_tokens, hidden_size]
         scale = torch.tensor(self.embed_scale, dtype=embeddings.dtype)
-        hidden_states = embeddings * scale
+        hidden_states = residual_stream(embeddings * scale)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             hidden_states = layer(positions, hidden_states, kv_cache, attn, metadata)
         return self.norm(hidden_states)

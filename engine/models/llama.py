@@ -4,7 +4,8 @@ LongRoPE).
 
 Pre-norm decoder (Touvron et al. 2023): ``h = x + attn(rms_norm(x))``, ``out = h +
 mlp(rms_norm(h))``, SwiGLU feed-forward, rotary positions. Each layer returns the MLP's output
-and the residual before it; the next norm adds them, fused (``RMSNorm.add_and_norm``).
+and the residual before it; the next norm adds them, fused (``RMSNorm.add_and_norm``). The
+residual stream is fp32 in every dtype (``engine/layers/norm.py``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch import nn
 from engine.layers.attention import SelfAttention
 from engine.layers.attention_metadata import AttentionBackend, AttentionMetadata
 from engine.layers.mlp import GatedMLP
-from engine.layers.norm import RMSNorm
+from engine.layers.norm import RMSNorm, residual_stream
 from engine.layers.rotary import RotaryEmbedding, rope_parameters_of
 from engine.models.causal_lm import CausalLM, check_window, layer_windows
 
@@ -43,7 +44,7 @@ class DecoderLayer(nn.Module):
         residual: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            residual = hidden_states
+            residual = residual_stream(hidden_states)
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm.add_and_norm(hidden_states, residual)

@@ -28,17 +28,19 @@ def rows(num_rows: int, width: int, *, stride: int | None = None, seed: int = 0)
     (0, 576, None), (200, 576, None),  # 200 x 576: past the grain, split over threads
 ])
 def test_fused_add_rms_norm_matches_reference(num_rows, hidden, stride):
-    x, residual = rows(num_rows, hidden, stride=stride), rows(num_rows, hidden, seed=1)
+    x = rows(num_rows, hidden, stride=stride)
+    residual = torch.randn(num_rows, hidden, generator=torch.Generator().manual_seed(1)) * 3
     weight = rows(1, hidden, seed=2)[0].contiguous()
     want_x, want_residual = cpu_fused_ops.fused_add_rms_norm_ref(x, residual, weight, 1e-5)
     got_x, got_residual = cpu_fused_ops.fused_add_rms_norm(x.clone(), residual.clone(), weight,
                                                             1e-5)
-    assert torch.equal(got_residual, want_residual)  # one bf16 add: the same rounding
+    assert got_residual.dtype == torch.float32
+    assert torch.equal(got_residual, want_residual)  # one fp32 add: the same rounding
     torch.testing.assert_close(got_x, want_x, **ULP)
 
 
 def test_fused_add_rms_norm_is_in_place_and_the_norm_module_uses_it():
-    x, residual = rows(4, 576), rows(4, 576, seed=1)
+    x, residual = rows(4, 576), torch.randn(4, 576)
     norm = RMSNorm(576, 1e-6).to(BF16)
     norm.weight.data = rows(1, 576, seed=2)[0].contiguous()
     want_x, want_residual = cpu_fused_ops.fused_add_rms_norm_ref(x, residual, norm.weight, 1e-6)
@@ -106,10 +108,12 @@ def test_bad_inputs_are_rejected():
     x = rows(2, 8)
     with pytest.raises(ValueError, match="bfloat16"):
         cpu_fused_ops.fused_add_rms_norm(x.float(), x.float(), x[0].float(), 1e-5)
+    with pytest.raises(ValueError, match="residual must be a 2-D CPU float32"):
+        cpu_fused_ops.fused_add_rms_norm(x, x.clone(), x[0].contiguous(), 1e-5)
     with pytest.raises(ValueError, match="differ"):
-        cpu_fused_ops.fused_add_rms_norm(x, rows(3, 8), x[0].contiguous(), 1e-5)
+        cpu_fused_ops.fused_add_rms_norm(x, rows(3, 8).float(), x[0].contiguous(), 1e-5)
     with pytest.raises(ValueError, match="weight"):
-        cpu_fused_ops.fused_add_rms_norm(x, x.clone(), rows(1, 4)[0], 1e-5)
+        cpu_fused_ops.fused_add_rms_norm(x, x.float(), rows(1, 4)[0], 1e-5)
     with pytest.raises(ValueError, match="contiguous last dim"):
         cpu_fused_ops.silu_and_mul(rows(2, 16).t())
     with pytest.raises(ValueError, match="even"):

@@ -15,16 +15,39 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rmsnorm_is_bit_identical(dtype):
+def norms(dtype: torch.dtype) -> tuple[RMSNorm, LlamaRMSNorm]:
     ours, theirs = RMSNorm(64, 1e-5), LlamaRMSNorm(64, 1e-5)
     weight = torch.randn(64)
     ours.weight.data, theirs.weight.data = weight.clone(), weight.clone()
-    ours.to(dtype)
-    theirs.to(dtype)
+    return ours.to(dtype), theirs.to(dtype)
+
+
+def test_rmsnorm_is_bit_identical_in_fp32():
+    ours, theirs = norms(torch.float32)
     for shape in [(37, 64), (5, 9, 64)]:
-        x = torch.randn(shape).to(dtype)
+        x = torch.randn(shape)
         assert torch.equal(ours(x), theirs(x))
+
+
+def test_rmsnorm_in_bf16_rounds_once_from_a_bf16_or_fp32_stream():
+    """The fp32 norm of the same values, rounded once to bf16 (Hugging Face rounds before it
+    scales too: one bf16 step from ours at most), whether x is bf16 or the fp32 residual
+    stream; and the fused add keeps the stream in fp32."""
+    ours, theirs = norms(torch.bfloat16)
+    exact = RMSNorm(64, 1e-5)
+    exact.weight.data = ours.weight.data.float()
+    x = torch.randn(37, 64) * 4
+    for given in (x, x.to(torch.bfloat16)):
+        got = ours(given)
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, exact(given.float()).to(torch.bfloat16))
+    x16 = x.to(torch.bfloat16)
+    torch.testing.assert_close(ours(x16), theirs(x16), rtol=2**-7, atol=0)
+
+    residual = torch.randn(37, 64)
+    got, stream = ours.add_and_norm(x16.clone(), residual.clone())
+    assert stream.dtype == torch.float32 and torch.equal(stream, residual + x16.float())
+    torch.testing.assert_close(got, ours(stream), rtol=2**-7, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,11 @@
 // op over it costs more in dispatch, allocation and the bf16 <-> fp32 round trips than in
 // arithmetic. These kernels widen bf16 to fp32 in registers, compute in fp32 and round once.
 //
-// fused_add_rms_norm: residual = x + residual (rounded to bf16, as torch's bf16 add rounds);
-//                     x = bf16(bf16(residual * rsqrt(mean(residual^2) + eps)) * weight), in place.
-//                     The two roundings are Hugging Face's LlamaRMSNorm's: normalize in fp32,
-//                     round to the input dtype, then scale.
+// fused_add_rms_norm: residual = x + residual, in fp32 (the residual stream is fp32 in every
+//                     dtype: engine/layers/norm.py);
+//                     x = bf16(residual * rsqrt(mean(residual^2) + eps) * weight), in place,
+//                     rounded once (Hugging Face's LlamaRMSNorm rounds the normalized value
+//                     before it scales: a second rounding that only moves bf16 from fp32).
 // silu_and_mul:       out = bf16(silu(gate) * up) for gate_up = [gate | up] along the last dim.
 // rotary_neox:        in place, each head's halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
 //                     with fp32 cos/sin tables indexed by position.
@@ -18,7 +19,8 @@
 //                     reaches the row's best y~ - bound; two passes over the bf16 screen instead
 //                     of ten torch ops over an fp32 copy of it.
 //
-// Every tensor here is bf16 except the tables (fp32) and positions (int64); rows may be strided
+// Every tensor here is bf16 except the residual and the tables (fp32) and positions (int64); rows
+// may be strided
 // (a row stride is passed), the last dim is contiguous. The launchers in
 // engine/kernels/cpu_fused_ops.py check that.
 #include <torch/extension.h>
@@ -69,26 +71,24 @@ void fused_add_rms_norm(torch::Tensor& x, torch::Tensor& residual, const torch::
   const int64_t rows = x.size(0), hidden = x.size(1);
   const int64_t x_stride = x.stride(0), r_stride = residual.stride(0);
   uint16_t* x_ptr = mutable_bits(x);
-  uint16_t* r_ptr = mutable_bits(residual);
+  float* r_ptr = residual.data_ptr<float>();
   const uint16_t* w = bits(weight);
   const float feps = static_cast<float>(eps);
   at::parallel_for(0, rows, grain_rows(hidden), [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       uint16_t* xr = x_ptr + row * x_stride;
-      uint16_t* rr = r_ptr + row * r_stride;
+      float* rr = r_ptr + row * r_stride;
       float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
       for (int64_t d = 0; d < hidden; ++d) {
-        const uint16_t r = float_to_bf16(bf16_to_float(xr[d]) + bf16_to_float(rr[d]));
-        rr[d] = r;
-        const float f = bf16_to_float(r);
+        const float f = bf16_to_float(xr[d]) + rr[d];
+        rr[d] = f;
         sum += f * f;
       }
       const float inv_rms = 1.0f / std::sqrt(sum / static_cast<float>(hidden) + feps);
 #pragma omp simd
       for (int64_t d = 0; d < hidden; ++d) {
-        const float normed = bf16_round(bf16_to_float(rr[d]) * inv_rms);
-        xr[d] = float_to_bf16(normed * bf16_to_float(w[d]));
+        xr[d] = float_to_bf16(rr[d] * inv_rms * bf16_to_float(w[d]));
       }
     }
   });
