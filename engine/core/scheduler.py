@@ -137,7 +137,7 @@ class Scheduler:
         step.urgent_priority, step.bulk_budget = self._bulk_cap()
         now = time.monotonic()
 
-        i = 0
+        i = self._schedule_decodes(step) if step.bulk_budget is None else 0
         while i < len(self.running) and step.budget > 0:
             request = self.running[i]
             if request.num_placeholders and self._reaches_length(request):
@@ -171,6 +171,34 @@ class Scheduler:
             return OverlappedOutput(scheduled, max(num_batched, 0), step.num_preempted,
                                     self._advance(scheduled))
         return SchedulerOutput(scheduled, max(num_batched, 0), step.num_preempted)
+
+    def _schedule_decodes(self, step: StepBudget) -> int:
+        """Schedule the leading running requests that are in the steady decode state, and
+        return how many: each computes one token into a block it already holds, under no bulk
+        cap, with budget left. The loop in ``schedule`` would give each the same share (its cap
+        is a no-op, ``allocate_slots`` changes nothing); here it costs no call and no check
+        that cannot fire, a third of the per-request time at 1,024 decodes (issue 46). The
+        first request that is anything else (a prompt chunk, a full last block, a placeholder
+        at its length limit) and every one after it go through that loop."""
+        kv = self.kv
+        if kv.window is not None:
+            return 0
+        block_size = kv.block_size
+        scheduled = step.scheduled
+        budget = step.budget
+        num_done = 0
+        for request in self.running:
+            num_computed = request.num_computed_tokens
+            if (budget <= 0 or len(request.token_ids) - num_computed != 1
+                    or num_computed >= len(request.block_ids) * block_size
+                    or (request.num_placeholders and self._reaches_length(request))):
+                break
+            request_id = request.request_id
+            scheduled[request_id] = ScheduledRequest(request_id, num_computed, 1, True)
+            budget -= 1
+            num_done += 1
+        step.budget = budget
+        return num_done
 
     def _advance(self, scheduled: list[ScheduledRequest]) -> list[Request]:
         """Async scheduling: count the step's tokens as computed now and give each sampled
@@ -409,21 +437,31 @@ class Scheduler:
         requests = (overlapped if overlapped is not None
                     else [self.requests[s.request_id] for s in scheduler_output.scheduled])
         sampled = runner_output.sampled_token_ids
+        kv = self.kv
+        # Whether a running request's blocks may need publishing at every step, or only when
+        # one fills up (``cache_full_blocks``'s own early return, checked here without the
+        # call: most decode steps fill none).
+        publish_each_step = kv.window is not None
+        publish_full = kv.enable_caching
+        block_size = kv.block_size
+        max_model_len = self.max_model_len
         for sched, request in zip(scheduler_output.scheduled, requests, strict=True):
             num_computed = sched.num_computed_tokens + sched.num_new_tokens
             if overlapped is None:
                 request.num_computed_tokens = num_computed
             elif request.is_finished:
                 continue
-            if request.is_pooling:  # done in its one step: its vector is its output
+            if request.pooling_params is not None:  # done in its one step: its vector is out
                 request.embedding = runner_output.pooled[request.request_id]
                 request.metrics.first_token_time = now
                 self.running.remove(request)
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 finished.append(request)
                 continue
-            if request.status == RequestStatus.RUNNING:
-                self.kv.cache_full_blocks(request, num_computed)
+            if request.status is RequestStatus.RUNNING and (
+                    publish_each_step or (publish_full and num_computed // block_size
+                                          > request.num_published_blocks)):
+                kv.cache_full_blocks(request, num_computed)
             if not sched.sample:
                 continue
             token_id = sampled[request.request_id]
@@ -440,6 +478,11 @@ class Scheduler:
             if metrics.first_token_time is None:
                 metrics.first_token_time = now
             updated.append(request)
+            # Only a stop token or a length limit can end it here (num_prompt_tokens + num_out
+            # is num_computed + 1): one set lookup and two comparisons for the rest.
+            if (token_id not in request.stop_token_set and num_out < request.max_tokens
+                    and num_computed + 1 < max_model_len):
+                continue
             status = self._check_token_stop(request, token_id, num_out)
             if status is not None:
                 self._dequeue(request)
