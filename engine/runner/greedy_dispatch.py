@@ -23,7 +23,9 @@ def sample_tokens(
     requests: list[Request],
 ) -> tuple[list[int], dict[str, TokenLogprob]]:
     logprobs: dict[str, TokenLogprob] = {}
-    full = [i for i, r in enumerate(requests) if Sampler.needs_full_logits(r)]
+    # A plain greedy row without min_tokens (most rows) is told apart without the call.
+    full = [i for i, r in enumerate(requests) if not r.argmax_only or (
+        r.sampling_params.min_tokens and Sampler.needs_full_logits(r))]
     if not full:  # every row plain greedy (most steps): the ids are the tokens, in order
         return _argmax(model, screen, sampler, hidden).tolist(), logprobs
     tokens: list[int] = [0] * len(requests)
