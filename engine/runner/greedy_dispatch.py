@@ -14,7 +14,7 @@ from engine.core.request import Request
 from engine.models.causal_lm import CausalLM
 from engine.outputs import TokenLogprob
 from engine.runner.greedy_screen import GreedyScreen
-from engine.runner.sampler import Sampler
+from engine.runner.sampler import Sampler, row_argmax
 
 
 def sample_tokens(
@@ -35,7 +35,7 @@ def sample_tokens(
         # One output-layer product for every row (split across ranks: one gather, the one each
         # helper rank joins), the plain rows' argmax taken where the logits are.
         logits = model.compute_logits(hidden)
-        plain_ids = logits[:, : sampler.vocab_size].argmax(-1)[plain]
+        plain_ids = row_argmax(logits[:, : sampler.vocab_size])[plain]
         if plain:
             logits = logits[full]
     else:
@@ -60,4 +60,4 @@ def _argmax(model: CausalLM, screen: GreedyScreen | None, sampler: Sampler,
     padded vocabulary rows are never tokens."""
     if screen is not None:
         return screen.argmax(rows)
-    return model.compute_logits(rows)[:, : sampler.vocab_size].argmax(-1)
+    return row_argmax(model.compute_logits(rows)[:, : sampler.vocab_size])
