@@ -449,9 +449,10 @@ class Scheduler:
         max_model_len = self.max_model_len
         for sched, request in zip(scheduler_output.scheduled, requests, strict=True):
             num_computed = sched.num_computed_tokens + sched.num_new_tokens
+            running = request.status is RequestStatus.RUNNING
             if overlapped is None:
                 request.num_computed_tokens = num_computed
-            elif request.is_finished:
+            elif not running and request.is_finished:
                 continue
             if request.pooling_params is not None:  # done in its one step: its vector is out
                 request.embedding = runner_output.pooled[request.request_id]
@@ -460,7 +461,7 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_STOPPED)
                 finished.append(request)
                 continue
-            if request.status is RequestStatus.RUNNING and (
+            if running and (
                     publish_each_step or (publish_full and num_computed // block_size
                                           > request.num_published_blocks)):
                 kv.cache_full_blocks(request, num_computed)
