@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import time
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -293,7 +292,8 @@ class ModelRunner:
         tokens, logprobs = sample_tokens(self.model, self.greedy_screen, self.sampler,
                                          hidden.index_select(0, index), sample_requests)
         return ModelRunnerOutput(
-            dict(zip(map(_request_id, sample_requests), tokens, strict=True)), logprobs)
+            {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}, logprobs
+        )
 
     @torch.inference_mode()
     def score_tokens(self, token_ids: list[int]) -> torch.Tensor:
@@ -336,9 +336,6 @@ class ModelRunner:
             weight = lm_head.weight[: self.vocab_size]
         logits = self.model.cap_logits(hidden.float() @ weight.float().T)  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()
-
-
-_request_id = attrgetter("request_id")
 
 
 def base_model_names(model: str, checkpoint: Checkpoint) -> set[str]:
