@@ -177,8 +177,8 @@ class Scheduler:
         return how many: each computes one token, under no bulk cap, with budget left, into a
         block it holds or one that is free. The loop in ``schedule`` would give each the same
         share (its cap is a no-op, ``allocate_slots`` the same call, or none where the last
-        block has room); here it costs no call and no check that cannot fire, a third of the
-        per-request time at 1,024 decodes (issue 46). The first request that is anything else
+        block has room); here it costs no call and no check that cannot fire, about half of
+        ``schedule``'s time at 1,024 decodes (issue 46). The first request that is anything else
         (a prompt chunk, a placeholder at its length limit, no free block: a preemption) and
         every one after it go through that loop."""
         kv = self.kv
@@ -240,6 +240,8 @@ class Scheduler:
     def _admit_waiting(self, step: StepBudget, now: float) -> None:
         """Waiting requests in queue order, each admitted, held (passed over) or stopping
         admission for this step (``schedule`` says when); at most ``max_num_seqs`` are held."""
+        if not self.waiting:
+            return  # (the adapters below are a pass over every running request)
         preempted_by_running = step.num_preempted > 0
         loras = {r.lora_name for r in self.running if r.lora_name is not None}
         num_held = 0
