@@ -91,6 +91,7 @@ class Scheduler:
         self.num_host_each_token -= request.needs_host_each_token
         request.status = status
         request.metrics.finished_time = time.monotonic()
+        request.metrics.num_generated_tokens = request.num_output_tokens
         self.kv.free(request)
         del self.requests[request.request_id]
 
@@ -478,10 +479,11 @@ class Scheduler:
             if request.logprobs is not None:
                 request.logprobs.append(runner_output.logprobs[request.request_id])
             num_out = num_computed + 1 - len(request.prompt_token_ids)
-            metrics = request.metrics
-            metrics.num_generated_tokens = num_out
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
+            # Every output token passes here, so only the first can find no first-token time;
+            # the count is set when the request finishes (``_finish``): the metrics object is
+            # not touched at the other tokens.
+            if num_out == 1 and request.metrics.first_token_time is None:
+                request.metrics.first_token_time = now
             updated.append(request)
             # Only a stop token or a length limit can end it here (num_prompt_tokens + num_out
             # is num_computed + 1): one set lookup and two comparisons for the rest.

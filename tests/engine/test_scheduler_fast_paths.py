@@ -96,3 +96,19 @@ def test_a_token_passed_over_by_the_stop_filter_ends_nothing():
                    and num_computed + 1 < sched.max_model_len)
         if skipped:
             assert sched._check_token_stop(request, token_id, num_out) is None
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("mode", ["default", "preempt-tiny-kv"])
+def test_token_metrics_are_those_of_every_token(mode, overlap):
+    """``update_from_output`` leaves the metrics alone after the first token: a finished or
+    aborted request (steps in flight included) counts exactly its output tokens, and has a
+    first-token time iff it has one."""
+    arrivals = prioritized_workload(3)
+    requests = [r for batch in arrivals.values() for r in batch]
+    aborts = {5: ["r1", "r4"], 9: ["r7"], 14: ["r10", "r12"]}
+    drive(make_scheduler(**MODES[mode]), overlap, arrivals, aborts)
+    assert {r.status.finish_reason for r in requests} == {"stop", "length", "abort"}
+    for request in requests:
+        assert request.metrics.num_generated_tokens == len(request.output_token_ids)
+        assert (request.metrics.first_token_time is not None) == bool(request.output_token_ids)
