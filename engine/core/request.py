@@ -100,11 +100,19 @@ class Request:
     # Async scheduling: trailing entries of ``token_ids`` that are PLACEHOLDER_TOKEN_ID, tokens
     # of steps scheduled (and counted in ``num_computed_tokens``) whose output is not back yet.
     num_placeholders: int = field(default=0, init=False)
+    # The token ids that end it once ``min_tokens`` are out: its EOS ids (unless ignore_eos)
+    # and ``stop_token_ids``, read once so a token that ends nothing costs one set lookup.
+    stop_token_set: frozenset[int] = field(default=frozenset(), init=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self.argmax_only = self.sampling_params.argmax_only
-        if self.sampling_params.logprobs is not None:
+        params = self.sampling_params
+        self.argmax_only = params.argmax_only
+        stops = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stops.update(self.eos_token_ids)
+        self.stop_token_set = frozenset(stops)
+        if params.logprobs is not None:
             self.logprobs = []
 
     @property

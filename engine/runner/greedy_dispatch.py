@@ -14,7 +14,7 @@ from engine.core.request import Request
 from engine.models.causal_lm import CausalLM
 from engine.outputs import TokenLogprob
 from engine.runner.greedy_screen import GreedyScreen
-from engine.runner.sampler import Sampler
+from engine.runner.sampler import Sampler, row_argmax
 
 
 def sample_tokens(
@@ -23,7 +23,9 @@ def sample_tokens(
     requests: list[Request],
 ) -> tuple[list[int], dict[str, TokenLogprob]]:
     logprobs: dict[str, TokenLogprob] = {}
-    full = [i for i, r in enumerate(requests) if Sampler.needs_full_logits(r)]
+    # A plain greedy row without min_tokens (most rows) is told apart without the call.
+    full = [i for i, r in enumerate(requests) if not r.argmax_only or (
+        r.sampling_params.min_tokens and Sampler.needs_full_logits(r))]
     if not full:  # every row plain greedy (most steps): the ids are the tokens, in order
         return _argmax(model, screen, sampler, hidden).tolist(), logprobs
     tokens: list[int] = [0] * len(requests)
@@ -33,7 +35,7 @@ def sample_tokens(
         # One output-layer product for every row (split across ranks: one gather, the one each
         # helper rank joins), the plain rows' argmax taken where the logits are.
         logits = model.compute_logits(hidden)
-        plain_ids = logits[:, : sampler.vocab_size].argmax(-1)[plain]
+        plain_ids = row_argmax(logits[:, : sampler.vocab_size])[plain]
         if plain:
             logits = logits[full]
     else:
@@ -58,4 +60,4 @@ def _argmax(model: CausalLM, screen: GreedyScreen | None, sampler: Sampler,
     padded vocabulary rows are never tokens."""
     if screen is not None:
         return screen.argmax(rows)
-    return model.compute_logits(rows)[:, : sampler.vocab_size].argmax(-1)
+    return row_argmax(model.compute_logits(rows)[:, : sampler.vocab_size])

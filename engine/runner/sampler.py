@@ -21,6 +21,16 @@ from engine.outputs import TokenLogprob
 from engine.runner.draw import draw_from_vocab, draw_truncated, take_rows
 
 
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """[rows, vocab] -> [rows] int64: each row's argmax, the first of equal maxima (a NaN
+    counting as the largest), as ``logits.argmax(-1)``. Host fp32 logits take numpy's, which
+    is vectorized where torch's CPU reduction is not: ~10x faster at 1,024 rows of 1,024
+    tokens, most of a greedy step's sampling (issue 46)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(-1)
+    return torch.from_numpy(logits.detach().numpy().argmax(-1))
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int) -> None:
         self.vocab_size = vocab_size
@@ -56,7 +66,7 @@ class Sampler:
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
         if greedy_rows:
-            token_ids[greedy_rows] = take_rows(logits, greedy_rows).argmax(dim=-1)
+            token_ids[greedy_rows] = row_argmax(take_rows(logits, greedy_rows))
         if random_rows:
             chosen = [requests[i] for i in random_rows]
             token_ids[random_rows] = self._sample(take_rows(logits, random_rows), chosen)

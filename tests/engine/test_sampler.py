@@ -14,7 +14,7 @@ import engine.runner.draw as draw_module
 from engine import SamplingParams
 from engine.core.request import Request
 from engine.outputs import RequestMetrics
-from engine.runner.sampler import Sampler
+from engine.runner.sampler import Sampler, row_argmax
 
 NUM_DRAWS = 20_000
 
@@ -322,3 +322,21 @@ def test_min_tokens_bans_stop_and_eos_per_row():
     out = sampler._apply_min_tokens(logits, reqs)
     assert (out == float("-inf")).nonzero().tolist() == [[0, 4], [0, 5], [1, 2]]
     assert math.isfinite(float(logits.sum()))  # the caller's logits are left alone
+
+
+def test_row_argmax_is_torchs_on_ties_nans_infinities_and_strided_rows():
+    """numpy's argmax on host fp32 logits picks what torch's does: the first of equal maxima,
+    a NaN over any number."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        num_rows, vocab = torch.randint(0, 40, (2,), generator=g).tolist()
+        logits = torch.randint(-3, 3, (num_rows, vocab + 4), generator=g).float()
+        u = torch.rand(logits.shape, generator=g)
+        logits[u < 0.05] = float("nan")
+        logits[(u > 0.05) & (u < 0.1)] = float("-inf")
+        logits[u > 0.97] = float("inf")
+        rows = logits[:, : vocab + 1]  # a padded vocabulary's view: not contiguous
+        with torch.inference_mode():
+            assert torch.equal(row_argmax(rows), rows.argmax(-1))
+    bf16 = torch.randn(8, 50).bfloat16()
+    assert torch.equal(row_argmax(bf16), bf16.argmax(-1))
