@@ -10,6 +10,8 @@ For each model (the default SmolLM2-135M Q4_1 GGUF and Gemma 3 270M Q4_K_M, both
   multiplied by the C++ kernels of ``engine/kernels/quant_gemm.py``);
 - ``dequantize``: today's path, every tensor dequantized at load to the default dtype (bf16 where
   the CPU has bf16 units, fp32 elsewhere: ``engine/runner/device.py``), packed for oneDNN/MKL;
+- with ``--unscreened``: ``keep`` with the runner's greedy screen off (every greedy row takes
+  the full output product: the kept Q8_0 head's ``Int8GreedyScreen`` against what it replaces);
 - with ``--llamacpp``: llama.cpp on the same GGUF, 16 requests in flight (``bench/llamacpp.py``).
 
 The workload is decode-heavy (the issue's): 64 requests, prompts of 16-96 tokens, 64-256 greedy
@@ -118,6 +120,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(spec["model"], quantization=spec["quantization"], dtype=spec["dtype"], **common)
     load_s = time.perf_counter() - start
     runner = llm.engine.model_runner
+    if not spec.get("greedy_screen", True):
+        runner.greedy_screen = None
     prompts, max_tokens = workload(llm.tokenizer, spec["num_requests"], spec["seed"],
                                    spec["max_output"])
     result: dict[str, Any] = {
@@ -190,6 +194,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto", help="the activations' dtype (both paths)")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--unscreened", action="store_true",
+                        help="also run keep with the greedy screen off (the full head product)")
     parser.add_argument("--llamacpp", action="store_true",
                         help="also run llama.cpp (builds llama-cpp-python once: many minutes)")
     parser.add_argument("--llamacpp-venv", default=None)
@@ -227,6 +233,9 @@ def main(argv: list[str] | None = None) -> int:
                 "quality_requests": args.quality_requests}
         runs = {mode: run_child({**spec, "quantization": mode})
                 for mode in ("keep", "dequantize")}
+        if args.unscreened:
+            runs["keep, no screen"] = run_child({**spec, "quantization": "keep",
+                                                 "greedy_screen": False})
         keep, dense = runs["keep"], runs["dequantize"]
         tok_s = {mode: r["output_tokens"] / r["seconds"] for mode, r in runs.items()}
         same = sum(a == b for a, b in zip(keep["outputs"], dense["outputs"], strict=True))
@@ -241,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{args.threads} threads, {args.num_requests} requests, activations "
               f"{keep['dtype']}")
         for mode, r in runs.items():
-            print(f"  {mode:10} weights {r['weight_bytes'] / 2**20:8.1f} MiB "
+            print(f"  {mode:15} weights {r['weight_bytes'] / 2**20:8.1f} MiB "
                   f"({r['weight_bytes'] / ggml_bytes:.2f}x the GGUF's), peak RSS "
                   f"{r['peak_rss_mib']:7.1f} MiB, load {r['load_s']:5.1f} s, "
                   f"{tok_s[mode]:7.1f} out tok/s")

@@ -216,6 +216,47 @@ def bf16_panel(dtype: torch.dtype, rows: int, path: str = "auto") -> bool:
     return dtype == torch.bfloat16 and panel and kernel_isa() == "avx512_bf16"
 
 
+def int8_screen_available() -> bool:
+    """Whether ``q8_0_screen`` runs here: the library was built with AVX512-VNNI and VBMI (no
+    other path: where they are absent the int8 screen is not used)."""
+    module = cpu_decode_attention.load()
+    return module is not None and bool(module.quant_int8_screen)
+
+
+def q8_0_screen(w: QuantWeight, xq: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """The int8 screen's approximate product (``Int8GreedyScreen``, ``runner/greedy_screen.py``):
+    bf16 [rows, out] of ``sum_b fl(d_w[v, b] * scales[r, b]) * sum_i q_w[v, b, i] * xq[r, b, i]``
+    over the blocks b of 32, the int32 sums exact, their sum fp32, rounded once to bf16.
+    ``w``: a Q8_0 weight in the kernel's tiles; ``xq``: int8 [rows, in]; ``scales``: fp32
+    [rows, in / 32]. Needs ``int8_screen_available()``."""
+    if w.fmt != "Q8_0" or not w.kernel:
+        raise ValueError(f"the int8 screen takes a Q8_0 weight in the kernel's tiles, got {w!r}")
+    blocks = w.in_features // 32
+    if xq.dtype != torch.int8 or xq.dim() != 2 or xq.shape[1] != w.in_features:
+        raise ValueError(f"xq must be int8 [rows, {w.in_features}], got {xq.dtype} "
+                         f"{tuple(xq.shape)}")
+    if scales.dtype != torch.float32 or scales.shape != (xq.shape[0], blocks):
+        raise ValueError(f"scales must be float32 [{xq.shape[0]}, {blocks}], got "
+                         f"{scales.dtype} {tuple(scales.shape)}")
+    out = torch.empty((xq.shape[0], w.out_features), dtype=torch.bfloat16)
+    _library().quant_screen_q8_0(w._data, w.in_features, w.out_features, xq.contiguous(),
+                                 scales.contiguous(), out)
+    return out
+
+
+def q8_0_screen_reference(w: QuantWeight, xq: torch.Tensor, scales: torch.Tensor
+                          ) -> torch.Tensor:
+    """``q8_0_screen`` in torch, for the tests: the same int32 block sums (exact), fp32 scales,
+    the blocks summed in fp32 in another order."""
+    rows, blocks = scales.shape
+    raw = w.raw().view(w.out_features, blocks, 34)  # ggml's Q8_0 block: d fp16, then 32 int8
+    d = raw[:, :, :2].contiguous().view(torch.float16).float()[..., 0]  # [out, blocks]
+    q = raw[:, :, 2:].contiguous().view(torch.int8).long()  # [out, blocks, 32]
+    x = xq.long().view(rows, blocks, 32)
+    sums = torch.einsum("rbi,vbi->rvb", x, q).float()  # [rows, out, blocks], exact
+    return (sums * (d[None] * scales[:, None])).sum(-1).to(torch.bfloat16)
+
+
 def _library() -> ModuleType:
     module = cpu_decode_attention.load()
     if module is None:

@@ -13,12 +13,12 @@ import torch
 from engine.core.request import Request
 from engine.models.causal_lm import CausalLM
 from engine.outputs import TokenLogprob
-from engine.runner.greedy_screen import GreedyScreen
+from engine.runner.greedy_screen import Screen
 from engine.runner.sampler import Sampler, row_argmax
 
 
 def sample_tokens(
-    model: CausalLM, screen: GreedyScreen | None, sampler: Sampler,
+    model: CausalLM, screen: Screen | None, sampler: Sampler,
     hidden: torch.Tensor,  # [len(requests), hidden_size]: each request's last row
     requests: list[Request],
 ) -> tuple[list[int], dict[str, TokenLogprob]]:
@@ -53,7 +53,7 @@ def sample_tokens(
     return tokens, logprobs
 
 
-def _argmax(model: CausalLM, screen: GreedyScreen | None, sampler: Sampler,
+def _argmax(model: CausalLM, screen: Screen | None, sampler: Sampler,
             rows: torch.Tensor) -> torch.Tensor:
     """Plain greedy rows' tokens: the screen's exact argmax on a CPU, else the argmax where the
     logits are (a GPU: only the ids cross to the host, not [rows, vocab] fp32 for the sampler);

@@ -20,7 +20,7 @@ from engine.checkpoint.loader import Checkpoint
 from engine.config import EngineConfig
 from engine.core.request import Request
 from engine.kernels import cpu_decode_attention
-from engine.kernels.quant_gemm import QuantWeight
+from engine.kernels.quant_gemm import QuantWeight, int8_screen_available
 from engine.layers.attention_metadata import AttentionBackend
 from engine.layers.linear import Linear, pack_linear_weights, packing_gemm
 from engine.layers.moe import pack_experts
@@ -37,7 +37,7 @@ from engine.runner.base import Runner
 from engine.runner.cuda_graphs import CUDAGraphRunner
 from engine.runner.device import bf16_is_native, resolve_device, resolve_dtype
 from engine.runner.greedy_dispatch import sample_tokens
-from engine.runner.greedy_screen import GreedyScreen
+from engine.runner.greedy_screen import GreedyScreen, Int8GreedyScreen, Screen
 from engine.runner.input_batch import InputBatch, PreparedStep, StepRow, build_input_batch
 from engine.runner.kv_cache import KVCache, plan_kv_cache
 from engine.runner.persistent_batch import PersistentBatch
@@ -61,7 +61,7 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, config.seed)
         self.attn = self._make_attention_backend()
         self.packed_weights = False
-        self.greedy_screen: GreedyScreen | None = None
+        self.greedy_screen: Screen | None = None
         self.lora: LoRAManager | None = None
         if config.lora_modules:
             self._enable_lora(checkpoint)
@@ -161,15 +161,20 @@ class ModelRunner:
         is not. The output layer keeps its weight when the embedding or the screen reads
         it. An output layer kept in ggml blocks has no dense weight to screen or pack: in bf16
         it gives fp32 logits instead (``QuantizedLinear.out_dtype``), so its argmax too is of
-        the fp32 sums."""
+        the fp32 sums; one kept in Q8_0 is screened in int8 where the CPU has AVX512-VNNI
+        (``Int8GreedyScreen``, fp32 and bf16 models alike: its token is the fp32 argmax of the
+        exact weight's products)."""
         lm_head = self.model.lm_head
         head = lm_head.weight if isinstance(lm_head, Linear) else None
         fp32 = self.dtype == torch.float32
         if (isinstance(lm_head, QuantizedLinear) and not fp32
                 and all(isinstance(p, QuantWeight) for p in lm_head.pieces)):
             lm_head.out_dtype = torch.float32
+        q8_head = _int8_screen_weight(lm_head)
         if head is not None and (not fp32 or bf16_is_native()):
             self.greedy_screen = GreedyScreen(head.detach()[: self.vocab_size])
+        elif q8_head is not None:
+            self.greedy_screen = Int8GreedyScreen(q8_head, self.vocab_size)
         gemm = packing_gemm(self.dtype, self.config.cpu_gemm)
         if gemm is None:
             return
@@ -326,16 +331,29 @@ class ModelRunner:
             self.attn, batch.metadata,
         )[:-1]
         if self.greedy_screen is not None:  # the output layer's weight may be packed away
-            weight = self.greedy_screen.weight
+            logits = self.greedy_screen.logits(hidden)
         else:
             lm_head = self.model.lm_head
             if self.packed_weights or self.head_is_split or not isinstance(lm_head, Linear):
                 return torch.log_softmax(
                     self.model.compute_logits(hidden)[:, : self.vocab_size].float(), dim=-1
                 ).cpu()
-            weight = lm_head.weight[: self.vocab_size]
-        logits = self.model.cap_logits(hidden.float() @ weight.float().T)  # [num_tokens - 1, vocab]
+            logits = hidden.float() @ lm_head.weight[: self.vocab_size].float().T
+        logits = self.model.cap_logits(logits)  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def _int8_screen_weight(lm_head: torch.nn.Module) -> QuantWeight | None:
+    """The output layer's weight when the int8 screen can take it: one Q8_0 ``QuantWeight`` in
+    the kernel's tiles, no bias, and a library built with AVX512-VNNI; else None."""
+    if not isinstance(lm_head, QuantizedLinear) or lm_head.bias is not None:
+        return None
+    if len(lm_head.pieces) != 1 or not isinstance(lm_head.pieces[0], QuantWeight):
+        return None
+    weight = lm_head.pieces[0]
+    if weight.fmt != "Q8_0" or not weight.kernel or weight.device.type != "cpu":
+        return None
+    return weight if int8_screen_available() else None
 
 
 def base_model_names(model: str, checkpoint: Checkpoint) -> set[str]:

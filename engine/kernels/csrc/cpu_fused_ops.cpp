@@ -26,12 +26,17 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -146,6 +151,53 @@ void rotary_neox(torch::Tensor& x, const torch::Tensor& positions, const torch::
   });
 }
 
+#if defined(__AVX512F__)
+inline __m512 bf16x16(const uint16_t* p) {  // 16 bf16 -> 16 fp32, exactly
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// One row of screen_candidates: the tokens v of y (bf16 [vocab]) with y + bound >= the row's
+// best y - bound, bound = h * w[v] + |y| * u, appended to `tokens` in order. With AVX-512 16
+// tokens a step, explicitly: the compiler's own vectorization of these loops gathered w (a
+// [64, 262,144] screen took 26-28 ms on one Zen 4 thread, two passes over 34 MB).
+void row_candidates(const uint16_t* y, const float* w, int64_t vocab, float h, float u,
+                    std::vector<int64_t>& tokens) {
+  auto bound = [&](float a, int64_t v) { return h * w[v] + std::fabs(a) * u; };
+  float best_lower = -std::numeric_limits<float>::infinity();
+  int64_t v = 0;
+#if defined(__AVX512F__)
+  const __m512 hv = _mm512_set1_ps(h), uv = _mm512_set1_ps(u);
+  auto bound16 = [&](__m512 a, int64_t at) {
+    return _mm512_fmadd_ps(hv, _mm512_loadu_ps(w + at), _mm512_mul_ps(_mm512_abs_ps(a), uv));
+  };
+  __m512 best = _mm512_set1_ps(best_lower);
+  for (; v + 16 <= vocab; v += 16) {
+    const __m512 a = bf16x16(y + v);
+    best = _mm512_max_ps(best, _mm512_sub_ps(a, bound16(a, v)));
+  }
+  best_lower = _mm512_reduce_max_ps(best);
+#endif
+  for (; v < vocab; ++v) {
+    const float a = bf16_to_float(y[v]);
+    best_lower = std::max(best_lower, a - bound(a, v));
+  }
+  v = 0;
+#if defined(__AVX512F__)
+  const __m512 lower = _mm512_set1_ps(best_lower);
+  for (; v + 16 <= vocab; v += 16) {
+    const __m512 a = bf16x16(y + v);
+    __mmask16 pass = _mm512_cmp_ps_mask(_mm512_add_ps(a, bound16(a, v)), lower, _CMP_GE_OQ);
+    for (; pass; pass &= pass - 1) tokens.push_back(v + __builtin_ctz(pass));
+  }
+#endif
+  for (; v < vocab; ++v) {
+    const float a = bf16_to_float(y[v]);
+    if (a + bound(a, v) >= best_lower) tokens.push_back(v);
+  }
+}
+
 std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& approx,
                                                            const torch::Tensor& row_bounds,
                                                            const torch::Tensor& weight_norms,
@@ -159,19 +211,7 @@ std::tuple<torch::Tensor, torch::Tensor> screen_candidates(const torch::Tensor& 
   // A row is ~50k values: one row a work item.
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const uint16_t* y = y_ptr + r * stride;
-      const float h = h_ptr[r];
-      float best_lower = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : best_lower)
-      for (int64_t v = 0; v < vocab; ++v) {
-        const float a = bf16_to_float(y[v]);
-        best_lower = std::max(best_lower, a - (h * w_ptr[v] + std::fabs(a) * u));
-      }
-      std::vector<int64_t>& tokens = found[r];
-      for (int64_t v = 0; v < vocab; ++v) {
-        const float a = bf16_to_float(y[v]);
-        if (a + (h * w_ptr[v] + std::fabs(a) * u) >= best_lower) tokens.push_back(v);
-      }
+      row_candidates(y_ptr + r * stride, w_ptr, vocab, h_ptr[r], u, found[r]);
     }
   });
   int64_t total = 0;

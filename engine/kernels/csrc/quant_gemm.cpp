@@ -35,6 +35,16 @@
 //           fp32) to fp32 sums: twice the multiply-adds of an fp32 FMA an instruction, and half
 //           the bytes of x and the panel. Its products are those of the dequantized bf16 model's
 //           weights; only the order of the fp32 sums differs.
+// The int8 screen (quant_screen_q8_0, Q8_0 only, built with AVX512-VNNI and VBMI:
+// BOXCAR_QUANT_VNNI) approximates a Q8_0 weight's product with x quantized to int8 by blocks of
+// 32 (engine/runner/greedy_screen.py's Int8GreedyScreen bounds the difference): out[r, v] =
+// bf16(sum_b fl(d_w[v, b] * d_x[r, b]) * sum_i q_w[v, b, i] * q_x[r, b, i]), the int32 sums
+// exact, the blocks' sum in fp32. The panel is the pair's int8 values as vpdpbusd reads them,
+// [64 groups of 4 depth][16 rows][4], their sign bit flipped (q_w + 128, the unsigned operand;
+// x's values are the signed one), then the 16 rows' fp32 d per block; each block's int32 sum
+// starts at -128 * sum_i q_x[r, b, i], which takes the flip's +128 back out. vpdpbusd does 64
+// multiply-adds an instruction, twice the bf16 panel's vdpbf16ps, and building the panel is a
+// byte permutation (no conversion): the output layer's screen at a fraction of its product.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -46,6 +56,10 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__)
 #define BOXCAR_QUANT_BF16 1
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define BOXCAR_QUANT_VNNI 1  // the int8 screen (quant_screen_q8_0): vpdpbusd, and vpermb
 #endif
 #endif
 
@@ -583,6 +597,11 @@ struct Problem {
   int64_t rows, depth, out_features;
   const float* bias;          // [out_features] or null
   torch::Tensor out;          // [rows, out_features] fp32 or bf16
+  // The int8 screen's x (quant_screen_q8_0), else null: int8 [rows, depth], and per row and
+  // block of 32 the fp32 scale and the int32 offset -128 * (sum of the block's values).
+  const int8_t* xq = nullptr;
+  const float* xq_scales = nullptr;
+  const int32_t* xq_offsets = nullptr;
 };
 
 #if defined(BOXCAR_QUANT_AVX2)
@@ -751,11 +770,10 @@ inline int64_t panel_rows(int64_t depth) {
 // The fp32 panel: panel[k][16] fp32, a pair's two tiles side by side (16 KB).
 struct PanelF32 {
   using Elem = float;
-  using X = float;
   static constexpr int kAlign = 32;
+  static constexpr int kPanelElems = kPanelDepth * 16;
   static constexpr int kMicroRows = 6;
   static int64_t block_rows(int64_t depth) { return panel_rows(depth); }
-  static const X* x(const Problem& p) { return p.x; }
   template <class F>
   static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
     float* dst = panel + blk * F::kBlock * 16 + 8 * half_index;
@@ -764,15 +782,16 @@ struct PanelF32 {
     };
     F::dequant(tile, sink);
   }
-  static void micro(int rows, const X* x, int64_t stride, const Elem* panel, int depth,
-                    float* c) {
-    micro_rows(rows, x, stride, panel, depth, c);
+  static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
+                    int depth, float* c) {
+    micro_rows(rows, p.x + m * p.depth + k0, p.depth, panel, depth, c);
   }
 };
 
-// The panel path's driver, for a panel kind P (PanelF32, PanelBf16): per pair of tiles (16
-// output rows), per kPanelDepth values of depth, P::fill dequantizes the pair into the panel,
-// then P::micro multiplies a block of x's rows by it (P::block_rows(depth) rows at a time).
+// The panel path's driver, for a panel kind P (PanelF32, PanelBf16, PanelQ8): per pair of tiles
+// (16 output rows), per kPanelDepth values of depth, P::fill dequantizes the pair into the panel,
+// then P::micro multiplies a block of x's rows by it (P::block_rows(depth) rows at a time):
+// P::micro(p, row, depth offset, rows, panel, depth, sums) finds those rows of x in p.
 template <class F, class P>
 void run_panel(const Problem& p) {
   using Elem = typename P::Elem;
@@ -781,19 +800,18 @@ void run_panel(const Problem& p) {
   const int64_t block_rows = std::min(p.rows, P::block_rows(p.depth));
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     constexpr uintptr_t kMask = P::kAlign - 1;
-    std::vector<Elem> storage(kPanelDepth * 16 + P::kAlign / sizeof(Elem));
+    std::vector<Elem> storage(P::kPanelElems + P::kAlign / sizeof(Elem));
     Elem* panel = reinterpret_cast<Elem*>(
         (reinterpret_cast<uintptr_t>(storage.data()) + kMask) & ~kMask);
     std::vector<float> sums(block_rows * 16);  // c[rows][16]: the pair's sums
     float* c = sums.data();
     for (int64_t r0 = 0; r0 < p.rows; r0 += block_rows) {
       const int64_t rows = std::min(block_rows, p.rows - r0);
-      const typename P::X* x = P::x(p) + r0 * p.depth;
       for (int64_t pair = begin; pair < end; ++pair) {
         const int64_t t0 = 2 * pair;
         const bool two = t0 + 1 < p.num_tiles;
         std::fill(c, c + rows * 16, 0.0f);
-        if (!two) std::fill(panel, panel + kPanelDepth * 16, Elem{0});
+        if (!two) std::fill(panel, panel + P::kPanelElems, Elem{0});
         for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
           const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, p.blocks - b0));
           for (int blk = 0; blk < count; ++blk) {
@@ -804,9 +822,9 @@ void run_panel(const Problem& p) {
             }
           }
           for (int64_t m0 = 0; m0 < rows; m0 += P::kMicroRows) {
-            P::micro(static_cast<int>(std::min<int64_t>(P::kMicroRows, rows - m0)),
-                     x + m0 * p.depth + b0 * F::kBlock, p.depth, panel, count * F::kBlock,
-                     c + m0 * 16);
+            P::micro(p, r0 + m0, b0 * F::kBlock,
+                     static_cast<int>(std::min<int64_t>(P::kMicroRows, rows - m0)), panel,
+                     count * F::kBlock, c + m0 * 16);
           }
         }
         write_out(p, c, 16, r0, rows, t0 * kLanes, 16);
@@ -863,11 +881,10 @@ inline __m256i pairs_bf16(__m256 even, __m256 odd) {
 // The bf16 panel: panel[k / 2][16][2] bf16 (8 KB), the values of depth in pairs.
 struct PanelBf16 {
   using Elem = uint16_t;
-  using X = uint16_t;
   static constexpr int kAlign = 64;
+  static constexpr int kPanelElems = kPanelDepth * 16;
   static constexpr int kMicroRows = kMicroRowsBf16;
   static int64_t block_rows(int64_t depth) { return 2 * panel_rows(depth); }  // half x's bytes
-  static const X* x(const Problem& p) { return p.xh; }
   template <class F>
   static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
     uint16_t* dst = panel + blk * F::kBlock * 16 + 16 * half_index;
@@ -883,12 +900,132 @@ struct PanelBf16 {
     };
     F::dequant(tile, sink);
   }
-  static void micro(int rows, const X* x, int64_t stride, const Elem* panel, int depth,
-                    float* c) {
-    micro_rows_bf16(rows, x, stride, panel, depth / 2, c);
+  static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
+                    int depth, float* c) {
+    micro_rows_bf16(rows, p.xh + m * p.depth + k0, p.depth, panel, depth / 2, c);
   }
 };
 #endif
+
+#if defined(BOXCAR_QUANT_VNNI)
+// c[MR][16] += the screen's sums of MR rows of x over `blocks` blocks of 32 against the panel
+// (PanelQ8): per block, 8 vpdpbusd (a broadcast of 4 of a row's int8 values against 16 rows' 4
+// flipped weights) from the row's offset, then one fp32 multiply-add by d_w * d_x.
+template <int MR>
+inline void micro_kernel_q8(const int8_t* x, const float* scales, const int32_t* offsets,
+                            int64_t stride, int64_t block_stride, const uint8_t* panel,
+                            const float* d, int blocks, float* c) {
+  __m512 acc[MR];
+  unroll<MR>([&](auto r) { acc[r] = _mm512_loadu_ps(c + 16 * r); });
+  for (int b = 0; b < blocks; ++b) {
+    __m512i sums[MR];
+    unroll<MR>([&](auto r) { sums[r] = _mm512_set1_epi32(offsets[r * block_stride + b]); });
+    unroll<8>([&](auto g) {
+      const __m512i w = _mm512_load_si512(panel + 64 * (8 * b + g));
+      unroll<MR>([&](auto r) {
+        int32_t four;
+        std::memcpy(&four, x + r * stride + 32 * b + 4 * g, sizeof four);
+        sums[r] = _mm512_dpbusd_epi32(sums[r], w, _mm512_set1_epi32(four));
+      });
+    });
+    const __m512 dw = _mm512_load_ps(d + 16 * b);
+    unroll<MR>([&](auto r) {
+      const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(scales[r * block_stride + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums[r]), scale, acc[r]);
+    });
+  }
+  unroll<MR>([&](auto r) { _mm512_storeu_ps(c + 16 * r, acc[r]); });
+}
+
+// Rows a screen micro-kernel call takes: MR int32 sums and MR fp32 sums, a panel vector, d and
+// a scale in the 32 zmm registers.
+constexpr int kMicroRowsQ8 = 10;
+
+// The int8 screen's panel (header): 4 KB of flipped values, [64][16][4], then d fp32 [8][16].
+struct PanelQ8 {
+  using Elem = uint8_t;
+  static constexpr int kAlign = 64;
+  static constexpr int kValueBytes = kPanelDepth * 16;
+  static constexpr int kPanelElems = kValueBytes + (kPanelDepth / 32) * 16 * sizeof(float);
+  static constexpr int kMicroRows = kMicroRowsQ8;
+  // x is a quarter of the fp32 panel's bytes a row, so 4x its rows stay in L2
+  static int64_t block_rows(int64_t depth) { return 4 * panel_rows(depth); }
+  template <class F>
+  static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
+    static_assert(std::is_same_v<F, Q8_0>, "the int8 screen's panel holds Q8_0 values");
+    // A tile's 4 depths x 8 rows (byte 8k + lane) -> 8 rows x 4 depths (byte 4 lane + k).
+    alignas(32) static constexpr uint8_t kTranspose[32] = {
+        0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
+        4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31};
+    const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTranspose));
+    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+    uint8_t* dst = panel + blk * 32 * 16 + 32 * half_index;
+    unroll<8>([&](auto g) {
+      const __m256i v = load8(tile + F::kValuesAt + 32 * g);
+      _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 64 * g),
+                         _mm256_xor_si256(_mm256_permutexvar_epi8(order, v), flip));
+    });
+    float* d = reinterpret_cast<float*>(panel + kValueBytes) + blk * 16 + 8 * half_index;
+    _mm256_store_ps(d, halves(tile));
+  }
+  static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
+                    int depth, float* c) {
+    const int64_t blocks = p.depth / 32, b0 = k0 / 32;
+    const int8_t* x = p.xq + m * p.depth + k0;
+    const float* scales = p.xq_scales + m * blocks + b0;
+    const int32_t* offsets = p.xq_offsets + m * blocks + b0;
+    const float* d = reinterpret_cast<const float*>(panel + kValueBytes);
+    switch (rows) {
+#define BOXCAR_ROWS(n)                                                                      \
+  case n:                                                                                   \
+    return micro_kernel_q8<n>(x, scales, offsets, p.depth, blocks, panel, d, depth / 32, c);
+      BOXCAR_ROWS(1) BOXCAR_ROWS(2) BOXCAR_ROWS(3) BOXCAR_ROWS(4) BOXCAR_ROWS(5)
+      BOXCAR_ROWS(6) BOXCAR_ROWS(7) BOXCAR_ROWS(8) BOXCAR_ROWS(9)
+#undef BOXCAR_ROWS
+      default: return micro_kernel_q8<kMicroRowsQ8>(x, scales, offsets, p.depth, blocks, panel,
+                                                    d, depth / 32, c);
+    }
+  }
+};
+#endif
+
+// The int8 screen (header): out bf16 [rows, out_features] from a Q8_0 weight's tiles and x
+// quantized by blocks of 32: xq int8 [rows, in_features], scales fp32 [rows, in_features / 32].
+void quant_screen_q8_0(const torch::Tensor& tiles, int64_t in_features, int64_t out_features,
+                       const torch::Tensor& xq, const torch::Tensor& scales, torch::Tensor& out) {
+#if defined(BOXCAR_QUANT_VNNI)
+  const int64_t blocks = check_rows<Q8_0>(tiles, in_features);
+  const int64_t num_tiles = (out_features + kLanes - 1) / kLanes;
+  TORCH_CHECK(tiles.dim() == 2 && tiles.size(0) == num_tiles &&
+                  tiles.size(1) == blocks * Q8_0::kTileBytes,
+              "tiles do not fit ", out_features, " x ", in_features, " in Q8_0");
+  TORCH_CHECK(xq.scalar_type() == torch::kInt8 && xq.dim() == 2 && xq.is_contiguous() &&
+                  xq.size(1) == in_features, "xq must be a contiguous int8 [rows, in_features]");
+  const int64_t rows = xq.size(0);
+  TORCH_CHECK(scales.scalar_type() == torch::kFloat && scales.is_contiguous() &&
+                  scales.dim() == 2 && scales.size(0) == rows && scales.size(1) == blocks,
+              "scales must be a contiguous fp32 [rows, in_features / 32]");
+  TORCH_CHECK(out.scalar_type() == torch::kBFloat16 && out.is_contiguous() && out.dim() == 2 &&
+                  out.size(0) == rows && out.size(1) == out_features,
+              "out must be a contiguous bf16 [rows, out_features]");
+  if (rows == 0) return;
+  std::vector<int32_t> offsets(rows * blocks);
+  const int8_t* q = xq.data_ptr<int8_t>();
+  for (int64_t i = 0; i < rows * blocks; ++i) {
+    int32_t sum = 0;
+    for (int k = 0; k < 32; ++k) sum += q[32 * i + k];
+    offsets[i] = -128 * sum;
+  }
+  Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, nullptr, nullptr, rows,
+            in_features, out_features, nullptr, out};
+  p.xq = q;
+  p.xq_scales = scales.data_ptr<float>();
+  p.xq_offsets = offsets.data();
+  run_panel<Q8_0, PanelQ8>(p);
+#else
+  TORCH_CHECK(false, "the int8 screen needs a build with AVX512-VNNI and AVX512-VBMI");
+#endif
+}
 
 // out = x @ W.T (+ bias). path: "auto", "fused", "panel" or "generic".
 void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in_features,
@@ -952,7 +1089,16 @@ void register_quant_gemm(pybind11::module& m) {
         py::arg("fmt"), py::arg("tiles"), py::arg("in_features"), py::arg("out_features"),
         py::arg("x"), py::arg("bias"), py::arg("out"), py::arg("path") = "auto",
         py::call_guard<py::gil_scoped_release>());
+  m.def("quant_screen_q8_0", &quant_screen_q8_0,
+        "the int8 screen's bf16 approximation of x @ W.T for a repacked Q8_0 weight",
+        py::arg("tiles"), py::arg("in_features"), py::arg("out_features"), py::arg("xq"),
+        py::arg("scales"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
   m.attr("quant_formats") = kFormats;
+#if defined(BOXCAR_QUANT_VNNI)
+  m.attr("quant_int8_screen") = true;
+#else
+  m.attr("quant_int8_screen") = false;
+#endif
 #if defined(BOXCAR_QUANT_BF16)
   m.attr("quant_isa") = "avx512_bf16";
 #elif defined(BOXCAR_QUANT_AVX2)
