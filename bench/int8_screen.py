@@ -16,25 +16,15 @@ weight's fp32 logits, by the fp32 panel) on them.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import torch
 
+from bench.roofline import best_seconds
 from engine.kernels import cpu_fused_ops
 from engine.kernels.quant_gemm import q8_0_screen, quant_linear
 from engine.runner.greedy_screen import GreedyScreen, Int8GreedyScreen, quantize_rows
 
 _CHUNK_ROWS = 16384  # rows of the head dequantized at a time (the whole fp32 head: 671 MB)
-
-
-def best_ms(fn: Callable[[], object], calls: int) -> float:
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
 
 
 def capture_hidden(model: str, num_requests: int, max_tokens: int) -> tuple[Int8GreedyScreen,
@@ -97,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         "dense bf16 (oneDNN)": lambda: dense_screen._screen_bf16(x_bf16),
     }
     for name, fn in forms.items():
-        print(f"  {name:30s} {best_ms(fn, args.calls):8.1f}")
+        ms = 1e3 * best_seconds(fn, min_seconds=0.0, repeats=args.calls)
+        print(f"  {name:30s} {ms:8.1f}")
     print(f"candidates a row: {candidates_a_row(screen, hidden):.2f} (over {len(hidden)} rows)")
     same = all(torch.equal(screen.argmax(hidden[i:i + 64]), _exact_argmax(screen, hidden[i:i + 64]))
                for i in range(0, len(hidden), 64))

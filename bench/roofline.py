@@ -126,7 +126,7 @@ def record_steps(scheduler: Any) -> Iterator[list[Step]]:
 # --- measurements --------------------------------------------------------------------------------
 
 
-def _best_seconds(fn: Callable[[], Any], *, min_seconds: float, repeats: int) -> float:
+def best_seconds(fn: Callable[[], Any], *, min_seconds: float, repeats: int) -> float:
     """The fastest single call of ``fn`` among at least ``repeats`` calls and ``min_seconds``.
 
     The fastest call, not the mean: on a shared machine a call that lost its core for a few
@@ -220,7 +220,7 @@ def measure_gemms(gemms: tuple[Gemm, ...], dtype: str, max_rows: int, *,
     table = GemmTable(dtype)
     for gemm in gemms:
         table.seconds[gemm.name] = padded({
-            rows: min(_best_seconds(fn, min_seconds=min_seconds, repeats=repeats)
+            rows: min(best_seconds(fn, min_seconds=min_seconds, repeats=repeats)
                       for fn in _gemm_candidates(gemm, rows, dtype))
             for rows in gemm_ladder(max_rows)
         })
@@ -231,7 +231,7 @@ def measure_copy_bandwidth(num_bytes: int = 256 << 20, repeats: int = 5) -> floa
     """Best (bytes read + bytes written) per second of a tensor copy far larger than caches."""
     src = torch.ones(num_bytes // 4)
     dst = torch.empty_like(src)
-    seconds = _best_seconds(lambda: dst.copy_(src), min_seconds=0.0, repeats=repeats)
+    seconds = best_seconds(lambda: dst.copy_(src), min_seconds=0.0, repeats=repeats)
     return 2 * num_bytes / seconds
 
 

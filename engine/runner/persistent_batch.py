@@ -75,7 +75,7 @@ class PersistentBatch:
         gives for the same rows), and the requests that sample, in its sample order."""
         count = len(scheduled)
         reqs = [requests[s.request_id] for s in scheduled]
-        slots = self._slots(reqs)
+        slots = np.fromiter(map(self._update, reqs), dtype=np.int64, count=count)
         self._free_unscheduled(slots)
         for i in np.flatnonzero(slots < 0).tolist():
             slots[i] = self._add(reqs[i])
@@ -94,25 +94,6 @@ class PersistentBatch:
         return batch, [reqs[i] for i in batch.sample_rows]
 
     # ---- the diff -----------------------------------------------------------------------------
-
-    def _slots(self, reqs: list[Request]) -> np.ndarray:
-        """Each request's slot, brought up to date (``_update``; -1: one to add). A slot
-        written from the request's own block list, as long as it is now (most decode steps),
-        has nothing to apply: it is read here without the call (~60 of ~500 us of ``prepare`` at
-        1,024 decodes, issue 46)."""
-        if self.with_window:  # the windowed table may change at any step
-            return np.fromiter(map(self._update, reqs), dtype=np.int64, count=len(reqs))
-        slot_of, held, lists, counts = (self._slot_of, self._requests, self._block_lists,
-                                        self._num_blocks)
-        slots = []
-        for request in reqs:
-            slot = slot_of.get(request.request_id)
-            blocks = request.block_ids
-            if (slot is None or held[slot] is not request or lists[slot] is not blocks
-                    or counts[slot] != len(blocks)):
-                slot = self._update(request)
-            slots.append(slot)
-        return np.array(slots, dtype=np.int64)
 
     def _update(self, request: Request) -> int:
         """The slot of a request seen before, brought up to date; -1 for one to add."""

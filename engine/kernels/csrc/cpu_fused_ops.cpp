@@ -19,9 +19,8 @@
 //                     reaches the row's best y~ - bound; two passes over the bf16 screen instead
 //                     of ten torch ops over an fp32 copy of it.
 //
-// Every tensor here is bf16 except the residual and the tables (fp32) and positions (int64); rows
-// may be strided
-// (a row stride is passed), the last dim is contiguous. The launchers in
+// Every tensor here is bf16 except the residual and the tables (fp32) and positions (int64);
+// rows may be strided (a row stride is passed), the last dim is contiguous. The launchers in
 // engine/kernels/cpu_fused_ops.py check that.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
