@@ -54,7 +54,8 @@ _SOURCES = tuple(Path(__file__).parent / "csrc" / name
                  for name in ("paged_decode_attention.cpp", "cpu_fused_ops.cpp",
                               "packed_attention.cpp", "lora_segments.cpp",
                               "lora_segments_amx.cpp", "quant_gemm.cpp"))
-_HEADERS = (Path(__file__).parent / "csrc" / "lora_segment.h",)  # in the build key too
+_HEADERS = tuple(Path(__file__).parent / "csrc" / name  # in the build key too
+                 for name in ("amx.h", "lora_segment.h"))
 # -fopenmp makes at::parallel_for (an inline OpenMP loop) parallel; the extension then binds to
 # torch's own libgomp (same soname, already loaded): one thread pool.
 _CFLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp")

@@ -15,7 +15,9 @@ dequantizes 16 rows x 256 values at a time into an L1 panel for a register-block
 (the C++ file's header has the layout, the paths and why the values equal gguf's). On a CPU
 with AVX512-BF16 a bf16 ``x`` above 4 rows takes a bf16 panel instead (``bf16_panel()``): the
 dequantized values rounded to bf16, as the dequantize mode's bf16 weights are, multiplied by
-``vdpbf16ps`` at twice the fp32 FMA's multiply-adds an instruction.
+``vdpbf16ps`` at twice the fp32 FMA's multiply-adds an instruction, or, where the CPU has AMX
+(``amx_available()``), by ``tdpbf16ps`` on its tiles: the same products, the panel's
+dequantization then the step's cost.
 
 Measured on this repo's AVX2 EPYC, one thread, CPU time (the machine is shared), against
 oneDNN's packed fp32 weight of the same values (``bench.quant_gemm`` prints the 2-thread
@@ -37,7 +39,8 @@ import torch
 from engine.kernels import cpu_decode_attention
 from engine.kernels.ggml_quants import FORMATS, dequantize, get_format, row_bytes
 
-PATHS = ("auto", "fused", "panel", "generic")  # the kernel's paths (quant_linear's ``path``)
+# The kernel's paths (quant_linear's ``path``); ``amx`` only for a bf16 x where amx_available().
+PATHS = ("auto", "fused", "panel", "amx", "generic")
 
 
 class QuantWeight:
@@ -151,8 +154,10 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
                  path: str = "auto", out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The C++ kernel: ``x [..., in]`` (CPU fp32 or bf16) ``@ W.T (+ bias)`` -> [..., out] in
     ``out_dtype`` (fp32 or bf16; None: ``x.dtype``), for a weight packed in the kernel's tiles.
-    ``path`` (``PATHS``): ``auto`` picks by row count; the others force one, for tests and
-    benchmarks (``generic``: the plain C++ loops that CPUs without AVX2 run)."""
+    ``path`` (``PATHS``): ``auto`` picks by row count (and a bf16 x's panel on AMX tiles where
+    ``amx_available()``); the others force one, for tests and benchmarks (``panel``: the AVX-512
+    or AVX2 panel; ``amx``: the bf16 panel on AMX tiles; ``generic``: the plain C++ loops that
+    CPUs without AVX2 run)."""
     if not w.kernel:
         raise ValueError(f"{w!r} is not in the kernel's tiles (pack it where the kernel runs)")
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.bfloat16):
@@ -162,6 +167,9 @@ def quant_linear(x: torch.Tensor, w: QuantWeight, bias: torch.Tensor | None = No
         raise ValueError(f"x has {x.shape[-1]} features, the weight takes {w.in_features}")
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
+    if path == "amx" and (x.dtype != torch.bfloat16 or not amx_available()):
+        raise ValueError("path='amx' takes a bfloat16 x on a CPU with AMX tiles "
+                         f"(x is {x.dtype}; AMX here: {amx_available()})")
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"out_dtype must be float32 or bfloat16, got {out_dtype}")
@@ -209,10 +217,19 @@ def kernel_isa() -> str | None:
 FUSED_MAX_ROWS = 4
 
 
+def amx_available() -> bool:
+    """Whether a bf16 x's panel path runs on AMX tiles here (``path="amx"``, and ``auto``'s
+    choice above ``FUSED_MAX_ROWS`` rows): the library was built with AMX and this process may
+    use the tiles."""
+    module = cpu_decode_attention.load()
+    return module is not None and bool(module.quant_amx_available())
+
+
 def bf16_panel(dtype: torch.dtype, rows: int, path: str = "auto") -> bool:
     """Whether ``quant_linear`` of ``rows`` rows of ``dtype`` multiplies the weight rounded to
-    bf16 (the bf16 panel, on a CPU with AVX512-BF16), rather than its exact fp32 values."""
-    panel = path == "panel" or (path == "auto" and rows > FUSED_MAX_ROWS)
+    bf16 (the bf16 panel, on a CPU with AVX512-BF16, or on its AMX tiles), rather than its exact
+    fp32 values."""
+    panel = path in ("panel", "amx") or (path == "auto" and rows > FUSED_MAX_ROWS)
     return dtype == torch.bfloat16 and panel and kernel_isa() == "avx512_bf16"
 
 
@@ -223,12 +240,31 @@ def int8_screen_available() -> bool:
     return module is not None and bool(module.quant_int8_screen)
 
 
-def q8_0_screen(w: QuantWeight, xq: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def amx_int8_screen_available() -> bool:
+    """Whether ``q8_0_screen`` can run on AMX tiles here (``tdpbssd``; ``path="amx"``, and
+    ``auto``'s choice where it can)."""
+    module = cpu_decode_attention.load()
+    return module is not None and bool(module.quant_amx_int8_available())
+
+
+SCREEN_PATHS = ("auto", "vnni", "amx")  # q8_0_screen's kernels
+
+
+def q8_0_screen(w: QuantWeight, xq: torch.Tensor, scales: torch.Tensor, *,
+                path: str = "auto") -> torch.Tensor:
     """The int8 screen's approximate product (``Int8GreedyScreen``, ``runner/greedy_screen.py``):
     bf16 [rows, out] of ``sum_b fl(d_w[v, b] * scales[r, b]) * sum_i q_w[v, b, i] * xq[r, b, i]``
     over the blocks b of 32, the int32 sums exact, their sum fp32, rounded once to bf16.
     ``w``: a Q8_0 weight in the kernel's tiles; ``xq``: int8 [rows, in]; ``scales``: fp32
-    [rows, in / 32]. Needs ``int8_screen_available()``."""
+    [rows, in / 32]. Needs ``int8_screen_available()``. ``path``: ``vnni`` (vpdpbusd), ``amx``
+    (the CPU's AMX tiles: ``amx_int8_screen_available()``) or ``auto`` (amx where it runs):
+    the same sums in another order."""
+    if path not in SCREEN_PATHS:
+        raise ValueError(f"path must be one of {SCREEN_PATHS}, got {path!r}")
+    amx = path == "amx" or (path == "auto" and amx_int8_screen_available())
+    if amx and not amx_int8_screen_available():
+        raise ValueError("path='amx' needs a CPU with AMX tiles (none here, or the process may "
+                         "not use them)")
     if w.fmt != "Q8_0" or not w.kernel:
         raise ValueError(f"the int8 screen takes a Q8_0 weight in the kernel's tiles, got {w!r}")
     blocks = w.in_features // 32
@@ -240,7 +276,7 @@ def q8_0_screen(w: QuantWeight, xq: torch.Tensor, scales: torch.Tensor) -> torch
                          f"{scales.dtype} {tuple(scales.shape)}")
     out = torch.empty((xq.shape[0], w.out_features), dtype=torch.bfloat16)
     _library().quant_screen_q8_0(w._data, w.in_features, w.out_features, xq.contiguous(),
-                                 scales.contiguous(), out)
+                                 scales.contiguous(), out, amx)
     return out
 
 

@@ -23,9 +23,10 @@ what the fp32 logits the sampler reads would pick, not the argmax of logits roun
 a logit of 20, bf16's step is 0.125: ties and swaps that fp32 does not make).
 
 An output layer kept in GGUF's Q8_0 blocks (``Int8GreedyScreen``) screens with int8 products
-instead (``quant_gemm.q8_0_screen``, AVX512-VNNI): the hidden rows are quantized to int8 by
-blocks of 32 like the weight, and the bound adds the quantization error of x (below). Its
-token is the argmax of the fp32 products of the hidden rows and the exact dequantized weight.
+instead (``quant_gemm.q8_0_screen``: AVX512-VNNI, or AMX tiles where the CPU has them): the
+hidden rows are quantized to int8 by blocks of 32 like the weight, and the bound adds the
+quantization error of x (below). Its token is the argmax of the fp32 products of the hidden
+rows and the exact dequantized weight.
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from engine import LLM, SamplingParams
 from engine.kernels.ggml_quants import random_rows
 from engine.kernels.quant_gemm import (
     QuantWeight,
+    amx_int8_screen_available,
     int8_screen_available,
     pack,
     q8_0_screen,
@@ -40,16 +41,20 @@ def dot_argmax(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (hidden[:, None, :] * weight[None]).sum(-1).argmax(dim=1)
 
 
+@pytest.mark.parametrize("path", ["vnni", "amx"])
 @pytest.mark.parametrize("rows", [1, 4, 10, 11, 23, 70])
 @pytest.mark.parametrize("out_features,in_features", [(16, 256), (37, 96), (203, 544),
                                                       (1000, 640)])
-def test_kernel_equals_the_int8_reference(rows: int, out_features: int, in_features: int):
+def test_kernel_equals_the_int8_reference(rows: int, out_features: int, in_features: int,
+                                          path: str):
+    if path == "amx" and not amx_int8_screen_available():
+        pytest.skip("no AMX tiles on this CPU (or the process may not use them)")
     g = torch.Generator().manual_seed(rows + out_features)
     weight = pack("Q8_0", random_rows("Q8_0", out_features, in_features, g), in_features)
     hidden = torch.randn(rows, in_features, generator=g)
     hidden[0, :32] = 0  # a zero block: scale 0
     xq, scales, _ = quantize_rows(hidden)
-    got = q8_0_screen(weight, xq, scales).float()
+    got = q8_0_screen(weight, xq, scales, path=path).float()
     want = q8_0_screen_reference(weight, xq, scales).float()
     # the int32 sums are exact; the blocks' fp32 sums differ in order, then each rounds to bf16
     # once: at most a bf16 step apart (2^-7 of the value), plus the fp32 order's own error
@@ -173,3 +178,17 @@ def test_the_engine_screens_a_kept_q8_0_head_with_the_same_tokens(tmp_path: Path
     # 4 rows a step: the kept head's fused path, the exact weight in bf16 too (above 4 rows a
     # bf16 x takes the bf16 panel, the weight rounded to bf16: a near tie may differ there)
     assert tokens[0] == tokens[1]
+
+
+def test_screen_path_errors():
+    weight = pack("Q8_0", random_rows("Q8_0", 16, 64, torch.Generator().manual_seed(0)), 64)
+    xq, scales, _ = quantize_rows(torch.randn(2, 64))
+    with pytest.raises(ValueError, match="path must be one of"):
+        q8_0_screen(weight, xq, scales, path="fast")
+    if not amx_int8_screen_available():
+        with pytest.raises(ValueError, match="path='amx' needs a CPU with AMX tiles"):
+            q8_0_screen(weight, xq, scales, path="amx")
+    # auto takes the tiles where they run, and gives what that path gives
+    want = "amx" if amx_int8_screen_available() else "vnni"
+    assert torch.equal(q8_0_screen(weight, xq, scales),
+                       q8_0_screen(weight, xq, scales, path=want))

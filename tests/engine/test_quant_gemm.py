@@ -24,6 +24,7 @@ from engine.kernels.ggml_quants import FORMATS, dequantize, random_rows, row_byt
 from engine.kernels.quant_gemm import (
     PATHS,
     QuantWeight,
+    amx_available,
     bf16_panel,
     kernel_formats,
     kernel_isa,
@@ -145,6 +146,15 @@ def test_row_bytes_of_a_packed_weight():
     assert w.raw().shape == (3, row_bytes("Q5_K", 768))
 
 
+def _dtypes(path: str) -> tuple[torch.dtype, ...]:
+    """x's dtypes a path takes: ``amx`` only bf16, and only where the CPU has the tiles."""
+    if path != "amx":
+        return (torch.float32, torch.bfloat16)
+    if not amx_available():
+        pytest.skip("no AMX tiles on this CPU (or the process may not use them)")
+    return (torch.bfloat16,)
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("path", PATHS)
@@ -157,10 +167,11 @@ def test_kernel_equals_the_reference(fmt, path):
         w, data = _weight(fmt, out_features, in_features, seed=out_features)
         assert w.kernel
         dense = dequantize(fmt, data, in_features)
+        # 65 rows: past the AMX path's 64 rows of sums held in tiles, 17: padded to 32 there
         for rows in (1, 3, 17, 65):
             x = torch.randn(rows, in_features, generator=generator)
             bias = torch.randn(out_features, generator=generator)
-            for dtype in (torch.float32, torch.bfloat16):
+            for dtype in _dtypes(path):
                 xd = x.to(dtype)
                 for b in (None, bias):
                     out = quant_linear(xd, w, b, path=path)
@@ -212,6 +223,8 @@ def test_kernel_errors():
         w.linear(torch.randn(2, 32))
     with pytest.raises(ValueError, match="path must be one of"):
         quant_linear(torch.randn(2, 64), w, path="fast")
+    with pytest.raises(ValueError, match="path='amx' takes a bfloat16 x"):
+        quant_linear(torch.randn(2, 64), w, path="amx")
     with pytest.raises(ValueError, match="CPU float32 or bfloat16"):
         quant_linear(torch.randn(2, 64).half(), w)
     raw = QuantWeight("Q8_0", w.raw(), 8, 64)
@@ -238,6 +251,20 @@ def test_panel_blocks_of_rows(fmt):
     # at a depth of 2048 the panel path takes 48 rows at a time: 97 rows are 48 + 48 + 1
     w, data = _weight(fmt, 24, 2048)
     x = torch.randn(97, 2048, generator=torch.Generator().manual_seed(3))
-    for dtype in (torch.float32, torch.bfloat16):
-        out = quant_linear(x.to(dtype), w, path="panel")
-        _assert_matches(out, x.to(dtype), dequantize(fmt, data, 2048), None, "panel")
+    for path in ("panel", "amx"):
+        for dtype in _dtypes(path):
+            # the AMX path's sums: 97 rows are 64 + 33 (padded to 48), through memory a panel
+            out = quant_linear(x.to(dtype), w, path=path)
+            _assert_matches(out, x.to(dtype), dequantize(fmt, data, 2048), None, path)
+
+
+@needs_kernel
+def test_auto_takes_the_amx_tiles_for_bf16_panels():
+    if not amx_available():
+        pytest.skip("no AMX tiles on this CPU (or the process may not use them)")
+    w, _ = _weight("Q4_K", 24, 512)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(5)).bfloat16()
+    amx = quant_linear(x, w, path="amx")
+    assert torch.equal(quant_linear(x, w), amx)
+    # 4 rows and fewer stay on the fused path under auto (bound by reading the weight)
+    assert torch.equal(quant_linear(x[:4], w), quant_linear(x[:4], w, path="fused"))

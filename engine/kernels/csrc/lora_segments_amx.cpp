@@ -18,11 +18,10 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#include "amx.h"
+
+#if defined(BOXCAR_AMX)
 #define BOXCAR_LORA_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 
 #if defined(BOXCAR_LORA_AMX)
@@ -34,16 +33,7 @@ constexpr int kTile = 16;  // rows of a tile; pairs of depth in a B tile; column
 // read once a step from memory: without these hints a decode step's short items (a rank-8 piece's
 // block is 512 bytes) each waited on memory (a decode step's LoRA 5-13% faster with them, over noisy runs).
 constexpr int64_t kAheadBytes = 4096;
-constexpr int kArchReqXcompPerm = 0x1023;  // arch_prctl: ask for an extended state component
-constexpr int kXfeatureXtiledata = 18;     // ... the tile data
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
+using boxcar_amx::TileConfig;
 
 // Tiles 0-4 full (16 rows, 64 bytes a row); 5-7 for the last `rem` pairs of depth: inputs of
 // rem * 4 bytes a row, weights of rem rows. Loaded only when `configured` (this thread's) differs:
@@ -130,11 +120,7 @@ struct Item {
 
 }  // namespace
 
-bool lora_amx_available() {
-  static const bool ready =
-      syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ready;
-}
+bool lora_amx_available() { return boxcar_amx::permitted(); }
 
 bool lora_segments_amx(const at::Tensor& x, at::Tensor& out,
                        const std::vector<Segment>& segments) {

@@ -45,6 +45,11 @@
 // starts at -128 * sum_i q_x[r, b, i], which takes the flip's +128 back out. vpdpbusd does 64
 // multiply-adds an instruction, twice the bf16 panel's vdpbf16ps, and building the panel is a
 // byte permutation (no conversion): the output layer's screen at a fraction of its product.
+// Where the CPU has AMX (BOXCAR_QUANT_AMX: amx.h; and the process may use the tiles) both panels
+// also run on its tiles: the bf16 panel is already a tile of B's layout, and `tdpbf16ps`
+// multiplies 16 rows of x by 32 of its values of depth in one instruction (run_panel_amx: auto's
+// choice for a bf16 x above kFusedMaxRows); the int8 screen's `tdpbssd` takes a block's unflipped
+// values (run_screen_amx). Same products, same fp32 sums in another order.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -61,6 +66,11 @@
     defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define BOXCAR_QUANT_VNNI 1  // the int8 screen (quant_screen_q8_0): vpdpbusd, and vpermb
 #endif
+#endif
+
+#include "amx.h"
+#if defined(BOXCAR_QUANT_BF16) && defined(BOXCAR_AMX)
+#define BOXCAR_QUANT_AMX 1  // the bf16 panel on AMX tiles (run_panel_amx)
 #endif
 
 #include <algorithm>
@@ -907,6 +917,140 @@ struct PanelBf16 {
 };
 #endif
 
+#if defined(BOXCAR_QUANT_AMX)
+// The bf16 panel on AMX tiles: the panel is PanelBf16's, [pairs][16][2], which is a tile of B's
+// layout (a row a pair of depth, 16 columns of 2 values), so each 32 values of depth of it are
+// one B tile, and `tdpbf16ps` multiplies a 16-row x 32-deep tile of x by it into a
+// 16 x 16 fp32 tile of sums: 8,192 multiply-adds an instruction where vdpbf16ps does 512. The
+// products and the fp32 sums are the bf16 panel's (only their order differs), and the step is
+// then bound by dequantizing the panel, once a pair and panel for up to kAmxGroupRows rows.
+//
+// Tiles: 0-3 the sums of up to 4 blocks of 16 rows of x (64 rows), 4 the panel's B, 5-7 x's A
+// (a block's A in its own register, so that a load need not wait for the last product that read
+// it). Up to 64 rows the sums stay in tiles over the whole depth; more rows go 64 at a time
+// through `sums` in memory, read and written back once a panel. x's rows are padded to a
+// multiple of 16 with zeros (a copy, only when they are not) so that every tile is whole.
+constexpr int kAmxTileRows = 16;
+constexpr int kAmxGroupRows = 4 * kAmxTileRows;
+constexpr int kAmxPanelTiles = kPanelDepth / 32;  // B tiles a full panel holds
+
+void amx_configure() {
+  boxcar_amx::TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = kAmxTileRows;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Sums tiles 0 .. blocks-1 += x's 16-row blocks (row stride `depth` elements, from depth
+// offset k0) @ the panel's first `subtiles` B tiles.
+inline void amx_group(const uint16_t* x, int64_t depth, int blocks, const uint16_t* panel,
+                      int subtiles) {
+  const int64_t stride = 2 * depth;  // bytes
+  for (int kk = 0; kk < subtiles; ++kk) {
+    _tile_loadd(4, panel + kk * 512, 64);
+    const uint16_t* a = x + 32 * kk;
+    _tile_loadd(5, a, stride);
+    _tile_dpbf16ps(0, 5, 4);
+    if (blocks > 1) {
+      _tile_loadd(6, a + kAmxTileRows * depth, stride);
+      _tile_dpbf16ps(1, 6, 4);
+    }
+    if (blocks > 2) {
+      _tile_loadd(7, a + 2 * kAmxTileRows * depth, stride);
+      _tile_dpbf16ps(2, 7, 4);
+    }
+    if (blocks > 3) {
+      _tile_loadd(5, a + 3 * kAmxTileRows * depth, stride);
+      _tile_dpbf16ps(3, 5, 4);
+    }
+  }
+}
+
+inline void amx_load_sums(const float* c, int blocks) {
+  _tile_loadd(0, c, 64);
+  if (blocks > 1) _tile_loadd(1, c + 256, 64);
+  if (blocks > 2) _tile_loadd(2, c + 512, 64);
+  if (blocks > 3) _tile_loadd(3, c + 768, 64);
+}
+
+inline void amx_store_sums(float* c, int blocks) {
+  _tile_stored(0, c, 64);
+  if (blocks > 1) _tile_stored(1, c + 256, 64);
+  if (blocks > 2) _tile_stored(2, c + 512, 64);
+  if (blocks > 3) _tile_stored(3, c + 768, 64);
+}
+
+inline void amx_zero_sums() {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+}
+
+template <class F>
+void run_panel_amx(const Problem& p) {
+  constexpr int kBlocksAPanel = std::max(1, kPanelDepth / F::kBlock);
+  const int64_t padded_rows = (p.rows + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
+  std::vector<uint16_t> padded;
+  const uint16_t* x = p.xh;
+  if (padded_rows != p.rows) {
+    padded.assign(padded_rows * p.depth, 0);
+    std::memcpy(padded.data(), p.xh, p.rows * p.depth * sizeof(uint16_t));
+    x = padded.data();
+  }
+  const int64_t groups = (padded_rows + kAmxGroupRows - 1) / kAmxGroupRows;
+  const bool resident = groups == 1;  // the sums stay in tiles over the whole depth
+  const int64_t pairs = (p.num_tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    amx_configure();
+    std::vector<uint16_t> storage(PanelBf16::kPanelElems + 32);
+    uint16_t* panel = reinterpret_cast<uint16_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    std::vector<float> sums_storage(padded_rows * 16 + 16);  // c[padded rows][16], 64-aligned
+    float* c = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(sums_storage.data()) + 63) & ~uintptr_t{63});
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t0 = 2 * pair;
+      const bool two = t0 + 1 < p.num_tiles;
+      if (!two) std::fill(panel, panel + PanelBf16::kPanelElems, uint16_t{0});
+      if (resident) amx_zero_sums();
+      for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
+        const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, p.blocks - b0));
+        for (int blk = 0; blk < count; ++blk) {
+          for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
+            PanelBf16::fill<F>(
+                p.tiles + ((t0 + half_index) * p.blocks + b0 + blk) * F::kTileBytes, panel, blk,
+                half_index);
+          }
+        }
+        const int subtiles = count * F::kBlock / 32;
+        for (int64_t g = 0; g < groups; ++g) {
+          const int64_t r0 = g * kAmxGroupRows;
+          const int blocks = static_cast<int>(
+              std::min<int64_t>(kAmxGroupRows, padded_rows - r0) / kAmxTileRows);
+          float* cg = c + r0 * 16;
+          if (!resident) {
+            if (b0 == 0) {
+              amx_zero_sums();
+            } else {
+              amx_load_sums(cg, blocks);
+            }
+          }
+          amx_group(x + r0 * p.depth + b0 * F::kBlock, p.depth, blocks, panel, subtiles);
+          if (!resident) amx_store_sums(cg, blocks);
+        }
+      }
+      if (resident) amx_store_sums(c, static_cast<int>(padded_rows / kAmxTileRows));
+      write_out(p, c, 16, 0, p.rows, t0 * kLanes, 16);
+    }
+    _tile_release();
+  });
+}
+#endif
+
 #if defined(BOXCAR_QUANT_VNNI)
 // c[MR][16] += the screen's sums of MR rows of x over `blocks` blocks of 32 against the panel
 // (PanelQ8): per block, 8 vpdpbusd (a broadcast of 4 of a row's int8 values against 16 rows' 4
@@ -952,13 +1096,18 @@ struct PanelQ8 {
   static int64_t block_rows(int64_t depth) { return 4 * panel_rows(depth); }
   template <class F>
   static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
+    fill_values<F>(tile, panel, blk, half_index, _mm256_set1_epi8(static_cast<char>(0x80)));
+  }
+  // fill with the values xor `flip` (0x80: vpdpbusd's unsigned operand; 0: AMX's tdpbssd)
+  template <class F>
+  static void fill_values(const uint8_t* tile, Elem* panel, int blk, int half_index,
+                          __m256i flip) {
     static_assert(std::is_same_v<F, Q8_0>, "the int8 screen's panel holds Q8_0 values");
     // A tile's 4 depths x 8 rows (byte 8k + lane) -> 8 rows x 4 depths (byte 4 lane + k).
     alignas(32) static constexpr uint8_t kTranspose[32] = {
         0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27,
         4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31};
     const __m256i order = _mm256_load_si256(reinterpret_cast<const __m256i*>(kTranspose));
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
     uint8_t* dst = panel + blk * 32 * 16 + 32 * half_index;
     unroll<8>([&](auto g) {
       const __m256i v = load8(tile + F::kValuesAt + 32 * g);
@@ -989,10 +1138,143 @@ struct PanelQ8 {
 };
 #endif
 
+#if defined(BOXCAR_QUANT_VNNI) && defined(BOXCAR_AMX) && defined(__AMX_INT8__)
+#define BOXCAR_QUANT_AMX_INT8 1
+// The int8 screen on AMX tiles: the same formula, each block's int32 sums by `tdpbssd` (signed
+// times signed: the panel's values go in unflipped and no offset is needed), a 16-row x 32-deep
+// tile of x's int8 values times an 8 x 64-byte tile of a block's 32 values of 16 rows (the
+// panel's layout, [groups of 4 depth][16][4]): 8,192 multiply-adds an instruction where
+// vpdpbusd does 64. Each block's 16 x 16 int32 sums then go through memory (a tile store, 1 KB
+// in L1) into the fp32 sums, times fl(d_w * d_x) as in the VNNI kernel: that epilogue, not the
+// tile unit, bounds it. Tiles: 0-1 the int32 sums of two blocks (one stored while the next is
+// computed), 2-3 x's blocks, 4-5 the panel's. x's rows are padded to a multiple of 16 (zeros,
+// scale 0).
+void amx_int8_configure() {
+  boxcar_amx::TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 2; ++t) {  // C: 16 rows of 16 int32
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  for (int t = 2; t < 4; ++t) {  // A: 16 rows of a block's 32 int8
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 32;
+  }
+  for (int t = 4; t < 6; ++t) {  // B: 8 groups of 4 depth x 16 rows x 4
+    cfg.rows[t] = 8;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// acc[16] += the int32 sums at `sums` ([16][16]) times d_w (16 columns) * d_x[r] (16 rows).
+inline void amx_int8_epilogue(const int32_t* sums, const float* dw, const float* dx,
+                              int64_t dx_stride, __m512* acc) {
+  const __m512 w = _mm512_load_ps(dw);
+  unroll<16>([&](auto r) {
+    const __m512 scale = _mm512_mul_ps(w, _mm512_set1_ps(dx[r * dx_stride]));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + 16 * r)), scale,
+                             acc[r]);
+  });
+}
+
+void run_screen_amx(const Problem& p) {
+  const int64_t blocks = p.depth / 32;
+  const int64_t padded_rows = (p.rows + 15) / 16 * 16;
+  std::vector<int8_t> xq_padded;
+  std::vector<float> scales_padded;
+  const int8_t* xq = p.xq;
+  const float* scales = p.xq_scales;
+  if (padded_rows != p.rows) {
+    xq_padded.assign(padded_rows * p.depth, 0);
+    std::memcpy(xq_padded.data(), p.xq, p.rows * p.depth);
+    scales_padded.assign(padded_rows * blocks, 0.0f);
+    std::memcpy(scales_padded.data(), p.xq_scales, p.rows * blocks * sizeof(float));
+    xq = xq_padded.data();
+    scales = scales_padded.data();
+  }
+  constexpr int kBlocksAPanel = kPanelDepth / 32;
+  const int64_t pairs = (p.num_tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    amx_int8_configure();
+    std::vector<uint8_t> storage(PanelQ8::kPanelElems + 64);
+    uint8_t* panel = reinterpret_cast<uint8_t*>(
+        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    const float* d = reinterpret_cast<const float*>(panel + PanelQ8::kValueBytes);
+    std::vector<float> sums_storage(padded_rows * 16 + 16);  // c[padded rows][16]
+    float* c = reinterpret_cast<float*>(
+        (reinterpret_cast<uintptr_t>(sums_storage.data()) + 63) & ~uintptr_t{63});
+    alignas(64) int32_t block_sums[2][256];
+    const __m256i no_flip = _mm256_setzero_si256();
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t t0 = 2 * pair;
+      const bool two = t0 + 1 < p.num_tiles;
+      if (!two) std::fill(panel, panel + PanelQ8::kPanelElems, uint8_t{0});
+      for (int64_t b0 = 0; b0 < blocks; b0 += kBlocksAPanel) {
+        const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, blocks - b0));
+        for (int blk = 0; blk < count; ++blk) {
+          for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
+            PanelQ8::fill_values<Q8_0>(
+                p.tiles + ((t0 + half_index) * blocks + b0 + blk) * Q8_0::kTileBytes, panel,
+                blk, half_index, no_flip);
+          }
+        }
+        for (int64_t r0 = 0; r0 < padded_rows; r0 += 16) {
+          __m512 acc[16];
+          unroll<16>([&](auto r) {
+            acc[r] = b0 == 0 ? _mm512_setzero_ps() : _mm512_load_ps(c + (r0 + r) * 16);
+          });
+          const int8_t* x = xq + r0 * p.depth + b0 * 32;
+          const float* dx = scales + r0 * blocks + b0;
+          int b = 0;
+          for (; b + 1 < count; b += 2) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_loadd(2, x + 32 * b, p.depth);
+            _tile_loadd(4, panel + 512 * b, 64);
+            _tile_dpbssd(0, 2, 4);
+            _tile_loadd(3, x + 32 * (b + 1), p.depth);
+            _tile_loadd(5, panel + 512 * (b + 1), 64);
+            _tile_dpbssd(1, 3, 5);
+            _tile_stored(0, block_sums[0], 64);
+            _tile_stored(1, block_sums[1], 64);
+            amx_int8_epilogue(block_sums[0], d + 16 * b, dx + b, blocks, acc);
+            amx_int8_epilogue(block_sums[1], d + 16 * (b + 1), dx + b + 1, blocks, acc);
+          }
+          if (b < count) {
+            _tile_zero(0);
+            _tile_loadd(2, x + 32 * b, p.depth);
+            _tile_loadd(4, panel + 512 * b, 64);
+            _tile_dpbssd(0, 2, 4);
+            _tile_stored(0, block_sums[0], 64);
+            amx_int8_epilogue(block_sums[0], d + 16 * b, dx + b, blocks, acc);
+          }
+          unroll<16>([&](auto r) { _mm512_store_ps(c + (r0 + r) * 16, acc[r]); });
+        }
+      }
+      write_out(p, c, 16, 0, p.rows, t0 * kLanes, 16);
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // The int8 screen (header): out bf16 [rows, out_features] from a Q8_0 weight's tiles and x
 // quantized by blocks of 32: xq int8 [rows, in_features], scales fp32 [rows, in_features / 32].
+bool quant_amx_int8_available() {
+#if defined(BOXCAR_QUANT_AMX_INT8)
+  return boxcar_amx::permitted();
+#else
+  return false;
+#endif
+}
+
+// amx: on AMX tiles (run_screen_amx; needs quant_amx_int8_available()), else vpdpbusd.
 void quant_screen_q8_0(const torch::Tensor& tiles, int64_t in_features, int64_t out_features,
-                       const torch::Tensor& xq, const torch::Tensor& scales, torch::Tensor& out) {
+                       const torch::Tensor& xq, const torch::Tensor& scales, torch::Tensor& out,
+                       bool amx) {
+  TORCH_CHECK(!amx || quant_amx_int8_available(),
+              "the int8 screen's amx path needs a CPU whose AMX tiles this process may use");
 #if defined(BOXCAR_QUANT_VNNI)
   const int64_t blocks = check_rows<Q8_0>(tiles, in_features);
   const int64_t num_tiles = (out_features + kLanes - 1) / kLanes;
@@ -1009,8 +1291,17 @@ void quant_screen_q8_0(const torch::Tensor& tiles, int64_t in_features, int64_t 
                   out.size(0) == rows && out.size(1) == out_features,
               "out must be a contiguous bf16 [rows, out_features]");
   if (rows == 0) return;
-  std::vector<int32_t> offsets(rows * blocks);
   const int8_t* q = xq.data_ptr<int8_t>();
+#if defined(BOXCAR_QUANT_AMX_INT8)
+  if (amx) {
+    Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, nullptr, nullptr, rows,
+              in_features, out_features, nullptr, out};
+    p.xq = q;
+    p.xq_scales = scales.data_ptr<float>();
+    return run_screen_amx(p);
+  }
+#endif
+  std::vector<int32_t> offsets(rows * blocks);
   for (int64_t i = 0; i < rows * blocks; ++i) {
     int32_t sum = 0;
     for (int k = 0; k < 32; ++k) sum += q[32 * i + k];
@@ -1027,7 +1318,18 @@ void quant_screen_q8_0(const torch::Tensor& tiles, int64_t in_features, int64_t 
 #endif
 }
 
-// out = x @ W.T (+ bias). path: "auto", "fused", "panel" or "generic".
+// Whether the bf16 panel runs on AMX tiles here (built with them, and the process may use them).
+bool quant_amx_available() {
+#if defined(BOXCAR_QUANT_AMX)
+  return boxcar_amx::permitted();
+#else
+  return false;
+#endif
+}
+
+// out = x @ W.T (+ bias). path: "auto", "fused", "panel" (the AVX-512 or AVX2 panel), "amx" (the
+// bf16 panel on AMX tiles; "auto" takes it for a bf16 x above kFusedMaxRows where it runs) or
+// "generic".
 void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in_features,
                   int64_t out_features, const torch::Tensor& x,
                   const c10::optional<torch::Tensor>& bias, torch::Tensor& out,
@@ -1043,8 +1345,11 @@ void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() &&
                     bias->numel() == out_features, "bias must be a contiguous fp32 [out_features]");
   }
-  TORCH_CHECK(path == "auto" || path == "fused" || path == "panel" || path == "generic",
-              "path must be auto, fused, panel or generic, got ", path);
+  TORCH_CHECK(path == "auto" || path == "fused" || path == "panel" || path == "amx" ||
+                  path == "generic",
+              "path must be auto, fused, panel, amx or generic, got ", path);
+  TORCH_CHECK(path != "amx" || (quant_amx_available() && x.scalar_type() == torch::kBFloat16),
+              "the amx path takes a bf16 x on a CPU whose AMX tiles this process may use");
   visit(fmt, [&](auto f) {
     using F = decltype(f);
     const int64_t blocks = check_rows<F>(tiles, in_features);
@@ -1059,6 +1364,11 @@ void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in
       const Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, nullptr,
                       reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.size(0),
                       in_features, out_features, bias ? bias->data_ptr<float>() : nullptr, out};
+#if defined(BOXCAR_QUANT_AMX)
+      if (path == "amx" || (path == "auto" && quant_amx_available())) {
+        return run_panel_amx<F>(p);
+      }
+#endif
       return run_panel<F, PanelBf16>(p);
     }
 #endif
@@ -1085,14 +1395,19 @@ void register_quant_gemm(pybind11::module& m) {
         "ggml's bytes of some rows of a repacked weight (uint8 [len(ids), row_bytes])",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_linear", &quant_linear,
-        "out = x @ W.T (+ bias) for a repacked ggml weight; path auto|fused|panel|generic",
+        "out = x @ W.T (+ bias) for a repacked ggml weight; path auto|fused|panel|amx|generic",
         py::arg("fmt"), py::arg("tiles"), py::arg("in_features"), py::arg("out_features"),
         py::arg("x"), py::arg("bias"), py::arg("out"), py::arg("path") = "auto",
         py::call_guard<py::gil_scoped_release>());
   m.def("quant_screen_q8_0", &quant_screen_q8_0,
         "the int8 screen's bf16 approximation of x @ W.T for a repacked Q8_0 weight",
         py::arg("tiles"), py::arg("in_features"), py::arg("out_features"), py::arg("xq"),
-        py::arg("scales"), py::arg("out"), py::call_guard<py::gil_scoped_release>());
+        py::arg("scales"), py::arg("out"), py::arg("amx") = false,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quant_amx_int8_available", &quant_amx_int8_available,
+        "whether the int8 screen runs on AMX tiles here");
+  m.def("quant_amx_available", &quant_amx_available,
+        "whether a bf16 x's panel path runs on AMX tiles here");
   m.attr("quant_formats") = kFormats;
 #if defined(BOXCAR_QUANT_VNNI)
   m.attr("quant_int8_screen") = true;
