@@ -27,7 +27,10 @@ run: model
 offline: model
 	$(BIN)/boxcar run examples/requests.jsonl -o results.jsonl
 
+# The portable CPU kernel variant (no AVX-512) the tests hold the native one to: built once a
+# machine, as `make model` builds the native one, so that the suite does not wait on a compile.
 test: model
+	-$(BIN)/python -c "from engine.kernels.cpu_decode_attention import build; build(quiet=True, variant='portable')"
 	$(BIN)/pytest -q -x -p no:cacheprovider tests
 
 # The slow tests: the real default model, 50,000-line and 200 MB uploads, a 30 s S3 outage,
