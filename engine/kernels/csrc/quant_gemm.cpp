@@ -153,6 +153,30 @@ inline __m256i bits_at(__m256i v, int lo, int to, int mask) {
 }
 #endif
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define BOXCAR_QUANT_WIDE_FILL 1
+// A pair of tiles' field at the same offset, t0's 8 rows in lanes 0-7 and t1's in 8-15.
+inline __m512i load16(const uint8_t* t0, const uint8_t* t1, int at) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(load8(t0 + at)), load8(t1 + at), 1);
+}
+inline __m512 halves16(const uint8_t* t0, const uint8_t* t1, int at) {  // 2 x 8 fp16 -> fp32
+  const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t0 + at));
+  const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t1 + at));
+  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
+}
+inline __m512 bytes16_i8(const uint8_t* t0, const uint8_t* t1, int at) {  // 2 x 8 int8
+  int64_t lo, hi;
+  std::memcpy(&lo, t0 + at, 8);
+  std::memcpy(&hi, t1 + at, 8);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x(hi, lo)));
+}
+inline __m512i bits16_at(__m512i v, int lo, int to, int mask) {
+  const __m512i moved = lo >= to ? _mm512_srli_epi32(v, lo - to) : _mm512_slli_epi32(v, to - lo);
+  return _mm512_and_si512(moved, _mm512_set1_epi32(mask));
+}
+#endif
+
 // fn(std::integral_constant<int, i>{}) for i = 0 .. N-1, unrolled by the front end: every index
 // is a constant from the start, so arrays indexed by it stay in registers (GCC's scalar
 // replacement runs before its loop unroller, and a `#pragma unroll` loop kept its accumulators
@@ -283,6 +307,36 @@ struct Simple {
           __m256i q = bits_at(w, 4 * i, 0, 0xF);
           if constexpr (kBits == 5) q = _mm256_or_si256(q, bits_at(high, i, 4, 0x10));
           sink(8 * g, i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, c));
+        });
+      }
+    }
+  }
+#endif
+#if defined(BOXCAR_QUANT_WIDE_FILL)
+  // dequant over a pair of tiles at once (the AMX panel's fill): sink(k, i, w) with w the 16
+  // rows' values (t0's, then t1's) at depth k + i; the same arithmetic lane by lane.
+  static constexpr bool kWideFill = true;
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant16(const uint8_t* t0,
+                                                              const uint8_t* t1, Sink& sink) {
+    const __m512 d = halves16(t0, t1, 0);
+    if constexpr (kBits == 8) {
+      for (int k = 0; k < 32; k += 8) {
+        unroll<8>([&](auto i) {
+          sink(k, i, _mm512_mul_ps(bytes16_i8(t0, t1, kValuesAt + 8 * (k + i)), d));
+        });
+      }
+    } else {
+      const __m512 c = kHasMin ? halves16(t0, t1, 16)
+                               : _mm512_mul_ps(d, _mm512_set1_ps(-(1 << (kBits - 1))));
+      const __m512i qh = kBits == 5 ? load16(t0, t1, kHighAt) : _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {
+        const __m512i w = load16(t0, t1, kValuesAt + 32 * g);
+        const __m512i high = kBits == 5 ? _mm512_srli_epi32(qh, 8 * g) : qh;
+        unroll<8>([&](auto i) {
+          __m512i q = bits16_at(w, 4 * i, 0, 0xF);
+          if constexpr (kBits == 5) q = _mm512_or_si512(q, bits16_at(high, i, 4, 0x10));
+          sink(8 * g, i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, c));
         });
       }
     }
@@ -917,6 +971,35 @@ struct PanelBf16 {
 };
 #endif
 
+#if defined(BOXCAR_QUANT_AMX) && defined(BOXCAR_QUANT_WIDE_FILL)
+// Whether format F dequantizes a pair of tiles at once (F::dequant16: the 32-value formats).
+template <class F, class = void>
+struct WideFill : std::false_type {};
+template <class F>
+struct WideFill<F, std::void_t<decltype(F::kWideFill)>> : std::true_type {};
+
+// PanelBf16::fill for both tiles of a pair at once: each pair of depth's 16 rows x 2 bf16 is
+// one 64-byte row of the panel, made by one conversion and one permutation of 16-bit halves.
+template <class F>
+inline void fill_pair_bf16(const uint8_t* t0, const uint8_t* t1, uint16_t* panel, int blk) {
+  uint16_t* dst = panel + blk * F::kBlock * 16;
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  __m512 even = _mm512_setzero_ps();
+  auto sink = [&](int k, auto i, __m512 w) __attribute__((always_inline)) {
+    if constexpr (i % 2 == 0) {
+      even = w;
+    } else {
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w, even);  // even's in the low half
+      _mm512_store_si512(dst + 16 * (k + i - 1), _mm512_permutexvar_epi16(order, both));
+    }
+  };
+  F::dequant16(t0, t1, sink);
+}
+#endif
+
 #if defined(BOXCAR_QUANT_AMX)
 // The bf16 panel on AMX tiles: the panel is PanelBf16's, [pairs][16][2], which is a tile of B's
 // layout (a row a pair of depth, 16 columns of 2 values), so each 32 values of depth of it are
@@ -931,7 +1014,8 @@ struct PanelBf16 {
 // rows at a time, read from and written back to memory once a panel), so that a panel's slice
 // of x is read from cache by the chunk's pairs, not streamed from L2 by every one. x's rows are
 // padded to a multiple of 16 with zeros (a copy, only when they are not) so that every tile is
-// whole.
+// whole. The 32-value formats fill both tiles of a pair at once in 512-bit registers
+// (fill_pair_bf16: the same values, half the instructions of PanelBf16::fill).
 constexpr int kAmxTileRows = 16;
 constexpr int kAmxGroupRows = 4 * kAmxTileRows;
 
@@ -1029,10 +1113,18 @@ void run_panel_amx(const Problem& p) {
           const bool two = t0 + 1 < p.num_tiles;
           if (!two) std::fill(panel, panel + PanelBf16::kPanelElems, uint16_t{0});
           for (int blk = 0; blk < count; ++blk) {
+            const uint8_t* tile = p.tiles + (t0 * p.blocks + b0 + blk) * F::kTileBytes;
+#if defined(BOXCAR_QUANT_WIDE_FILL)
+            if constexpr (WideFill<F>::value) {
+              if (two) {
+                fill_pair_bf16<F>(tile, tile + p.blocks * F::kTileBytes, panel, blk);
+                continue;
+              }
+            }
+#endif
             for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
-              PanelBf16::fill<F>(
-                  p.tiles + ((t0 + half_index) * p.blocks + b0 + blk) * F::kTileBytes, panel,
-                  blk, half_index);
+              PanelBf16::fill<F>(tile + half_index * p.blocks * F::kTileBytes, panel, blk,
+                                 half_index);
             }
           }
           float* c = sums + (pair - first) * pair_sums;
