@@ -147,18 +147,19 @@ def test_row_bytes_of_a_packed_weight():
 
 
 def _dtypes(path: str) -> tuple[torch.dtype, ...]:
-    """x's dtypes a path takes: ``amx`` only bf16, and only where the CPU has the tiles."""
+    """x's dtypes a path takes: ``amx`` only bf16, and only where the CPU has the tiles (none
+    elsewhere)."""
     if path != "amx":
         return (torch.float32, torch.bfloat16)
-    if not amx_available():
-        pytest.skip("no AMX tiles on this CPU (or the process may not use them)")
-    return (torch.bfloat16,)
+    return (torch.bfloat16,) if amx_available() else ()
 
 
 @needs_kernel
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 @pytest.mark.parametrize("path", PATHS)
 def test_kernel_equals_the_reference(fmt, path):
+    if not _dtypes(path):
+        pytest.skip("no AMX tiles on this CPU (or the process may not use them)")
     # odd shapes: 13 rows (a partial tile), 40 (5 tiles: the panel path's last pair has one);
     # one block of depth and many (32-value formats: 9 blocks, past one 256-value panel)
     block = FORMATS[fmt].block_size
@@ -167,7 +168,7 @@ def test_kernel_equals_the_reference(fmt, path):
         w, data = _weight(fmt, out_features, in_features, seed=out_features)
         assert w.kernel
         dense = dequantize(fmt, data, in_features)
-        # 65 rows: past the AMX path's 64 rows of sums held in tiles, 17: padded to 32 there
+        # the AMX path: 17 rows padded to 32; 65 rows two groups of its 64 rows of sums
         for rows in (1, 3, 17, 65):
             x = torch.randn(rows, in_features, generator=generator)
             bias = torch.randn(out_features, generator=generator)

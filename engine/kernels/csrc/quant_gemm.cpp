@@ -1029,8 +1029,8 @@ void amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// Sums tiles 0 .. blocks-1 += x's 16-row blocks (row stride `depth` elements, from depth
-// offset k0) @ the panel's first `subtiles` B tiles.
+// Sums tiles 0 .. blocks-1 += x's 16-row blocks (x at the panel's first value of depth, row
+// stride `depth` elements) @ the panel's first `subtiles` B tiles.
 inline void amx_group(const uint16_t* x, int64_t depth, int blocks, const uint16_t* panel,
                       int subtiles) {
   const int64_t stride = 2 * depth;  // bytes
