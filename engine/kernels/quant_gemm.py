@@ -261,8 +261,9 @@ def q8_0_screen(w: QuantWeight, xq: torch.Tensor, scales: torch.Tensor, *,
     the same sums in another order."""
     if path not in SCREEN_PATHS:
         raise ValueError(f"path must be one of {SCREEN_PATHS}, got {path!r}")
-    amx = path == "amx" or (path == "auto" and amx_int8_screen_available())
-    if amx and not amx_int8_screen_available():
+    available = amx_int8_screen_available()
+    amx = path == "amx" or (path == "auto" and available)
+    if amx and not available:
         raise ValueError("path='amx' needs a CPU with AMX tiles (none here, or the process may "
                          "not use them)")
     if w.fmt != "Q8_0" or not w.kernel:

@@ -971,6 +971,29 @@ struct PanelBf16 {
 };
 #endif
 
+#if defined(BOXCAR_AMX)
+constexpr int kAmxTileRows = 16;  // rows of a tile (x's rows are padded to a multiple of it)
+
+// A [rows, width] array padded with zero rows to `padded_rows`: the array itself when it has
+// them already, else a copy in `storage`.
+template <class T>
+const T* amx_padded(const T* data, int64_t rows, int64_t width, int64_t padded_rows,
+                    std::vector<T>& storage) {
+  if (padded_rows == rows) return data;
+  storage.assign(padded_rows * width, T{0});
+  std::memcpy(storage.data(), data, rows * width * sizeof(T));
+  return storage.data();
+}
+
+// The first 64-byte-aligned element of `storage` (sized with 64 bytes to spare): tile loads and
+// stores of whole lines.
+template <class T>
+T* aligned64(std::vector<T>& storage) {
+  return reinterpret_cast<T*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) &
+                              ~uintptr_t{63});
+}
+#endif
+
 #if defined(BOXCAR_QUANT_AMX) && defined(BOXCAR_QUANT_WIDE_FILL)
 // Whether format F dequantizes a pair of tiles at once (F::dequant16: the 32-value formats).
 template <class F, class = void>
@@ -1016,7 +1039,6 @@ inline void fill_pair_bf16(const uint8_t* t0, const uint8_t* t1, uint16_t* panel
 // padded to a multiple of 16 with zeros (a copy, only when they are not) so that every tile is
 // whole. The 32-value formats fill both tiles of a pair at once in 512-bit registers
 // (fill_pair_bf16: the same values, half the instructions of PanelBf16::fill).
-constexpr int kAmxTileRows = 16;
 constexpr int kAmxGroupRows = 4 * kAmxTileRows;
 
 void amx_configure() {
@@ -1087,22 +1109,15 @@ void run_panel_amx(const Problem& p) {
   constexpr int kBlocksAPanel = std::max(1, kPanelDepth / F::kBlock);
   const int64_t padded_rows = (p.rows + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
   std::vector<uint16_t> padded;
-  const uint16_t* x = p.xh;
-  if (padded_rows != p.rows) {
-    padded.assign(padded_rows * p.depth, 0);
-    std::memcpy(padded.data(), p.xh, p.rows * p.depth * sizeof(uint16_t));
-    x = padded.data();
-  }
+  const uint16_t* x = amx_padded(p.xh, p.rows, p.depth, padded_rows, padded);
   const int64_t pairs = (p.num_tiles + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     amx_configure();
     std::vector<uint16_t> storage(PanelBf16::kPanelElems + 32);
-    uint16_t* panel = reinterpret_cast<uint16_t*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    uint16_t* panel = aligned64(storage);
     const int64_t pair_sums = padded_rows * 16;  // a pair's c[padded rows][16]
     std::vector<float> sums_storage(kAmxChunkPairs * pair_sums + 16);
-    float* sums = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(sums_storage.data()) + 63) & ~uintptr_t{63});
+    float* sums = aligned64(sums_storage);
     for (int64_t first = begin; first < end; first += kAmxChunkPairs) {
       const int64_t last = std::min(end, first + kAmxChunkPairs);
       for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
@@ -1279,30 +1294,20 @@ inline void amx_int8_epilogue(const int32_t* sums, const float* dw, const float*
 
 void run_screen_amx(const Problem& p) {
   const int64_t blocks = p.depth / 32;
-  const int64_t padded_rows = (p.rows + 15) / 16 * 16;
+  const int64_t padded_rows = (p.rows + kAmxTileRows - 1) / kAmxTileRows * kAmxTileRows;
   std::vector<int8_t> xq_padded;
   std::vector<float> scales_padded;
-  const int8_t* xq = p.xq;
-  const float* scales = p.xq_scales;
-  if (padded_rows != p.rows) {
-    xq_padded.assign(padded_rows * p.depth, 0);
-    std::memcpy(xq_padded.data(), p.xq, p.rows * p.depth);
-    scales_padded.assign(padded_rows * blocks, 0.0f);
-    std::memcpy(scales_padded.data(), p.xq_scales, p.rows * blocks * sizeof(float));
-    xq = xq_padded.data();
-    scales = scales_padded.data();
-  }
+  const int8_t* xq = amx_padded(p.xq, p.rows, p.depth, padded_rows, xq_padded);
+  const float* scales = amx_padded(p.xq_scales, p.rows, blocks, padded_rows, scales_padded);
   constexpr int kBlocksAPanel = kPanelDepth / 32;
   const int64_t pairs = (p.num_tiles + 1) / 2;
   at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
     amx_int8_configure();
     std::vector<uint8_t> storage(PanelQ8::kPanelElems + 64);
-    uint8_t* panel = reinterpret_cast<uint8_t*>(
-        (reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
+    uint8_t* panel = aligned64(storage);
     const float* d = reinterpret_cast<const float*>(panel + PanelQ8::kValueBytes);
     std::vector<float> sums_storage(padded_rows * 16 + 16);  // c[padded rows][16]
-    float* c = reinterpret_cast<float*>(
-        (reinterpret_cast<uintptr_t>(sums_storage.data()) + 63) & ~uintptr_t{63});
+    float* c = aligned64(sums_storage);
     alignas(64) int32_t block_sums[2][256];
     const __m256i no_flip = _mm256_setzero_si256();
     for (int64_t pair = begin; pair < end; ++pair) {
