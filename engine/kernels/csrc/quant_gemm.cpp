@@ -153,9 +153,8 @@ inline __m256i bits_at(__m256i v, int lo, int to, int mask) {
 }
 #endif
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
-    defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define BOXCAR_QUANT_WIDE_FILL 1
+#if defined(BOXCAR_QUANT_BF16)
+#define BOXCAR_QUANT_WIDE_FILL 1  // the bf16 panel's fill, a pair of tiles at once
 // A pair of tiles' field at the same offset, t0's 8 rows in lanes 0-7 and t1's in 8-15.
 inline __m512i load16(const uint8_t* t0, const uint8_t* t1, int at) {
   return _mm512_inserti64x4(_mm512_castsi256_si512(load8(t0 + at)), load8(t1 + at), 1);
@@ -165,11 +164,17 @@ inline __m512 halves16(const uint8_t* t0, const uint8_t* t1, int at) {  // 2 x 8
   const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t1 + at));
   return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1));
 }
-inline __m512 bytes16_i8(const uint8_t* t0, const uint8_t* t1, int at) {  // 2 x 8 int8
+inline __m128i bytes16(const uint8_t* t0, const uint8_t* t1, int at) {  // 2 x 8 bytes
   int64_t lo, hi;
   std::memcpy(&lo, t0 + at, 8);
   std::memcpy(&hi, t1 + at, 8);
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x(hi, lo)));
+  return _mm_set_epi64x(hi, lo);
+}
+inline __m512 bytes16_i8(const uint8_t* t0, const uint8_t* t1, int at) {  // 2 x 8 int8
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes16(t0, t1, at)));
+}
+inline __m512 bytes16_u8(const uint8_t* t0, const uint8_t* t1, int at) {  // 2 x 8 uint8
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes16(t0, t1, at)));
 }
 inline __m512i bits16_at(__m512i v, int lo, int to, int mask) {
   const __m512i moved = lo >= to ? _mm512_srli_epi32(v, lo - to) : _mm512_slli_epi32(v, to - lo);
@@ -313,7 +318,7 @@ struct Simple {
   }
 #endif
 #if defined(BOXCAR_QUANT_WIDE_FILL)
-  // dequant over a pair of tiles at once (the AMX panel's fill): sink(k, i, w) with w the 16
+  // dequant over a pair of tiles at once (the bf16 panel's fill): sink(k, i, w) with w the 16
   // rows' values (t0's, then t1's) at depth k + i; the same arithmetic lane by lane.
   static constexpr bool kWideFill = true;
   template <class Sink>
@@ -457,6 +462,28 @@ struct KQuant {
     }
   }
 #endif
+#if defined(BOXCAR_QUANT_WIDE_FILL)
+  static constexpr bool kWideFill = true;
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant16(const uint8_t* t0,
+                                                              const uint8_t* t1, Sink& sink) {
+    const __m512 d = halves16(t0, t1, 0), dmin = halves16(t0, t1, 16);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 s = _mm512_mul_ps(d, bytes16_u8(t0, t1, 32 + 8 * j));
+      const __m512 o = _mm512_mul_ps(dmin, bytes16_u8(t0, t1, 96 + 8 * j));
+      const __m512i qh = kBits == 5 ? load16(t0, t1, kHighAt + 32 * j) : _mm512_setzero_si512();
+      for (int g = 0; g < 4; ++g) {
+        const __m512i w = load16(t0, t1, kValuesAt + 32 * (4 * j + g));
+        const __m512i high = kBits == 5 ? _mm512_srli_epi32(qh, 8 * g) : qh;
+        unroll<8>([&](auto i) {
+          __m512i q = bits16_at(w, 4 * i, 0, 0xF);
+          if constexpr (kBits == 5) q = _mm512_or_si512(q, bits16_at(high, i, 4, 0x10));
+          sink(32 * j + 8 * g, i, _mm512_fmsub_ps(_mm512_cvtepi32_ps(q), s, o));
+        });
+      }
+    }
+  }
+#endif
 };
 
 // ---- Q6_K: super-blocks of 256, 16 sub-blocks of 16 with int8 scales, 4+2 bits a value ----
@@ -545,6 +572,28 @@ struct Q6K {
           const __m256i q = _mm256_or_si256(bits_at(w, 4 * i, 0, 0xF),
                                             bits_at(high, 2 * i, 4, 0x30));
           sink(16 * j + 8 * g, i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, c));
+        });
+      }
+    }
+  }
+#endif
+#if defined(BOXCAR_QUANT_WIDE_FILL)
+  static constexpr bool kWideFill = true;
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant16(const uint8_t* t0,
+                                                              const uint8_t* t1, Sink& sink) {
+    const __m512 d = halves16(t0, t1, 0);
+    for (int j = 0; j < 16; ++j) {
+      const __m512 s = _mm512_mul_ps(d, bytes16_i8(t0, t1, 16 + 8 * j));
+      const __m512 c = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
+      const __m512i top = load16(t0, t1, kHighAt + 32 * j);
+      for (int g = 0; g < 2; ++g) {
+        const __m512i w = load16(t0, t1, kValuesAt + 32 * (2 * j + g));
+        const __m512i high = _mm512_srli_epi32(top, 16 * g);
+        unroll<8>([&](auto i) {
+          const __m512i q = _mm512_or_si512(bits16_at(w, 4 * i, 0, 0xF),
+                                            bits16_at(high, 2 * i, 4, 0x30));
+          sink(16 * j + 8 * g, i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, c));
         });
       }
     }
@@ -666,6 +715,7 @@ struct Problem {
   const int8_t* xq = nullptr;
   const float* xq_scales = nullptr;
   const int32_t* xq_offsets = nullptr;
+  int64_t xh_stride = 0;  // the bf16 panel path's row stride of xh, in elements (spread_rows)
 };
 
 #if defined(BOXCAR_QUANT_AVX2)
@@ -846,11 +896,28 @@ struct PanelF32 {
     };
     F::dequant(tile, sink);
   }
+  template <class F>
+  static bool fill_pair(const uint8_t*, const uint8_t*, Elem*, int) { return false; }
   static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
                     int depth, float* c) {
     micro_rows(rows, p.x + m * p.depth + k0, p.depth, panel, depth, c);
   }
 };
+
+// P::fill's panel of tiles t0 and t0 + 1 (t0 alone when !two): `count` blocks of depth from
+// block b0, both tiles of a block at once where P and F can (P::fill_pair).
+template <class F, class P>
+inline void fill_panel(const Problem& p, int64_t t0, bool two, int64_t b0, int count,
+                       typename P::Elem* panel) {
+  for (int blk = 0; blk < count; ++blk) {
+    const uint8_t* tile = p.tiles + (t0 * p.blocks + b0 + blk) * F::kTileBytes;
+    const uint8_t* next = tile + p.blocks * F::kTileBytes;  // tile t0 + 1's block
+    if (two && P::template fill_pair<F>(tile, next, panel, blk)) continue;
+    for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
+      P::template fill<F>(half_index == 0 ? tile : next, panel, blk, half_index);
+    }
+  }
+}
 
 // The panel path's driver, for a panel kind P (PanelF32, PanelBf16, PanelQ8): per pair of tiles
 // (16 output rows), per kPanelDepth values of depth, P::fill dequantizes the pair into the panel,
@@ -878,13 +945,7 @@ void run_panel(const Problem& p) {
         if (!two) std::fill(panel, panel + P::kPanelElems, Elem{0});
         for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAPanel) {
           const int count = static_cast<int>(std::min<int64_t>(kBlocksAPanel, p.blocks - b0));
-          for (int blk = 0; blk < count; ++blk) {
-            for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
-              P::template fill<F>(
-                  p.tiles + ((t0 + half_index) * p.blocks + b0 + blk) * F::kTileBytes, panel,
-                  blk, half_index);
-            }
-          }
+          fill_panel<F, P>(p, t0, two, b0, count, panel);
           for (int64_t m0 = 0; m0 < rows; m0 += P::kMicroRows) {
             P::micro(p, r0 + m0, b0 * F::kBlock,
                      static_cast<int>(std::min<int64_t>(P::kMicroRows, rows - m0)), panel,
@@ -942,6 +1003,52 @@ inline __m256i pairs_bf16(__m256 even, __m256 odd) {
   return _mm256_permutexvar_epi16(interleave, both);
 }
 
+// Whether format F dequantizes a pair of tiles at once (F::dequant16).
+template <class F, class = void>
+struct WideFill : std::false_type {};
+template <class F>
+struct WideFill<F, std::void_t<decltype(F::kWideFill)>> : std::true_type {};
+
+// PanelBf16::fill for both tiles of a pair at once, in 512-bit registers (the same values, half
+// the instructions): each pair of depth's 16 rows x 2 bf16 is one 64-byte row of the panel,
+// made by one conversion and one permutation of 16-bit halves.
+template <class F>
+inline void fill_pair_bf16(const uint8_t* t0, const uint8_t* t1, uint16_t* panel, int blk) {
+  uint16_t* dst = panel + blk * F::kBlock * 16;
+  alignas(64) static constexpr uint16_t kInterleave[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i order = _mm512_load_si512(kInterleave);
+  __m512 even = _mm512_setzero_ps();
+  auto sink = [&](int k, auto i, __m512 w) __attribute__((always_inline)) {
+    if constexpr (i % 2 == 0) {
+      even = w;
+    } else {
+      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w, even);  // even's in the low half
+      _mm512_store_si512(dst + 16 * (k + i - 1), _mm512_permutexvar_epi16(order, both));
+    }
+  };
+  F::dequant16(t0, t1, sink);
+}
+
+// x's rows as the bf16 micro-kernel reads them: 12 at once, a pair of values of each in turn.
+// Rows a multiple of 4 KB apart all fall in one set of L1 (a way is 4 KB), which holds 8 (Zen
+// 4) or 12 (Intel) lines: at a depth of 2048 the panel path ran at ~130 GFLOP/s against ~175 at
+// 1,792 and 2,304 (1 thread, 64 rows, Zen 4). Such an x is copied into `storage` with its rows
+// 64 bytes further apart; the stride (elements) is returned in `stride`.
+inline const uint16_t* spread_rows(const uint16_t* x, int64_t rows, int64_t depth,
+                                   std::vector<uint16_t>& storage, int64_t& stride) {
+  constexpr int64_t kWay = 4096 / sizeof(uint16_t), kLine = 64 / sizeof(uint16_t);
+  stride = depth;
+  if (depth % kWay != 0 || rows <= 1) return x;
+  stride = depth + kLine;
+  storage.resize(rows * stride);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(storage.data() + r * stride, x + r * depth, depth * sizeof(uint16_t));
+  }
+  return storage.data();
+}
+
 // The bf16 panel: panel[k / 2][16][2] bf16 (8 KB), the values of depth in pairs.
 struct PanelBf16 {
   using Elem = uint16_t;
@@ -964,9 +1071,18 @@ struct PanelBf16 {
     };
     F::dequant(tile, sink);
   }
+  // Both tiles of a pair at once where format F can: whether it did.
+  template <class F>
+  static bool fill_pair(const uint8_t* t0, const uint8_t* t1, Elem* panel, int blk) {
+    if constexpr (WideFill<F>::value) {
+      fill_pair_bf16<F>(t0, t1, panel, blk);
+      return true;
+    }
+    return false;
+  }
   static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
                     int depth, float* c) {
-    micro_rows_bf16(rows, p.xh + m * p.depth + k0, p.depth, panel, depth / 2, c);
+    micro_rows_bf16(rows, p.xh + m * p.xh_stride + k0, p.xh_stride, panel, depth / 2, c);
   }
 };
 #endif
@@ -994,35 +1110,6 @@ T* aligned64(std::vector<T>& storage) {
 }
 #endif
 
-#if defined(BOXCAR_QUANT_AMX) && defined(BOXCAR_QUANT_WIDE_FILL)
-// Whether format F dequantizes a pair of tiles at once (F::dequant16: the 32-value formats).
-template <class F, class = void>
-struct WideFill : std::false_type {};
-template <class F>
-struct WideFill<F, std::void_t<decltype(F::kWideFill)>> : std::true_type {};
-
-// PanelBf16::fill for both tiles of a pair at once: each pair of depth's 16 rows x 2 bf16 is
-// one 64-byte row of the panel, made by one conversion and one permutation of 16-bit halves.
-template <class F>
-inline void fill_pair_bf16(const uint8_t* t0, const uint8_t* t1, uint16_t* panel, int blk) {
-  uint16_t* dst = panel + blk * F::kBlock * 16;
-  alignas(64) static constexpr uint16_t kInterleave[32] = {
-      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i order = _mm512_load_si512(kInterleave);
-  __m512 even = _mm512_setzero_ps();
-  auto sink = [&](int k, auto i, __m512 w) __attribute__((always_inline)) {
-    if constexpr (i % 2 == 0) {
-      even = w;
-    } else {
-      const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(w, even);  // even's in the low half
-      _mm512_store_si512(dst + 16 * (k + i - 1), _mm512_permutexvar_epi16(order, both));
-    }
-  };
-  F::dequant16(t0, t1, sink);
-}
-#endif
-
 #if defined(BOXCAR_QUANT_AMX)
 // The bf16 panel on AMX tiles: the panel is PanelBf16's, [pairs][16][2], which is a tile of B's
 // layout (a row a pair of depth, 16 columns of 2 values), so each 32 values of depth of it are
@@ -1037,8 +1124,7 @@ inline void fill_pair_bf16(const uint8_t* t0, const uint8_t* t1, uint16_t* panel
 // rows at a time, read from and written back to memory once a panel), so that a panel's slice
 // of x is read from cache by the chunk's pairs, not streamed from L2 by every one. x's rows are
 // padded to a multiple of 16 with zeros (a copy, only when they are not) so that every tile is
-// whole. The 32-value formats fill both tiles of a pair at once in 512-bit registers
-// (fill_pair_bf16: the same values, half the instructions of PanelBf16::fill).
+// whole. The panel is filled a pair of tiles at once (fill_panel).
 constexpr int kAmxGroupRows = 4 * kAmxTileRows;
 
 void amx_configure() {
@@ -1127,21 +1213,7 @@ void run_panel_amx(const Problem& p) {
           const int64_t t0 = 2 * pair;
           const bool two = t0 + 1 < p.num_tiles;
           if (!two) std::fill(panel, panel + PanelBf16::kPanelElems, uint16_t{0});
-          for (int blk = 0; blk < count; ++blk) {
-            const uint8_t* tile = p.tiles + (t0 * p.blocks + b0 + blk) * F::kTileBytes;
-#if defined(BOXCAR_QUANT_WIDE_FILL)
-            if constexpr (WideFill<F>::value) {
-              if (two) {
-                fill_pair_bf16<F>(tile, tile + p.blocks * F::kTileBytes, panel, blk);
-                continue;
-              }
-            }
-#endif
-            for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
-              PanelBf16::fill<F>(tile + half_index * p.blocks * F::kTileBytes, panel, blk,
-                                 half_index);
-            }
-          }
+          fill_panel<F, PanelBf16>(p, t0, two, b0, count, panel);
           float* c = sums + (pair - first) * pair_sums;
           for (int64_t r0 = 0; r0 < padded_rows; r0 += kAmxGroupRows) {
             const int blocks = static_cast<int>(
@@ -1212,6 +1284,8 @@ struct PanelQ8 {
   static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
     fill_values<F>(tile, panel, blk, half_index, _mm256_set1_epi8(static_cast<char>(0x80)));
   }
+  template <class F>
+  static bool fill_pair(const uint8_t*, const uint8_t*, Elem*, int) { return false; }
   // fill with the values xor `flip` (0x80: vpdpbusd's unsigned operand; 0: AMX's tdpbssd)
   template <class F>
   static void fill_values(const uint8_t* tile, Elem* panel, int blk, int half_index,
@@ -1465,14 +1539,16 @@ void quant_linear(const std::string& fmt, const torch::Tensor& tiles, int64_t in
     const bool fused = path == "fused" || (path == "auto" && x.size(0) <= kFusedMaxRows);
 #if defined(BOXCAR_QUANT_BF16)
     if (x.scalar_type() == torch::kBFloat16 && !fused && path != "generic") {
-      const Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, nullptr,
-                      reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), x.size(0),
-                      in_features, out_features, bias ? bias->data_ptr<float>() : nullptr, out};
+      const auto* xh = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+      Problem p{tiles.data_ptr<uint8_t>(), blocks, num_tiles, nullptr, xh, x.size(0),
+                in_features, out_features, bias ? bias->data_ptr<float>() : nullptr, out};
 #if defined(BOXCAR_QUANT_AMX)
       if (path == "amx" || (path == "auto" && quant_amx_available())) {
         return run_panel_amx<F>(p);
       }
 #endif
+      std::vector<uint16_t> spread;
+      p.xh = spread_rows(xh, p.rows, in_features, spread, p.xh_stride);
       return run_panel<F, PanelBf16>(p);
     }
 #endif
