@@ -55,6 +55,10 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    # The same tokens where they were sampled ([len(sampled_token_ids)] int64, in its order, on
+    # the runner's device): async scheduling's next step gathers its input ids from them. None
+    # from a runner that samples nothing on a device (pooling, a test's fake).
+    device_token_ids: torch.Tensor | None = None
     # Pooling requests: the fp32 vector of each one computed this step ([hidden_size], CPU).
     pooled: dict[str, torch.Tensor] = field(default_factory=dict)
 

@@ -124,7 +124,8 @@ class StructuredOutputManager:
 
 def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> None:
     """Set to -inf, in place, every token the row's grammar does not allow next. One bitmask
-    ``[num_rows, ceil(vocab / 32)]`` is filled for the constrained rows and applied in one call.
+    ``[num_rows, ceil(vocab / 32)]`` is filled on the host for the constrained rows, copied to
+    the logits' device without blocking and applied there in one call.
     """
     rows = [i for i, r in enumerate(requests) if r.grammar is not None]
     if not rows:
@@ -137,7 +138,8 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> None:
         matcher = requests[i].grammar
         assert matcher is not None
         matcher.fill_next_token_bitmask(bitmask, i)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=rows)
+    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
+                                    vocab_size=vocab, indices=rows)
 
 
 def accept_token(request: Request, token_id: int) -> None:

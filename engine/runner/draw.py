@@ -10,6 +10,9 @@ The draw is by inverse CDF: one uniform per row, over the kept tokens in token-i
 row's outcome does not depend on how many candidates it was cut from), or over the whole
 vocabulary for a row without top-k or top-p. A request with a seed takes its uniform from its own
 generator, one per token, so its output never depends on what else is in the batch.
+
+Everything runs where the logits are. The whole-vocabulary draw never waits for the device; the
+truncated one does once per candidate width it tries (``draw_truncated``).
 """
 
 from __future__ import annotations
@@ -29,17 +32,27 @@ RETRY_WIDTH = 4096
 DRAW_BLOCK = 256
 
 
+def on_device(values: list[int] | list[float] | list[bool], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small host-built tensor (row indices, per-row parameters) on ``device``, copied without
+    blocking: the host never waits here for the work queued on the device."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """``x[rows]``, without the copy when ``rows`` is every row (they are increasing)."""
-    return x if len(rows) == x.shape[0] else x[rows]
+    if len(rows) == x.shape[0]:
+        return x
+    return x.index_select(0, on_device(rows, torch.int64, x.device))
 
 
 def draw_from_vocab(
-    logits: torch.Tensor, temperatures: torch.Tensor, min_ps: torch.Tensor,
+    logits: torch.Tensor, temperatures: torch.Tensor, min_ps: list[float],
     uniforms: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), min-p applied, over the whole
-    vocabulary: the block is chosen from the blocks' totals, then the token inside it."""
+    vocabulary: the block is chosen from the blocks' totals, then the token inside it. No
+    value is read back from the device (``min_ps`` are the host's)."""
     num_rows, vocab = logits.shape
     num_blocks = -(-vocab // DRAW_BLOCK)
     scaled = logits / temperatures
@@ -53,22 +66,24 @@ def draw_from_vocab(
     target = uniforms[:, None] * block_cdf[:, -1:]
     block = _search(block_cdf, target)  # [num_rows, 1]
     target = target - F.pad(block_cdf, (1, 0)).gather(1, block)  # the mass left inside the block
-    inside = blocks[torch.arange(num_rows), block.squeeze(1)]  # [num_rows, DRAW_BLOCK]
+    arange = torch.arange(num_rows, device=logits.device)
+    inside = blocks[arange, block.squeeze(1)]  # [num_rows, DRAW_BLOCK]
     offset = _search(inside.cumsum(dim=-1, dtype=torch.float64), target)
     return (block * DRAW_BLOCK + offset).squeeze(1)
 
 
-def _drop_below_min_p(weights: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+def _drop_below_min_p(weights: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
     """Zero, in place, the weights (probabilities over the top one's) under the row's min_p."""
-    distinct = set(min_ps.tolist())
+    distinct = set(min_ps)
     if distinct == {0.0}:
         return weights
     if len(distinct) == 1:
-        # One min_p for the batch: threshold keeps w > t, so t is the float32 just below min_p;
-        # no [rows, vocab] mask to build.
-        below = torch.nextafter(min_ps[:1], torch.tensor([float("-inf")]))
+        # One min_p for the batch: threshold keeps w > t, so t is the float32 just below min_p
+        # (found on the host); no [rows, vocab] mask to build.
+        below = torch.nextafter(torch.tensor(min_ps[0]), torch.tensor(float("-inf")))
         return torch.threshold_(weights, float(below), 0.0)
-    return weights.masked_fill_(weights < min_ps[:, None], 0.0)
+    thresholds = on_device(min_ps, torch.float32, weights.device)
+    return weights.masked_fill_(weights < thresholds[:, None], 0.0)
 
 
 def draw_truncated(
@@ -76,18 +91,24 @@ def draw_truncated(
     temperatures: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row, each row with top_k (< vocab) or top_p (< 1), cut from its best
-    candidates: from the narrowest width that can hold its kept set to wider ones, as needed."""
+    candidates: from the narrowest width that can hold its kept set to wider ones, as needed.
+
+    The sampler's one wait on the device: at each width tried (one, for most rows), whether
+    each row's kept set fits its candidates decides on the host which rows go on to a wider
+    cut, so that [rows] answer crosses, with the kept counts that size the draw."""
     num_rows, vocab = logits.shape
-    token_ids = torch.empty(num_rows, dtype=torch.int64)
-    has_k = torch.tensor([k is not None for k in top_ks])
-    ks = torch.tensor([k or 1 for k in top_ks])
+    device = logits.device
+    token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
+    has_k = on_device([k is not None for k in top_ks], torch.bool, device)
+    ks = on_device([k or 1 for k in top_ks], torch.int64, device)
     # Top-p without top-k keeps a share of the whole row's mass, so that mass is needed.
-    totals = torch.full((num_rows,), float("nan"), dtype=torch.float64)
+    totals = torch.full((num_rows,), float("nan"), dtype=torch.float64, device=device)
     without_k = [i for i, k in enumerate(top_ks) if k is None]
     if without_k:
-        scaled = take_rows(logits, without_k) / temperatures[without_k]
+        index = on_device(without_k, torch.int64, device)
+        scaled = logits.index_select(0, index) / temperatures.index_select(0, index)
         weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
-        totals[without_k] = weights.sum(dim=-1).double()
+        totals.index_copy_(0, index, weights.sum(dim=-1).double())
 
     starts = [_width(TOP_P_WIDTH if k is None else max(k, MIN_WIDTH), vocab) for k in top_ks]
     widths = sorted({*starts, _width(RETRY_WIDTH, vocab), vocab})
@@ -96,19 +117,24 @@ def draw_truncated(
         rows = [i for i in sorted(pending) if starts[i] <= width]
         if not rows:
             continue
-        values, ids = _candidates(take_rows(logits, rows), width)
-        values = values / temperatures[rows]
+        index = on_device(rows, torch.int64, device)
+        values, ids = _candidates(logits.index_select(0, index), width)
+        values = values / temperatures.index_select(0, index)
         weights, num_kept, fits = _truncate(
-            values, ks[rows], has_k[rows], top_ps[rows], totals[rows], min_ps[rows],
+            values, ks[index], has_k[index], top_ps[index], totals[index], min_ps[index],
             complete=width == vocab,
         )
-        done = fits.nonzero().squeeze(1)
-        done_rows = [rows[j] for j in done.tolist()]
-        if done_rows:
-            token_ids[done_rows] = _draw_candidates(
-                weights[done], ids[done], num_kept[done], uniforms[done_rows]
-            )
-        pending.difference_update(done_rows)
+        # [len(rows)]: the row's kept count where its kept set fits, else -1 (the crossing)
+        kept = torch.where(fits, num_kept, -1).tolist()
+        done = [j for j, n in enumerate(kept) if n >= 0]
+        if done:
+            done_rows = [rows[j] for j in done]
+            at = on_device(done, torch.int64, device)
+            token_ids.index_copy_(0, on_device(done_rows, torch.int64, device), _draw_candidates(
+                weights[at], ids[at], max(max(kept[j] for j in done), 1),
+                take_rows(uniforms, done_rows),
+            ))
+            pending.difference_update(done_rows)
     return token_ids
 
 
@@ -137,7 +163,7 @@ def _truncate(
     weights (zero where dropped), how many lead the row kept (the kept set is a prefix), and
     whether the row's kept set is known to lie inside its candidates (else it needs more).
     """
-    minus_inf = torch.tensor(float("-inf"))
+    minus_inf = values.new_full((), float("-inf"))
     weights = (values - values[:, :1]).exp_()  # [num_rows, width]: probability over the top one's
     kth = torch.where(has_k[:, None], values.gather(1, (ks - 1)[:, None]), minus_inf)
     weights = weights * (values >= kth)
@@ -161,11 +187,11 @@ def _truncate(
 
 
 def _draw_candidates(
-    weights: torch.Tensor, ids: torch.Tensor, num_kept: torch.Tensor, uniforms: torch.Tensor
+    weights: torch.Tensor, ids: torch.Tensor, width: int, uniforms: torch.Tensor
 ) -> torch.Tensor:
-    """One token per row among its kept candidates, taken in token-id order: the same draw
-    whatever width the row was cut from, and whatever order topk gave tied values."""
-    width = max(int(num_kept.max()), 1)
+    """One token per row among its kept candidates (the first ``width`` hold every row's),
+    taken in token-id order: the same draw whatever width the row was cut from, and whatever
+    order topk gave tied values."""
     ids, order = ids[:, :width].sort(dim=-1)
     weights = weights[:, :width].gather(1, order)
     cdf = weights.cumsum(dim=-1, dtype=torch.float64)

@@ -3,7 +3,10 @@
 Plain greedy rows need only an argmax: the screen (``layers/greedy_screen.py``) gives it without
 the full output projection; without a screen it is taken on the device. Rows that need the
 distribution (sampling, penalties, logprobs, masked tokens: ``Sampler.needs_full_logits``) get
-the full logits and the sampler.
+the full logits and the sampler, which runs where they are. Every row's token lands in one
+tensor on the device, in request order (the next step's input ids are gathered from it), and
+crosses to the host once, with the logprobs where rows asked for them
+(``SampledTokens.cross``).
 """
 
 from __future__ import annotations
@@ -13,44 +16,53 @@ import torch
 from engine.core.request import Request
 from engine.models.causal_lm import CausalLM
 from engine.outputs import TokenLogprob
+from engine.runner.draw import on_device
 from engine.runner.greedy_screen import Screen
-from engine.runner.sampler import Sampler, row_argmax
+from engine.runner.sampler import Sampler, row_argmax, to_host
 
 
 def sample_tokens(
     model: CausalLM, screen: Screen | None, sampler: Sampler,
     hidden: torch.Tensor,  # [len(requests), hidden_size]: each request's last row
     requests: list[Request],
-) -> tuple[list[int], dict[str, TokenLogprob]]:
+) -> tuple[torch.Tensor, list[int], dict[str, TokenLogprob]]:
+    """(the tokens where they were sampled: [len(requests)] int64; their host copy; the
+    logprobs of the requests that asked for them, by request id)."""
     logprobs: dict[str, TokenLogprob] = {}
     # A plain greedy row without min_tokens (most rows) is told apart without the call.
     full = [i for i, r in enumerate(requests) if not r.argmax_only or (
         r.sampling_params.min_tokens and Sampler.needs_full_logits(r))]
     if not full:  # every row plain greedy (most steps): the ids are the tokens, in order
-        return _argmax(model, screen, sampler, hidden).tolist(), logprobs
-    tokens: list[int] = [0] * len(requests)
+        tokens = _argmax(model, screen, sampler, hidden)
+        return tokens, to_host([tokens])[0].tolist(), logprobs
     full_set = set(full)
     plain = [i for i in range(len(requests)) if i not in full_set]
+    device = hidden.device
+    full_index = on_device(full, torch.int64, device)
+    plain_index = on_device(plain, torch.int64, device)
     if screen is None:
         # One output-layer product for every row (split across ranks: one gather, the one each
         # helper rank joins), the plain rows' argmax taken where the logits are.
         logits = model.compute_logits(hidden)
-        plain_ids = row_argmax(logits[:, : sampler.vocab_size])[plain]
+        plain_ids = row_argmax(logits[:, : sampler.vocab_size].index_select(0, plain_index))
         if plain:
-            logits = logits[full]
+            logits = logits.index_select(0, full_index)
     else:
-        plain_ids = screen.argmax(hidden[plain])
-        logits = model.compute_logits(hidden[full] if plain else hidden)
-    for i, token in zip(plain, plain_ids.tolist(), strict=True):
-        tokens[i] = token
+        plain_ids = screen.argmax(hidden.index_select(0, plain_index))
+        logits = model.compute_logits(hidden.index_select(0, full_index) if plain else hidden)
     full_requests = [requests[i] for i in full]
-    token_ids, row_logprobs = sampler(logits.float().cpu(), full_requests)
-    for i, request, token, lp in zip(full, full_requests, token_ids, row_logprobs,
-                                     strict=True):
-        tokens[i] = token
+    sampled = sampler.sample(logits, full_requests)
+    if plain:
+        tokens = torch.empty(len(requests), dtype=torch.int64, device=device)
+        tokens.index_copy_(0, plain_index, plain_ids)
+        tokens.index_copy_(0, full_index, sampled.token_ids)
+    else:
+        tokens = sampled.token_ids
+    token_ids, row_logprobs = sampled.cross(tokens, full)
+    for request, lp in zip(full_requests, row_logprobs, strict=True):
         if lp is not None:
             logprobs[request.request_id] = lp
-    return tokens, logprobs
+    return tokens, token_ids, logprobs
 
 
 def _argmax(model: CausalLM, screen: Screen | None, sampler: Sampler,

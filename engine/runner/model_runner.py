@@ -294,10 +294,12 @@ class ModelRunner:
         # rows take the screened argmax instead where there is one.
         index = torch.tensor(batch.sample_indices, dtype=torch.int64, device=self.device)
         sample_requests = step.sample_requests
-        tokens, logprobs = sample_tokens(self.model, self.greedy_screen, self.sampler,
-                                         hidden.index_select(0, index), sample_requests)
+        tokens, token_ids, logprobs = sample_tokens(
+            self.model, self.greedy_screen, self.sampler, hidden.index_select(0, index),
+            sample_requests)
         return ModelRunnerOutput(
-            {r.request_id: t for r, t in zip(sample_requests, tokens, strict=True)}, logprobs
+            {r.request_id: t for r, t in zip(sample_requests, token_ids, strict=True)},
+            logprobs, device_token_ids=tokens,
         )
 
     @torch.inference_mode()

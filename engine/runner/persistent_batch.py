@@ -23,8 +23,11 @@ preempted) is freed in that step; one that skips a step while running keeps its 
 step's arrays are copies (numpy fancy indexing), so a step in flight (async scheduling) never
 reads a row the next step's diff writes.
 
-The input ids are still read from the requests' token lists, one index a decode: the sampled
-tokens live there until they stay on the device (issue 46, item 3).
+The input ids are read from the requests' token lists, one index a decode: the host's copy of
+the sampled tokens, which crosses once a step for the outputs anyway. With async scheduling a
+decode whose token the step in flight samples is overwritten on the device from that step's
+sampled-token tensor, which never comes back from the host (``step_pipeline.py``, issue 46,
+item 3).
 """
 
 from __future__ import annotations

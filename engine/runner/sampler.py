@@ -7,18 +7,27 @@ logit_bias and the grammar mask, before penalties and temperature (for a request
 the raw model distribution); tokens the mask or a -inf logit rule out are never listed among the
 top alternatives.
 Temperature, top-k, top-p, min-p and the draw: ``engine.runner.draw``.
+
+It runs where the logits are (``sample``): the per-request parameters, indices and masks are
+built on the host and copied to the logits' device without blocking, the seeded requests'
+uniforms included (their generators stay on the host), and the structured-output bitmask is
+filled on the host and copied the same way. The result stays there: greedy rows, the
+whole-vocabulary draw, penalties, logit_bias and min_tokens never wait for the device; a
+top-k / top-p row does once (``draw.draw_truncated``). The caller brings the ids to the host in
+one crossing (``to_host``).
 """
 
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import torch
 
 from engine.core.request import Request
 from engine.core.structured_output import apply_grammar_masks
 from engine.outputs import TokenLogprob
-from engine.runner.draw import draw_from_vocab, draw_truncated, take_rows
+from engine.runner.draw import draw_from_vocab, draw_truncated, on_device, take_rows
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -31,9 +40,61 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(logits.detach().numpy().argmax(-1))
 
 
+def to_host(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host, in one crossing: on a GPU each is copied without blocking into
+    pinned memory, then the host waits once, for an event recorded after those copies; tensors
+    on the CPU are returned as they are."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return tensors
+    if any(t.device.type != "cuda" for t in tensors):
+        return [t.cpu() for t in tensors]
+    copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+              for t in tensors]
+    copied = torch.cuda.Event()
+    copied.record()
+    copied.synchronize()
+    return copies
+
+
+@dataclass
+class SampledTokens:
+    """A sampler call's result, where the logits were: nothing in it has crossed to the host."""
+
+    token_ids: torch.Tensor  # [num_rows] int64
+    logprob_rows: list[int]  # the rows that asked for logprobs, increasing
+    num_tops: list[int]  # each such row's number of top alternatives
+    # [len(logprob_rows), 1 + 2 * max_top] float64: the chosen token's log-probability, the top
+    # values, their token ids (exact in float64), so they cross in one copy; None without rows
+    logprobs: torch.Tensor | None
+
+    def cross(self, tokens: torch.Tensor | None = None, rows: list[int] | None = None
+              ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """The ids and the logprobs on the host, in one crossing: ``token_ids``, or ``tokens``, a
+        batch's ids holding these at ``rows``; every id of what crossed, then the logprobs of
+        these rows (None where a row asked for none)."""
+        tokens = self.token_ids if tokens is None else tokens
+        host = to_host([tokens] if self.logprobs is None else [tokens, self.logprobs])
+        token_ids = host[0].tolist()
+        mine = token_ids if rows is None else [token_ids[i] for i in rows]
+        logprobs: list[TokenLogprob | None] = [None] * len(mine)
+        if len(host) == 1:
+            return token_ids, logprobs
+        max_top = (host[1].shape[-1] - 1) // 2
+        for i, num_top, packed in zip(self.logprob_rows, self.num_tops, host[1].tolist(),
+                                      strict=True):
+            num_top = min(num_top, max_top)
+            values = packed[1: 1 + num_top]
+            ids = packed[1 + max_top: 1 + max_top + num_top]
+            top = [(int(t), v) for t, v in zip(ids, values, strict=True) if v != float("-inf")]
+            logprobs[i] = TokenLogprob(mine[i], packed[0], top)
+        return token_ids, logprobs
+
+
 class Sampler:
     def __init__(self, vocab_size: int, seed: int) -> None:
         self.vocab_size = vocab_size
+        # On the host whatever the device, as the seeded requests' are: an engine seed draws
+        # the same tokens on a CPU and a GPU.
         self.generator = torch.Generator().manual_seed(seed)
 
     @staticmethod
@@ -47,6 +108,11 @@ class Sampler:
     def __call__(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> tuple[list[int], list[TokenLogprob | None]]:
+        """``sample``, its result brought to the host in one crossing."""
+        return self.sample(logits, requests).cross()
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
+        """The rows' tokens (and logprobs) on the logits' device."""
         # logits: [num_requests, vocab_size]
         logits = logits.float()
         if logits.shape[-1] > self.vocab_size:  # padded embedding rows are never real tokens
@@ -62,39 +128,23 @@ class Sampler:
         logits = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
 
-        token_ids = torch.empty(len(requests), dtype=torch.int64)
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
         random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if greedy_rows:
-            token_ids[greedy_rows] = row_argmax(take_rows(logits, greedy_rows))
-        if random_rows:
+        if not random_rows:
+            token_ids = row_argmax(logits)
+        elif not greedy_rows:
+            token_ids = self._sample(logits, requests)
+        else:
+            token_ids = torch.empty(len(requests), dtype=torch.int64, device=logits.device)
+            greedy = on_device(greedy_rows, torch.int64, logits.device)
+            token_ids.index_copy_(0, greedy, row_argmax(logits.index_select(0, greedy)))
             chosen = [requests[i] for i in random_rows]
-            token_ids[random_rows] = self._sample(take_rows(logits, random_rows), chosen)
-        ids = token_ids.tolist()
-        return ids, self._logprobs(raw_logprobs, logprob_rows, requests, ids)
-
-    @staticmethod
-    def _logprobs(
-        raw_logprobs: torch.Tensor | None, rows: list[int], requests: list[Request],
-        ids: list[int],
-    ) -> list[TokenLogprob | None]:
-        logprobs: list[TokenLogprob | None] = [None] * len(requests)
-        if raw_logprobs is None:
-            return logprobs
-        # raw_logprobs: [len(rows), vocab]
-        chosen = raw_logprobs.gather(1, torch.tensor([[ids[i]] for i in rows])).squeeze(1)
-        num_tops = [requests[i].sampling_params.logprobs or 0 for i in rows]
-        top_values: list[list[float]] = [[] for _ in rows]
-        top_ids: list[list[int]] = [[] for _ in rows]
-        max_top = min(max(num_tops), raw_logprobs.shape[-1])
-        if max_top > 0:
-            values, indices = raw_logprobs.topk(max_top, dim=-1)
-            top_values, top_ids = values.tolist(), indices.tolist()
-        for j, (i, logprob) in enumerate(zip(rows, chosen.tolist(), strict=True)):
-            top = [(t, v) for t, v in zip(top_ids[j][: num_tops[j]], top_values[j][: num_tops[j]],
-                                         strict=True) if v != float("-inf")]
-            logprobs[i] = TokenLogprob(ids[i], logprob, top)
-        return logprobs
+            sampled = on_device(random_rows, torch.int64, logits.device)
+            token_ids.index_copy_(0, sampled,
+                                  self._sample(logits.index_select(0, sampled), chosen))
+        num_tops = [requests[i].sampling_params.logprobs or 0 for i in logprob_rows]
+        return SampledTokens(token_ids, logprob_rows, num_tops,
+                             _logprobs(raw_logprobs, token_ids, logprob_rows, num_tops))
 
     @staticmethod
     def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -108,9 +158,10 @@ class Sampler:
                 cols.extend(bias)
                 values.extend(bias.values())
         if rows:
+            device = logits.device
             logits.index_put_(
-                (torch.tensor(rows), torch.tensor(cols)),
-                torch.tensor(values, dtype=logits.dtype),
+                (on_device(rows, torch.int64, device), on_device(cols, torch.int64, device)),
+                on_device(values, logits.dtype, device),
                 accumulate=True,
             )
 
@@ -125,19 +176,27 @@ class Sampler:
             return logits
         logits = logits.clone()
         vocab = logits.shape[-1]
-        sub = logits[rows]
-        output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab)
-        seen = _token_counts([requests[i].prompt_token_ids for i in rows], vocab) > 0
+        device = logits.device
+        index = on_device(rows, torch.int64, device)
+        sub = logits.index_select(0, index)
+        output_counts = _token_counts([requests[i].output_token_ids for i in rows], vocab,
+                                      device)
+        seen = _token_counts([requests[i].prompt_token_ids for i in rows], vocab, device) > 0
         seen |= output_counts > 0
-        rep = torch.tensor([requests[i].sampling_params.repetition_penalty for i in rows])[:, None]
-        pres = torch.tensor([requests[i].sampling_params.presence_penalty for i in rows])[:, None]
-        freq = torch.tensor([requests[i].sampling_params.frequency_penalty for i in rows])[:, None]
+
+        def column(values: list[float]) -> torch.Tensor:  # [len(rows), 1]
+            return on_device(values, torch.float32, device)[:, None]
+
+        params = [requests[i].sampling_params for i in rows]
+        rep = column([p.repetition_penalty for p in params])
+        pres = column([p.presence_penalty for p in params])
+        freq = column([p.frequency_penalty for p in params])
         # Repetition (CTRL / Hugging Face): over prompt and output, divide positive logits and
         # multiply negative ones. Presence and frequency (OpenAI): over the output only.
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
         sub = torch.where(seen, penalized, sub)
         sub = sub - freq * output_counts - pres * (output_counts > 0).to(sub.dtype)
-        logits[rows] = sub
+        logits.index_copy_(0, index, sub)
         return logits
 
     def _apply_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
@@ -156,30 +215,45 @@ class Sampler:
         if not rows:
             return logits
         logits = logits.clone()
-        logits[rows, cols] = float("-inf")
+        device = logits.device
+        logits.index_put_(
+            (on_device(rows, torch.int64, device), on_device(cols, torch.int64, device)),
+            logits.new_full((), float("-inf")),
+        )
         return logits
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # logits: [num_rows, vocab], every row sampled (temperature > 0)
         params = [r.sampling_params for r in requests]
         vocab = logits.shape[-1]
-        temperatures = torch.tensor([p.temperature for p in params])[:, None]
-        min_ps = torch.tensor([p.min_p for p in params])
-        uniforms = self._uniforms(requests)
+        device = logits.device
+        # [num_rows] float64, drawn on the host (the generators live there), copied over
+        uniforms = self._uniforms(requests).to(device, non_blocking=True)
         top_ks = [p.top_k if p.top_k is not None and p.top_k < vocab else None for p in params]
         truncated = [i for i, p in enumerate(params) if top_ks[i] is not None or p.top_p < 1.0]
         whole = [i for i, p in enumerate(params) if top_ks[i] is None and p.top_p == 1.0]
-        token_ids = torch.empty(len(requests), dtype=torch.int64)
+
+        def column(values: list[float]) -> torch.Tensor:
+            return on_device(values, torch.float32, device)
+
+        drawn: list[tuple[list[int], torch.Tensor]] = []
         if whole:
-            token_ids[whole] = draw_from_vocab(
-                take_rows(logits, whole), temperatures[whole], min_ps[whole], uniforms[whole]
-            )
+            drawn.append((whole, draw_from_vocab(
+                take_rows(logits, whole), column([params[i].temperature for i in whole])[:, None],
+                [params[i].min_p for i in whole], take_rows(uniforms, whole),
+            )))
         if truncated:
-            token_ids[truncated] = draw_truncated(
+            drawn.append((truncated, draw_truncated(
                 take_rows(logits, truncated), [top_ks[i] for i in truncated],
-                torch.tensor([params[i].top_p for i in truncated]), temperatures[truncated],
-                min_ps[truncated], uniforms[truncated],
-            )
+                column([params[i].top_p for i in truncated]),
+                column([params[i].temperature for i in truncated])[:, None],
+                column([params[i].min_p for i in truncated]), take_rows(uniforms, truncated),
+            )))
+        if len(drawn) == 1:
+            return drawn[0][1]
+        token_ids = torch.empty(len(requests), dtype=torch.int64, device=device)
+        for rows, ids in drawn:
+            token_ids.index_copy_(0, on_device(rows, torch.int64, device), ids)
         return token_ids
 
     def _uniforms(self, requests: list[Request]) -> torch.Tensor:
@@ -198,11 +272,26 @@ class Sampler:
         return uniforms
 
 
-def _token_counts(token_lists: list[list[int]], vocab: int) -> torch.Tensor:
-    """How often each id occurs in each list (ids past the vocabulary are never real tokens)."""
-    counts = torch.zeros(len(token_lists), vocab)  # [num_lists, vocab]
+def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor, rows: list[int],
+              num_tops: list[int]) -> torch.Tensor | None:
+    """``SampledTokens.logprobs`` from the rows' log-probabilities ([len(rows), vocab])."""
+    if raw_logprobs is None:
+        return None
+    chosen = raw_logprobs.gather(1, take_rows(token_ids, rows)[:, None])  # [len(rows), 1]
+    max_top = min(max(num_tops), raw_logprobs.shape[-1])
+    values, ids = raw_logprobs.topk(max_top, dim=-1)  # [len(rows), max_top] each
+    return torch.cat([chosen.double(), values.double(), ids.double()], dim=1)
+
+
+def _token_counts(token_lists: list[list[int]], vocab: int, device: torch.device
+                  ) -> torch.Tensor:
+    """How often each id occurs in each list (ids past the vocabulary are never real tokens),
+    counted on ``device`` from indices laid out on the host."""
     ids = torch.tensor(list(itertools.chain.from_iterable(token_lists)), dtype=torch.int64)
     rows = torch.repeat_interleave(torch.tensor([len(t) for t in token_lists]))
     real = ids < vocab
-    counts.index_put_((rows[real], ids[real]), torch.ones(()), accumulate=True)
+    counts = torch.zeros(len(token_lists), vocab, device=device)  # [num_lists, vocab]
+    counts.index_put_((rows[real].to(device, non_blocking=True),
+                       ids[real].to(device, non_blocking=True)),
+                      counts.new_ones(()), accumulate=True)
     return counts

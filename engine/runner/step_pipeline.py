@@ -7,7 +7,8 @@ them writes them only after that step is done (as kernels queued on one CUDA str
 forward pass and the sampler run there while the main thread schedules the next step and
 finishes the previous one's outputs (torch releases the GIL inside its ops). A decode whose
 input is the token its request samples in the step before (``ScheduledRequest.prev_token``)
-reads it there, from that step's sampled-token tensor (an index gather), never from the host.
+reads it there, from that step's sampled-token tensor (an index gather), never from the host:
+the tensor the sampler wrote its tokens to, which crossed to the host only for the outputs.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ class StepPipeline:
             dst, src = (t.to(device, non_blocking=True) for t in gather)
             step.batch.input_ids[dst] = tokens[src]
         output = self.runner.run_step(step)
-        sampled = output.sampled_token_ids
-        tokens = torch.tensor([sampled[r.request_id] for r in step.sample_requests],
-                              dtype=torch.int64).to(self.runner.device, non_blocking=True)
-        return StepResult(output, tokens, time.perf_counter() - start)
+        sampled = output.device_token_ids  # rows in ``step.sample_requests`` order
+        if sampled is None:  # a step that samples nothing
+            sampled = torch.empty(0, dtype=torch.int64, device=device)
+        return StepResult(output, sampled, time.perf_counter() - start)
