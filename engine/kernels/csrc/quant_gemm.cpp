@@ -151,6 +151,28 @@ inline __m256i bits_at(__m256i v, int lo, int to, int mask) {
   const __m256i moved = lo >= to ? _mm256_srli_epi32(v, lo - to) : _mm256_slli_epi32(v, to - lo);
   return _mm256_and_si256(moved, _mm256_set1_epi32(mask));
 }
+
+// What a format's dequantizer (F::dequant_rows) reads a tile through: the fields of one tile's
+// 8 rows in 256-bit vectors (Rows8), or of a pair of tiles' 16 rows in 512-bit ones (Rows16,
+// the bf16 panel's fill). Each field's offset `at` is within a tile's block.
+struct Rows8 {
+  using Float = __m256;
+  using Int = __m256i;
+  const uint8_t* t;
+  Int words(int at) const { return load8(t + at); }
+  Float fp16(int at) const { return halves(t + at); }
+  Float u8(int at) const { return bytes_u8(t + at); }
+  Float i8(int at) const { return bytes_i8(t + at); }
+  static Int bits(Int v, int lo, int to, int mask) { return bits_at(v, lo, to, mask); }
+  static Int shr(Int v, int n) { return _mm256_srli_epi32(v, n); }
+  static Int either(Int a, Int b) { return _mm256_or_si256(a, b); }
+  static Int zero() { return _mm256_setzero_si256(); }
+  static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
+  static Float splat(float v) { return _mm256_set1_ps(v); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static Float fmsub(Float a, Float b, Float c) { return _mm256_fmsub_ps(a, b, c); }
+};
 #endif
 
 #if defined(BOXCAR_QUANT_BF16)
@@ -180,6 +202,26 @@ inline __m512i bits16_at(__m512i v, int lo, int to, int mask) {
   const __m512i moved = lo >= to ? _mm512_srli_epi32(v, lo - to) : _mm512_slli_epi32(v, to - lo);
   return _mm512_and_si512(moved, _mm512_set1_epi32(mask));
 }
+
+struct Rows16 {  // Rows8 over a pair of tiles: t0's 8 rows in lanes 0-7, t1's in 8-15
+  using Float = __m512;
+  using Int = __m512i;
+  const uint8_t* t0;
+  const uint8_t* t1;
+  Int words(int at) const { return load16(t0, t1, at); }
+  Float fp16(int at) const { return halves16(t0, t1, at); }
+  Float u8(int at) const { return bytes16_u8(t0, t1, at); }
+  Float i8(int at) const { return bytes16_i8(t0, t1, at); }
+  static Int bits(Int v, int lo, int to, int mask) { return bits16_at(v, lo, to, mask); }
+  static Int shr(Int v, int n) { return _mm512_srli_epi32(v, n); }
+  static Int either(Int a, Int b) { return _mm512_or_si512(a, b); }
+  static Int zero() { return _mm512_setzero_si512(); }
+  static Float to_float(Int v) { return _mm512_cvtepi32_ps(v); }
+  static Float splat(float v) { return _mm512_set1_ps(v); }
+  static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
+  static Float fmsub(Float a, Float b, Float c) { return _mm512_fmsub_ps(a, b, c); }
+};
 #endif
 
 // fn(std::integral_constant<int, i>{}) for i = 0 .. N-1, unrolled by the front end: every index
@@ -195,11 +237,30 @@ inline __attribute__((always_inline)) void unroll(Fn&& fn) {
   unrolled(fn, std::make_integer_sequence<int, N>{});
 }
 
+// F::dequant (one tile: Rows8) and F::dequant16 (a pair of tiles: Rows16), both the format's
+// F::dequant_rows: the same arithmetic lane by lane.
+template <class F>
+struct Dequantizer {
+#if defined(BOXCAR_QUANT_AVX2)
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
+    F::dequant_rows(Rows8{t}, sink);
+  }
+#endif
+#if defined(BOXCAR_QUANT_WIDE_FILL)
+  template <class Sink>
+  static inline __attribute__((always_inline)) void dequant16(const uint8_t* t0,
+                                                              const uint8_t* t1, Sink& sink) {
+    F::dequant_rows(Rows16{t0, t1}, sink);
+  }
+#endif
+};
+
 // ---- Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: blocks of 32, one or two fp16 scales -----------------
 // tile block: d[8] fp16 | m[8] fp16 (with a min) | qh[8] u32 (5 bits) | nibble words [4][8] u32,
 // or int8 values [32][8] (Q8_0)
 template <int kBits, bool kHasMin>
-struct Simple {
+struct Simple : Dequantizer<Simple<kBits, kHasMin>> {
   static constexpr int kBlock = 32;
   static constexpr int kTypeSize = 2 + (kHasMin ? 2 : 0) + (kBits == 5 ? 4 : 0) +
                                    (kBits == 8 ? 32 : 16);
@@ -289,59 +350,26 @@ struct Simple {
   }
 
 #if defined(BOXCAR_QUANT_AVX2)
-  // sink(k, i, w): w holds the 8 rows' values at depth k + i of this block, i an
-  // integral_constant (0-7): only the 8 positions of a word are unrolled, which keeps the
-  // instantiations (8 formats x 4 row counts) quick to compile.
-  template <class Sink>
-  static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
-    const __m256 d = halves(t);
+  // sink(k, i, w): w holds the rows' values at depth k + i of this block (8 rows through Rows8,
+  // 16 through Rows16), i an integral_constant (0-7): only the 8 positions of a word are
+  // unrolled, which keeps the instantiations (8 formats x 4 row counts) quick to compile.
+  template <class V, class Sink>
+  static inline __attribute__((always_inline)) void dequant_rows(const V& v, Sink& sink) {
+    const auto d = v.fp16(0);
     if constexpr (kBits == 8) {
       for (int k = 0; k < 32; k += 8) {
-        unroll<8>([&](auto i) {
-          sink(k, i, _mm256_mul_ps(bytes_i8(t + kValuesAt + 8 * (k + i)), d));
-        });
+        unroll<8>([&](auto i) { sink(k, i, V::mul(v.i8(kValuesAt + 8 * (k + i)), d)); });
       }
     } else {
-      const __m256 c = kHasMin ? halves(t + 16)
-                               : _mm256_mul_ps(d, _mm256_set1_ps(-(1 << (kBits - 1))));
-      const __m256i qh = kBits == 5 ? load8(t + kHighAt) : _mm256_setzero_si256();
+      const auto c = kHasMin ? v.fp16(16) : V::mul(d, V::splat(-(1 << (kBits - 1))));
+      const auto qh = kBits == 5 ? v.words(kHighAt) : V::zero();
       for (int g = 0; g < 4; ++g) {
-        const __m256i w = load8(t + kValuesAt + 32 * g);
-        const __m256i high = kBits == 5 ? _mm256_srli_epi32(qh, 8 * g) : qh;
+        const auto w = v.words(kValuesAt + 32 * g);
+        const auto high = kBits == 5 ? V::shr(qh, 8 * g) : qh;
         unroll<8>([&](auto i) {
-          __m256i q = bits_at(w, 4 * i, 0, 0xF);
-          if constexpr (kBits == 5) q = _mm256_or_si256(q, bits_at(high, i, 4, 0x10));
-          sink(8 * g, i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, c));
-        });
-      }
-    }
-  }
-#endif
-#if defined(BOXCAR_QUANT_WIDE_FILL)
-  // dequant over a pair of tiles at once (the bf16 panel's fill): sink(k, i, w) with w the 16
-  // rows' values (t0's, then t1's) at depth k + i; the same arithmetic lane by lane.
-  static constexpr bool kWideFill = true;
-  template <class Sink>
-  static inline __attribute__((always_inline)) void dequant16(const uint8_t* t0,
-                                                              const uint8_t* t1, Sink& sink) {
-    const __m512 d = halves16(t0, t1, 0);
-    if constexpr (kBits == 8) {
-      for (int k = 0; k < 32; k += 8) {
-        unroll<8>([&](auto i) {
-          sink(k, i, _mm512_mul_ps(bytes16_i8(t0, t1, kValuesAt + 8 * (k + i)), d));
-        });
-      }
-    } else {
-      const __m512 c = kHasMin ? halves16(t0, t1, 16)
-                               : _mm512_mul_ps(d, _mm512_set1_ps(-(1 << (kBits - 1))));
-      const __m512i qh = kBits == 5 ? load16(t0, t1, kHighAt) : _mm512_setzero_si512();
-      for (int g = 0; g < 4; ++g) {
-        const __m512i w = load16(t0, t1, kValuesAt + 32 * g);
-        const __m512i high = kBits == 5 ? _mm512_srli_epi32(qh, 8 * g) : qh;
-        unroll<8>([&](auto i) {
-          __m512i q = bits16_at(w, 4 * i, 0, 0xF);
-          if constexpr (kBits == 5) q = _mm512_or_si512(q, bits16_at(high, i, 4, 0x10));
-          sink(8 * g, i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), d, c));
+          auto q = V::bits(w, 4 * i, 0, 0xF);
+          if constexpr (kBits == 5) q = V::either(q, V::bits(high, i, 4, 0x10));
+          sink(8 * g, i, V::fmadd(V::to_float(q), d, c));
         });
       }
     }
@@ -353,7 +381,7 @@ struct Simple {
 // tile block: d[8] fp16 | dmin[8] fp16 | sc[8 sub][8] u8 | mn[8 sub][8] u8
 //             | qh[8 sub][8] u32 (Q5_K: bit i = value 32j+i's 5th bit) | nibble words [32][8] u32
 template <int kBits>
-struct KQuant {
+struct KQuant : Dequantizer<KQuant<kBits>> {
   static constexpr int kBlock = 256;
   static constexpr int kTypeSize = kBits == 4 ? 144 : 176;
   static constexpr int kHighAt = 160;
@@ -443,42 +471,20 @@ struct KQuant {
   }
 
 #if defined(BOXCAR_QUANT_AVX2)
-  template <class Sink>
-  static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
-    const __m256 d = halves(t), dmin = halves(t + 16);
+  template <class V, class Sink>
+  static inline __attribute__((always_inline)) void dequant_rows(const V& v, Sink& sink) {
+    const auto d = v.fp16(0), dmin = v.fp16(16);
     for (int j = 0; j < 8; ++j) {
-      const __m256 s = _mm256_mul_ps(d, bytes_u8(t + 32 + 8 * j));
-      const __m256 o = _mm256_mul_ps(dmin, bytes_u8(t + 96 + 8 * j));
-      const __m256i qh = kBits == 5 ? load8(t + kHighAt + 32 * j) : _mm256_setzero_si256();
+      const auto s = V::mul(d, v.u8(32 + 8 * j));
+      const auto o = V::mul(dmin, v.u8(96 + 8 * j));
+      const auto qh = kBits == 5 ? v.words(kHighAt + 32 * j) : V::zero();
       for (int g = 0; g < 4; ++g) {
-        const __m256i w = load8(t + kValuesAt + 32 * (4 * j + g));
-        const __m256i high = kBits == 5 ? _mm256_srli_epi32(qh, 8 * g) : qh;
+        const auto w = v.words(kValuesAt + 32 * (4 * j + g));
+        const auto high = kBits == 5 ? V::shr(qh, 8 * g) : qh;
         unroll<8>([&](auto i) {
-          __m256i q = bits_at(w, 4 * i, 0, 0xF);
-          if constexpr (kBits == 5) q = _mm256_or_si256(q, bits_at(high, i, 4, 0x10));
-          sink(32 * j + 8 * g, i, _mm256_fmsub_ps(_mm256_cvtepi32_ps(q), s, o));
-        });
-      }
-    }
-  }
-#endif
-#if defined(BOXCAR_QUANT_WIDE_FILL)
-  static constexpr bool kWideFill = true;
-  template <class Sink>
-  static inline __attribute__((always_inline)) void dequant16(const uint8_t* t0,
-                                                              const uint8_t* t1, Sink& sink) {
-    const __m512 d = halves16(t0, t1, 0), dmin = halves16(t0, t1, 16);
-    for (int j = 0; j < 8; ++j) {
-      const __m512 s = _mm512_mul_ps(d, bytes16_u8(t0, t1, 32 + 8 * j));
-      const __m512 o = _mm512_mul_ps(dmin, bytes16_u8(t0, t1, 96 + 8 * j));
-      const __m512i qh = kBits == 5 ? load16(t0, t1, kHighAt + 32 * j) : _mm512_setzero_si512();
-      for (int g = 0; g < 4; ++g) {
-        const __m512i w = load16(t0, t1, kValuesAt + 32 * (4 * j + g));
-        const __m512i high = kBits == 5 ? _mm512_srli_epi32(qh, 8 * g) : qh;
-        unroll<8>([&](auto i) {
-          __m512i q = bits16_at(w, 4 * i, 0, 0xF);
-          if constexpr (kBits == 5) q = _mm512_or_si512(q, bits16_at(high, i, 4, 0x10));
-          sink(32 * j + 8 * g, i, _mm512_fmsub_ps(_mm512_cvtepi32_ps(q), s, o));
+          auto q = V::bits(w, 4 * i, 0, 0xF);
+          if constexpr (kBits == 5) q = V::either(q, V::bits(high, i, 4, 0x10));
+          sink(32 * j + 8 * g, i, V::fmsub(V::to_float(q), s, o));
         });
       }
     }
@@ -489,7 +495,7 @@ struct KQuant {
 // ---- Q6_K: super-blocks of 256, 16 sub-blocks of 16 with int8 scales, 4+2 bits a value ----
 // tile block: d[8] fp16 | sc[16 sub][8] i8 | nibble words [32][8] u32
 //             | top-bit words [16][8] u32 (value 16g+i's bits 4-5 at bits 2i)
-struct Q6K {
+struct Q6K : Dequantizer<Q6K> {
   static constexpr int kBlock = 256;
   static constexpr int kTypeSize = 210;
   static constexpr int kValuesAt = 144;
@@ -558,42 +564,19 @@ struct Q6K {
   }
 
 #if defined(BOXCAR_QUANT_AVX2)
-  template <class Sink>
-  static inline __attribute__((always_inline)) void dequant(const uint8_t* t, Sink& sink) {
-    const __m256 d = halves(t);
+  template <class V, class Sink>
+  static inline __attribute__((always_inline)) void dequant_rows(const V& v, Sink& sink) {
+    const auto d = v.fp16(0);
     for (int j = 0; j < 16; ++j) {
-      const __m256 s = _mm256_mul_ps(d, bytes_i8(t + 16 + 8 * j));
-      const __m256 c = _mm256_mul_ps(s, _mm256_set1_ps(-32.0f));
-      const __m256i top = load8(t + kHighAt + 32 * j);
+      const auto s = V::mul(d, v.i8(16 + 8 * j));
+      const auto c = V::mul(s, V::splat(-32.0f));
+      const auto top = v.words(kHighAt + 32 * j);
       for (int g = 0; g < 2; ++g) {
-        const __m256i w = load8(t + kValuesAt + 32 * (2 * j + g));
-        const __m256i high = _mm256_srli_epi32(top, 16 * g);
+        const auto w = v.words(kValuesAt + 32 * (2 * j + g));
+        const auto high = V::shr(top, 16 * g);
         unroll<8>([&](auto i) {
-          const __m256i q = _mm256_or_si256(bits_at(w, 4 * i, 0, 0xF),
-                                            bits_at(high, 2 * i, 4, 0x30));
-          sink(16 * j + 8 * g, i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), s, c));
-        });
-      }
-    }
-  }
-#endif
-#if defined(BOXCAR_QUANT_WIDE_FILL)
-  static constexpr bool kWideFill = true;
-  template <class Sink>
-  static inline __attribute__((always_inline)) void dequant16(const uint8_t* t0,
-                                                              const uint8_t* t1, Sink& sink) {
-    const __m512 d = halves16(t0, t1, 0);
-    for (int j = 0; j < 16; ++j) {
-      const __m512 s = _mm512_mul_ps(d, bytes16_i8(t0, t1, 16 + 8 * j));
-      const __m512 c = _mm512_mul_ps(s, _mm512_set1_ps(-32.0f));
-      const __m512i top = load16(t0, t1, kHighAt + 32 * j);
-      for (int g = 0; g < 2; ++g) {
-        const __m512i w = load16(t0, t1, kValuesAt + 32 * (2 * j + g));
-        const __m512i high = _mm512_srli_epi32(top, 16 * g);
-        unroll<8>([&](auto i) {
-          const __m512i q = _mm512_or_si512(bits16_at(w, 4 * i, 0, 0xF),
-                                            bits16_at(high, 2 * i, 4, 0x30));
-          sink(16 * j + 8 * g, i, _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), s, c));
+          const auto q = V::either(V::bits(w, 4 * i, 0, 0xF), V::bits(high, 2 * i, 4, 0x30));
+          sink(16 * j + 8 * g, i, V::fmadd(V::to_float(q), s, c));
         });
       }
     }
@@ -1003,12 +986,6 @@ inline __m256i pairs_bf16(__m256 even, __m256 odd) {
   return _mm256_permutexvar_epi16(interleave, both);
 }
 
-// Whether format F dequantizes a pair of tiles at once (F::dequant16).
-template <class F, class = void>
-struct WideFill : std::false_type {};
-template <class F>
-struct WideFill<F, std::void_t<decltype(F::kWideFill)>> : std::true_type {};
-
 // PanelBf16::fill for both tiles of a pair at once, in 512-bit registers (the same values, half
 // the instructions): each pair of depth's 16 rows x 2 bf16 is one 64-byte row of the panel,
 // made by one conversion and one permutation of 16-bit halves.
@@ -1071,14 +1048,11 @@ struct PanelBf16 {
     };
     F::dequant(tile, sink);
   }
-  // Both tiles of a pair at once where format F can: whether it did.
+  // Both tiles of a pair at once (whether it did: always, here).
   template <class F>
   static bool fill_pair(const uint8_t* t0, const uint8_t* t1, Elem* panel, int blk) {
-    if constexpr (WideFill<F>::value) {
-      fill_pair_bf16<F>(t0, t1, panel, blk);
-      return true;
-    }
-    return false;
+    fill_pair_bf16<F>(t0, t1, panel, blk);
+    return true;
   }
   static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
                     int depth, float* c) {
