@@ -104,7 +104,8 @@ class LoRAManager:
 
     def step_batch(self, rows: Sequence[tuple[str | None, int]]) -> LoRABatch | None:
         """The step's LoRA segments from its flat rows in order: (adapter or None, row count)
-        per scheduled request. None when no row has an adapter (the base-only step)."""
+        runs, a scheduled request's or several's (adjacent runs of one adapter make one
+        segment). None when no row has an adapter (the base-only step)."""
         segments: list[LoRASegment] = []
         adapters: dict[str, LoRAAdapter] = {}
         start = 0

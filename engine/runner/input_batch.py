@@ -69,7 +69,8 @@ class PreparedStep:
     scheduled: list[ScheduledRequest]  # in the runner's order (by adapter with LoRA on)
     batch: InputBatch
     sample_requests: list[Request]  # the rows that sample, in the sampled tokens' order
-    lora_rows: list[tuple[str | None, int]] | None  # (adapter, new tokens) a row; None: no LoRA
+    # the flat batch's runs of rows, (adapter or None, rows), in its layout; None: no LoRA
+    lora_runs: list[tuple[str | None, int]] | None
 
 
 def _block_table(rows: list[list[int]]) -> np.ndarray:

@@ -222,18 +222,11 @@ class ModelRunner:
         return self.persistent_batch.prepare(scheduled, requests, device or self.device)
 
     def _ordered(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
-                 ) -> list[ScheduledRequest]:
-        """The step's requests; with LoRA on, ordered by adapter (base first, stable), so the
-        flat batch (decodes, then prefills, each in this order) holds an adapter's rows
-        contiguously (``layers/lora.py``)."""
-        scheduled = list(scheduler_output.scheduled)
-        if self.lora is not None:
-            def by_adapter(s: ScheduledRequest) -> tuple[bool, str]:
-                name = requests[s.request_id].lora_name
-                return name is not None, name or ""
-
-            scheduled.sort(key=by_adapter)
-        return scheduled
+                 ) -> tuple[list[ScheduledRequest], list[tuple[str | None, int]] | None]:
+        """The step's requests, and with LoRA on its runs of rows (``group_by_adapter``)."""
+        if self.lora is None:
+            return list(scheduler_output.scheduled), None
+        return group_by_adapter(scheduler_output.scheduled, requests)
 
     def _lora_batch(self, rows: list[tuple[str | None, int]]) -> LoRABatch | None:
         """The step's LoRA segments from its (adapter, new tokens) rows in ``_ordered`` order,
@@ -257,13 +250,11 @@ class ModelRunner:
         previous step is still on the device, and the requests change after it returns;
         ``on_host`` leaves the batch's tensors on the CPU for ``run_step`` to copy (a copy
         from pageable memory would wait here for the step on the device)."""
-        scheduled = self._ordered(scheduler_output, requests)
+        scheduled, lora_runs = self._ordered(scheduler_output, requests)
         self._will_run(scheduled, requests)
         batch, sample_requests = self.prepare_inputs(
             scheduled, requests, torch.device("cpu") if on_host else None)
-        lora_rows = None if self.lora is None else [
-            (requests[s.request_id].lora_name, s.num_new_tokens) for s in scheduled]
-        return PreparedStep(scheduled, batch, sample_requests, lora_rows)
+        return PreparedStep(scheduled, batch, sample_requests, lora_runs)
 
     @torch.inference_mode()
     def run_step(self, step: PreparedStep) -> ModelRunnerOutput:
@@ -271,7 +262,10 @@ class ModelRunner:
         the host changes between steps (``engine/runner/step_pipeline.py``)."""
         batch = step.batch = step.batch.to(self.device)
         metadata = batch.metadata
-        lora = None if step.lora_rows is None else self._lora_batch(step.lora_rows)
+        lora = None
+        if step.lora_runs is not None:
+            assert self.lora is not None
+            lora = self.lora.step_batch(step.lora_runs)
         graphs = self.graphs if lora is None else self.lora_graphs
         if graphs is not None and metadata.num_prefills == 0:
             if lora is not None:
@@ -343,6 +337,32 @@ class ModelRunner:
             logits = hidden.float() @ lm_head.weight[: self.vocab_size].float().T
         logits = self.model.cap_logits(logits)  # [num_tokens - 1, vocab]
         return torch.log_softmax(logits, dim=-1).cpu()
+
+
+def group_by_adapter(scheduled: list[ScheduledRequest], requests: dict[str, Request]
+                     ) -> tuple[list[ScheduledRequest], list[tuple[str | None, int]]]:
+    """``scheduled`` ordered by adapter (the base model's rows first, then each adapter's by
+    name; stable), so that the flat batch (its one-token rows, then the others, each in this
+    order) holds an adapter's rows contiguously (``lora/layers.py``); and the batch's runs of
+    rows in that layout, (adapter or None, rows), what ``LoRAManager.step_batch`` takes: each
+    adapter's decodes, in adapter order, then each one's longer rows. One pass over the rows
+    (a sort with a key and a tuple a row cost ~1 us a row with LoRA on, issue 46)."""
+    groups: dict[str | None, tuple[list[ScheduledRequest], list[int]]] = {}
+    for s in scheduled:
+        name = requests[s.request_id].lora_name
+        group = groups.get(name)
+        if group is None:
+            group = groups[name] = ([], [0, 0])
+        group[0].append(s)
+        if s.num_new_tokens == 1:
+            group[1][0] += 1
+        else:
+            group[1][1] += s.num_new_tokens
+    names = sorted(groups, key=lambda name: (name is not None, name or ""))
+    ordered = [s for name in names for s in groups[name][0]]
+    runs = [(name, groups[name][1][part]) for part in (0, 1) for name in names
+            if groups[name][1][part]]
+    return ordered, runs
 
 
 def _int8_screen_weight(lm_head: torch.nn.Module) -> QuantWeight | None:
