@@ -22,7 +22,7 @@ from engine.core.parallel_sampling import ParentRequest
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stop_strings import match_stop_string
-from engine.core.structured_output import StructuredOutputManager, accept_token
+from engine.core.structured_output import StructuredOutputManager, accept_tokens
 from engine.core.window_kv import WindowBlocks
 from engine.errors import LoRAError, NotAnEmbeddingModel
 from engine.outputs import (
@@ -370,12 +370,11 @@ class LLMEngine:
         self.num_prompt_tokens += scheduler_output.num_batched_tokens - num_sampled
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generated_tokens += len(updated)
+        # The grammar's stop tokens are the EOS ids, and structured requests neither ignore EOS
+        # nor ban it (min_tokens): a completed grammar has already finished the request through
+        # the scheduler's EOS check.
+        accept_tokens([r for r in updated if r.grammar is not None])
         for request in updated:
-            if request.grammar is not None:
-                # The grammar's stop tokens are the EOS ids, and structured requests neither
-                # ignore EOS nor ban it (min_tokens): a completed grammar has already finished
-                # the request through the scheduler's EOS check.
-                accept_token(request, request.token_ids[-1])
             if request.sampling_params.stop and not request.is_finished:
                 stop = match_stop_string(request, self.decode)
                 if stop is not None:

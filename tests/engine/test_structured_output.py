@@ -277,6 +277,42 @@ def test_batched_mask_matches_each_matcher_exactly(llm):
         assert all(v != float("-inf") for _, v in lp.top)
 
 
+def test_accept_tokens_advances_each_matcher_and_names_a_rejected_token(llm):
+    """The step's sampled tokens go to their matchers in one batched call: each advances as
+    its own ``accept_token`` would, and a token a grammar rejects (an engine bug: the mask
+    allowed only accepted ones) is an error naming the request and the token."""
+    from engine.core.structured_output import accept_tokens
+
+    engine = llm.engine
+    compiled = engine.structured_output.compile(
+        StructuredOutputParams(grammar='root ::= "ab" [0-9]+'))
+    vocab = engine.model_runner.vocab_size
+    allowed = [t for t in range(vocab) if xgr.GrammarMatcher(compiled).accept_token(t)]
+    rejected = next(t for t in range(vocab) if t not in allowed)
+
+    def request(i: int, token: int) -> Request:
+        r = Request(f"r{i}", [1, 2, 3, token], SamplingParams(temperature=0), 10,
+                    engine.eos_token_ids, RequestMetrics(0.0))
+        r.grammar = xgr.GrammarMatcher(compiled)
+        return r
+
+    rows = [request(0, allowed[0]), request(1, allowed[-1])]
+    accept_tokens(rows)
+    for r in rows:  # each where its own matcher is after accepting the token alone
+        twin = xgr.GrammarMatcher(compiled)
+        assert twin.accept_token(r.token_ids[-1])
+        masks = xgr.allocate_token_bitmask(2, vocab)
+        r.grammar.fill_next_token_bitmask(masks, 0)
+        twin.fill_next_token_bitmask(masks, 1)
+        assert torch.equal(masks[0], masks[1])
+        fresh = xgr.allocate_token_bitmask(1, vocab)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(fresh, 0)
+        assert not torch.equal(masks[0], fresh[0])  # it did move
+    with pytest.raises(RuntimeError, match=f"request r7: token {rejected} was sampled but its "
+                                           "grammar rejects it"):
+        accept_tokens([request(6, allowed[0]), request(7, rejected)])
+
+
 # ---- logit_bias -------------------------------------------------------------------------------
 
 
