@@ -12,13 +12,16 @@
 4. Tensor parallel, on a machine with two or more GPUs (``bench/tp.py``): TP=2's greedy tokens
    equal TP=1's in fp32 (a small Llama), and the ~0.6B Llama's decode step at TP=1 and TP=2 in
    bf16 with the all-reduces' share of it. Skipped, with a row saying so, on one GPU.
+3b. Device busy (issue 46): the share of a decode-heavy run's wall time the GPU spends in
+   kernels (the union of their intervals in a torch profile), 256 requests of 32 prompt and 128
+   output tokens on the same model, async scheduling on (the default on CUDA); target >= 90%.
 5. Quantized linears (issue 48): AWQ-style int4 and FP8 (per channel through
    ``torch._scaled_mm``, 128x128 blocks through Triton) against bf16 on Llama-3-8B's linear
    shapes, decode and prefill rows; target at decode rows: faster than bf16.
 
 Prints a summary table and writes it to ``$OUT/gpu_report.txt`` when ``OUT`` is set. Usage:
 ``bash bench/gpu_check.sh [--skip-tests] [--skip-lora] [--skip-kernels] [--skip-e2e]
-[--skip-tp] [--skip-quantized] [--num-requests N]``.
+[--skip-busy] [--skip-tp] [--skip-quantized] [--num-requests N]``.
 """
 
 from __future__ import annotations
@@ -58,6 +61,8 @@ KERNEL_TESTS = [
     # async scheduling's steps on the GPU path (CUDA graphs replayed on the step thread) give
     # the synchronous engine's tokens
     "tests/engine/test_async_scheduling.py",
+    # the sampler on CUDA logits: the CPU's tokens, and one crossing a step (issue 46)
+    "tests/engine/test_sampler_on_device.py",
 ]
 
 
@@ -377,6 +382,61 @@ def bench_e2e(num_requests: int, hf_timeout_s: float, deadline: float) -> list[R
     return rows
 
 
+def busy_share(intervals: list[tuple[float, float]]) -> float:
+    """The share of the span from the first interval's start to the last one's end that the
+    union of ``intervals`` (start, end) covers: 1.0 when the device never idles."""
+    if not intervals:
+        return 0.0
+    ordered = sorted(intervals)
+    covered = 0.0
+    start, end = ordered[0]
+    first = start
+    last = max(e for _, e in ordered)
+    for s, e in ordered[1:]:
+        if s > end:
+            covered += end - start
+            start, end = s, e
+        else:
+            end = max(end, e)
+    covered += end - start
+    return covered / (last - first) if last > first else 1.0
+
+
+def bench_busy(num_requests: int = 256) -> list[Row]:
+    """Issue 46's device-busy share: a decode-heavy run under the torch profiler, the GPU's
+    kernel intervals' union over the run's span."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "llama-random"
+        build_model(folder)
+        llm = LLM(model=str(folder), dtype="bfloat16", device="cuda", max_num_seqs=256,
+                  attention_backend="triton")
+        rng = random.Random(1)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(32)] for _ in range(num_requests)]
+        params = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+        llm.generate(prompts[:16], params)  # warm up: kernel compiles, graphs
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+        kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        del llm, outputs
+        gc.collect()
+        torch.cuda.empty_cache()
+    share = busy_share(kernels)
+    return [Row("busy", "decode-heavy run", f"{tokens / seconds:,.0f} tok/s ({num_requests} "
+                f"reqs x 128 tok, profiled), {len(kernels)} kernels"),
+            Row("busy", "device busy", f"{share:.1%} of the kernels' span", ">= 90%",
+                share >= 0.9)]
+
+
 # The default model's shapes (SmolLM2-135M): what issue 27's bench.lora runs on.
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                      num_attention_heads=9, num_key_value_heads=3, head_dim=64)
@@ -550,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--skip-tests", action="store_true")
     parser.add_argument("--skip-kernels", action="store_true")
     parser.add_argument("--skip-e2e", action="store_true")
+    parser.add_argument("--skip-busy", action="store_true")
     parser.add_argument("--skip-tp", action="store_true")
     parser.add_argument("--skip-lora", action="store_true")
     parser.add_argument("--skip-quantized", action="store_true")
@@ -577,6 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         ("prefill", args.skip_kernels, bench_prefill),
         ("e2e", args.skip_e2e, lambda: bench_e2e(
             args.num_requests, args.hf_timeout, started + args.budget - 45.0)),
+        ("busy", args.skip_busy, bench_busy),
         ("tp", args.skip_tp, bench_tp),
         ("quantized", args.skip_quantized, bench_quantized),
     ]

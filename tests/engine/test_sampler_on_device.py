@@ -108,3 +108,33 @@ def test_a_steps_tokens_are_one_tensor_in_request_order():
     tokens, token_ids, logprobs = sample_tokens(head, None, Sampler(vocab, 0),  # type: ignore[arg-type]
                                                 hidden[[0, 2]], [reqs[0], reqs[2]])
     assert tokens.tolist() == token_ids == [argmax[0], argmax[2]] and logprobs == {}
+
+
+CUDA_ROWS = [p for rows in NO_WAIT.values() for p in rows] + [
+    {"temperature": 1.0, "top_k": 5, "seed": 11}, {"temperature": 0.7, "top_p": 0.9, "seed": 12},
+    {"temperature": 1.0, "top_k": 40, "top_p": 0.8, "logprobs": 2, "seed": 13}]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu_check.py "
+                    "runs this file there)")
+def test_on_cuda_the_tokens_are_the_cpus_and_stay_on_the_gpu():
+    """Every kind of row, seeded: the tokens the sampler draws from CUDA logits are those it
+    draws from the same logits on the CPU (one uniform a row from the same generators), left on
+    the GPU until the one crossing; the logprobs agree to fp32 rounding."""
+    vocab = 1000
+    logits = 4 * torch.randn(len(CUDA_ROWS), vocab, generator=torch.Generator().manual_seed(5))
+
+    def run(device: str) -> Any:
+        reqs = [request(i, **{"seed": 100 + i, **params}) for i, params in enumerate(CUDA_ROWS)]
+        return Sampler(vocab, seed=0).sample(logits.to(device), reqs)
+
+    on_gpu, on_cpu = run("cuda"), run("cpu")
+    assert on_gpu.token_ids.device.type == "cuda"
+    gpu_ids, gpu_logprobs = on_gpu.cross()
+    cpu_ids, cpu_logprobs = on_cpu.cross()
+    assert gpu_ids == cpu_ids
+    for g, c in zip(gpu_logprobs, cpu_logprobs, strict=True):
+        assert (g is None) == (c is None)
+        if g is not None and c is not None:
+            assert g.logprob == pytest.approx(c.logprob, abs=1e-4)
+            assert [t for t, _ in g.top] == [t for t, _ in c.top]
