@@ -636,9 +636,9 @@ def main(argv: list[str] | None = None) -> int:
         ("lora", args.skip_lora, bench_lora),
         ("decode", args.skip_kernels, bench_decode),
         ("prefill", args.skip_kernels, bench_prefill),
+        ("busy", args.skip_busy, bench_busy),  # before e2e, whose transformers run is cut to fit
         ("e2e", args.skip_e2e, lambda: bench_e2e(
             args.num_requests, args.hf_timeout, started + args.budget - 45.0)),
-        ("busy", args.skip_busy, bench_busy),
         ("tp", args.skip_tp, bench_tp),
         ("quantized", args.skip_quantized, bench_quantized),
     ]
