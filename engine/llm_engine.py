@@ -370,16 +370,19 @@ class LLMEngine:
         self.num_prompt_tokens += scheduler_output.num_batched_tokens - num_sampled
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generated_tokens += len(updated)
-        # The grammar's stop tokens are the EOS ids, and structured requests neither ignore EOS
-        # nor ban it (min_tokens): a completed grammar has already finished the request through
-        # the scheduler's EOS check.
-        accept_tokens([r for r in updated if r.grammar is not None])
+        constrained = []
         for request in updated:
+            if request.grammar is not None:
+                constrained.append(request)
             if request.sampling_params.stop and not request.is_finished:
                 stop = match_stop_string(request, self.decode)
                 if stop is not None:
                     self.scheduler.finish_stopped(request, stop)
                     finished.append(request)
+        # The grammar's stop tokens are the EOS ids, and structured requests neither ignore EOS
+        # nor ban it (min_tokens): a completed grammar has already finished the request through
+        # the scheduler's EOS check.
+        accept_tokens(constrained)
         outputs = []
         for request in finished:
             parent = self._parents.get(self._child_to_parent[request.request_id])

@@ -870,6 +870,7 @@ struct PanelF32 {
   static constexpr int kAlign = 32;
   static constexpr int kPanelElems = kPanelDepth * 16;
   static constexpr int kMicroRows = 6;
+  static constexpr bool kFillsPairs = false;  // fill_pair (both tiles at once): none
   static int64_t block_rows(int64_t depth) { return panel_rows(depth); }
   template <class F>
   static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
@@ -879,8 +880,6 @@ struct PanelF32 {
     };
     F::dequant(tile, sink);
   }
-  template <class F>
-  static bool fill_pair(const uint8_t*, const uint8_t*, Elem*, int) { return false; }
   static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
                     int depth, float* c) {
     micro_rows(rows, p.x + m * p.depth + k0, p.depth, panel, depth, c);
@@ -888,14 +887,19 @@ struct PanelF32 {
 };
 
 // P::fill's panel of tiles t0 and t0 + 1 (t0 alone when !two): `count` blocks of depth from
-// block b0, both tiles of a block at once where P and F can (P::fill_pair).
+// block b0, both tiles of a block at once where P can (P::kFillsPairs: P::fill_pair).
 template <class F, class P>
 inline void fill_panel(const Problem& p, int64_t t0, bool two, int64_t b0, int count,
                        typename P::Elem* panel) {
   for (int blk = 0; blk < count; ++blk) {
     const uint8_t* tile = p.tiles + (t0 * p.blocks + b0 + blk) * F::kTileBytes;
     const uint8_t* next = tile + p.blocks * F::kTileBytes;  // tile t0 + 1's block
-    if (two && P::template fill_pair<F>(tile, next, panel, blk)) continue;
+    if constexpr (P::kFillsPairs) {
+      if (two) {
+        P::template fill_pair<F>(tile, next, panel, blk);
+        continue;
+      }
+    }
     for (int half_index = 0; half_index < (two ? 2 : 1); ++half_index) {
       P::template fill<F>(half_index == 0 ? tile : next, panel, blk, half_index);
     }
@@ -1032,6 +1036,7 @@ struct PanelBf16 {
   static constexpr int kAlign = 64;
   static constexpr int kPanelElems = kPanelDepth * 16;
   static constexpr int kMicroRows = kMicroRowsBf16;
+  static constexpr bool kFillsPairs = true;
   static int64_t block_rows(int64_t depth) { return 2 * panel_rows(depth); }  // half x's bytes
   template <class F>
   static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
@@ -1048,11 +1053,9 @@ struct PanelBf16 {
     };
     F::dequant(tile, sink);
   }
-  // Both tiles of a pair at once (whether it did: always, here).
-  template <class F>
-  static bool fill_pair(const uint8_t* t0, const uint8_t* t1, Elem* panel, int blk) {
+  template <class F>  // both tiles of a pair at once
+  static void fill_pair(const uint8_t* t0, const uint8_t* t1, Elem* panel, int blk) {
     fill_pair_bf16<F>(t0, t1, panel, blk);
-    return true;
   }
   static void micro(const Problem& p, int64_t m, int64_t k0, int rows, const Elem* panel,
                     int depth, float* c) {
@@ -1252,14 +1255,13 @@ struct PanelQ8 {
   static constexpr int kValueBytes = kPanelDepth * 16;
   static constexpr int kPanelElems = kValueBytes + (kPanelDepth / 32) * 16 * sizeof(float);
   static constexpr int kMicroRows = kMicroRowsQ8;
+  static constexpr bool kFillsPairs = false;
   // x is a quarter of the fp32 panel's bytes a row, so 4x its rows stay in L2
   static int64_t block_rows(int64_t depth) { return 4 * panel_rows(depth); }
   template <class F>
   static void fill(const uint8_t* tile, Elem* panel, int blk, int half_index) {
     fill_values<F>(tile, panel, blk, half_index, _mm256_set1_epi8(static_cast<char>(0x80)));
   }
-  template <class F>
-  static bool fill_pair(const uint8_t*, const uint8_t*, Elem*, int) { return false; }
   // fill with the values xor `flip` (0x80: vpdpbusd's unsigned operand; 0: AMX's tdpbssd)
   template <class F>
   static void fill_values(const uint8_t* tile, Elem* panel, int blk, int half_index,
