@@ -4,7 +4,7 @@
 
 For each batch size and vocabulary, one ``Sampler`` call on fp32 logits for every setting below,
 each once with unseeded requests (the sampler's own generator) and once with a seed per request
-(one ``torch.Generator`` each): ``top_k=50``, ``top_p=0.9``, both, temperature only
+(a stream each: ``sampler.seeded_uniforms``): ``top_k=50``, ``top_p=0.9``, both, temperature only
 (``temperature=0.8`` throughout). Printed: the median milliseconds per call over ``--repeats``.
 
 The logits are Zipf-like, shuffled: row r ranks its tokens with ``-a_r * log(rank)`` plus noise,
@@ -49,9 +49,8 @@ def make_requests(num_rows: int, params: dict[str, Any], seeded: bool) -> list[R
     requests = []
     for i in range(num_rows):
         sampling = SamplingParams(temperature=0.8, seed=i if seeded else None, **params)
-        generator = torch.Generator().manual_seed(i) if seeded else None
         requests.append(Request(f"r{i}", [1, 2, 3], sampling, 16, (), RequestMetrics(0.0),
-                                generator=generator))
+                                seed=sampling.seed))
     return requests
 
 

@@ -13,7 +13,9 @@ running and times ``--steps`` steps after a warm-up:
 * ``mixed``: the same, while requests of ``--mixed-max-tokens`` tokens finish and new ones with
   prompts of 200 tokens take their seats, prefilled in chunks within the step's token budget.
 
-Each in ``greedy`` and ``sampled`` (temperature 0.8, top-p 0.9, top-k 50, seeded) form;
+Each in ``greedy`` and ``sampled`` (temperature 0.8, top-p 0.9, top-k 50, seeded) form, or
+``penalized`` (``--sampling penalized``: sampled, with repetition, presence and frequency
+penalties; ``--prompt-len`` sets how much context a decode sequence carries);
 ``--structured`` makes a quarter of the rows JSON-constrained (``json_object``), ``--lora`` half
 of them run one of two rank-8 adapters. Phases, in microseconds a step:
 
@@ -162,19 +164,22 @@ def instrument(engine: Any) -> PhaseClock:
 class Case:
     seqs: int
     mode: str  # decode | mixed
-    sampling: str  # greedy | sampled
+    sampling: str  # greedy | sampled | penalized
     structured: bool
     lora: bool
+    prompt_len: int = PROMPT_LEN  # a decode-mode sequence's prompt
 
 
 def params_for(case: Case, index: int, max_tokens: int) -> Any:
     from engine.sampling_params import SamplingParams, StructuredOutputParams
 
     kwargs: dict[str, Any] = dict(max_tokens=max_tokens, ignore_eos=True)
-    if case.sampling == "sampled":
-        kwargs.update(temperature=0.8, top_p=0.9, top_k=50, seed=index)
-    else:
+    if case.sampling == "greedy":
         kwargs.update(temperature=0.0)
+    else:
+        kwargs.update(temperature=0.8, top_p=0.9, top_k=50, seed=index)
+    if case.sampling == "penalized":
+        kwargs.update(repetition_penalty=1.1, presence_penalty=0.3, frequency_penalty=0.2)
     if case.structured and index % 4 == 0:
         kwargs.update(structured_output=StructuredOutputParams(json_object=True),
                       ignore_eos=False)
@@ -273,10 +278,12 @@ def start_case(model: Path, adapters: list[str], case: Case, steps: int, threads
     from engine import EngineConfig, LLMEngine
 
     budget = case.seqs + (512 if case.mode == "mixed" else 0)
+    long = steps + 64  # decode-mode sequences outlive the timed steps
+    context = max(case.prompt_len + long, MIXED_PROMPT_LEN + mixed_max_tokens)
     config = EngineConfig(
         model=str(model), dtype="float32", device="cpu", num_threads=threads,
         max_num_seqs=case.seqs, max_num_batched_tokens=max(budget, 2048),
-        num_kv_blocks=case.seqs * 24 + 64, max_model_len=1024,
+        num_kv_blocks=case.seqs * max(context // 16 + 2, 24) + 64, max_model_len=max(context, 1024),
         lora_modules=tuple(adapters) if case.lora else (), max_lora_rank=8,
         async_scheduling=async_scheduling)
     engine = LLMEngine(config)
@@ -292,9 +299,8 @@ def start_case(model: Path, adapters: list[str], case: Case, steps: int, threads
                            lora_name=lora)
         counter += 1
 
-    long = steps + 64  # decode-mode sequences outlive the timed steps
     for _ in range(case.seqs):
-        add(PROMPT_LEN, long if case.mode == "decode" else mixed_max_tokens)
+        add(case.prompt_len, long if case.mode == "decode" else mixed_max_tokens)
     while engine.scheduler.waiting or any(
             r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running):
         engine.step()
@@ -312,13 +318,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--mixed-max-tokens", type=int, default=24)
+    parser.add_argument("--prompt-len", type=int, default=PROMPT_LEN,
+                        help="a decode-mode sequence's prompt tokens")
     parser.add_argument("--async", dest="overlap", action="store_true",
                         help="each case synchronous and with async scheduling (step, device, "
                              "wait, host)")
     parser.add_argument("--json", type=Path, help="write the figures here too")
     args = parser.parse_args(argv)
 
-    cases = [Case(int(n), mode, sampling, False, False)
+    cases = [Case(int(n), mode, sampling, False, False, args.prompt_len)
              for n in args.seqs.split(",") for mode in args.modes.split(",")
              for sampling in args.sampling.split(",")]
     if args.structured:
@@ -345,14 +353,14 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         columns = ("step", "host", "us_per_seq", "schedule", "prepare", "forward", "sample",
                    "update", "rest")
-        print(f"{'seqs':>5} {'mode':<7} {'sampling':<8} {'extra':<10} "
+        print(f"{'seqs':>5} {'mode':<7} {'sampling':<9} {'extra':<10} "
               + " ".join(f"{c:>10}" for c in columns))
         results = []
         for case in cases:
             figures = run_case(model, adapters, case, args.steps, args.threads,
                                args.mixed_max_tokens)
             extra = "structured" if case.structured else "lora" if case.lora else ""
-            print(f"{case.seqs:>5} {case.mode:<7} {case.sampling:<8} {extra:<10} "
+            print(f"{case.seqs:>5} {case.mode:<7} {case.sampling:<9} {extra:<10} "
                   + " ".join(f"{figures[c]:>10.1f}" for c in columns), flush=True)
             results.append({"case": case.__dict__, **figures})
     print("(microseconds a step; host = step - forward; us_per_seq = host / seqs)")
@@ -364,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
 def overlap_table(model: Path, adapters: list[str], cases: list[Case],
                   args: argparse.Namespace) -> list[dict[str, Any]]:
     columns = ("step", "host", "device", "wait")
-    print(f"{'seqs':>5} {'mode':<7} {'sampling':<8} {'extra':<10} {'async':<5} "
+    print(f"{'seqs':>5} {'mode':<7} {'sampling':<9} {'extra':<10} {'async':<5} "
           + " ".join(f"{c:>10}" for c in columns))
     results = []
     for case in cases:
@@ -372,7 +380,7 @@ def overlap_table(model: Path, adapters: list[str], cases: list[Case],
         for overlap in (False, True):
             figures = run_overlap_case(model, adapters, case, args.steps, args.threads,
                                        args.mixed_max_tokens, overlap)
-            print(f"{case.seqs:>5} {case.mode:<7} {case.sampling:<8} {extra:<10} "
+            print(f"{case.seqs:>5} {case.mode:<7} {case.sampling:<9} {extra:<10} "
                   f"{'on' if overlap else 'off':<5} "
                   + " ".join(f"{figures[c]:>10.1f}" for c in columns), flush=True)
             results.append({"case": case.__dict__, "async": overlap, **figures})

@@ -13,8 +13,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from engine.core.request import Request
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -42,9 +40,6 @@ class ParentRequest:
         parent = cls(request_id, prompt, prompt_token_ids,
                      RequestMetrics(arrival_time=arrival_time, num_prompt_tokens=num_prompt))
         for index in range(params.n):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator().manual_seed(params.seed + index)
             parent.children.append(Request(
                 request_id=request_id if params.n == 1 else f"{request_id}#{index}",
                 prompt_token_ids=prompt_token_ids,
@@ -57,7 +52,7 @@ class ParentRequest:
                 priority=priority,
                 rank=rank,
                 lora_name=lora_name,
-                generator=generator,
+                seed=None if params.seed is None else params.seed + index,
                 grammar=None if grammars is None else grammars[index],
             ))
         return parent

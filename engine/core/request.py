@@ -68,7 +68,10 @@ class Request:
     # arrival). Only priority preempts and caps: rank orders requests of one priority.
     priority: int = 0
     rank: int = 0
-    generator: torch.Generator | None = None
+    # A seeded request's own stream of uniforms: ``seed`` and the draws taken so far (the
+    # sampler's ``seeded_uniforms``), so its tokens never depend on the rest of the batch.
+    seed: int | None = None
+    num_draws: int = field(default=0, init=False)
     # The structured-output matcher: advanced once per sampled token, never on recompute.
     grammar: xgr.GrammarMatcher | None = None
     # The LoRA adapter it runs under (None: the base model); keys its prefix-cache blocks.

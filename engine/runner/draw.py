@@ -8,8 +8,9 @@ probability. A row whose kept set may reach past its candidates tries wider ones
 
 The draw is by inverse CDF: one uniform per row, over the kept tokens in token-id order (a
 row's outcome does not depend on how many candidates it was cut from), or over the whole
-vocabulary for a row without top-k or top-p. A request with a seed takes its uniform from its own
-generator, one per token, so its output never depends on what else is in the batch.
+vocabulary for a row without top-k or top-p. A request with a seed takes its uniform from its
+own stream (``sampler.seeded_uniforms``), one per token, so its output never depends on what
+else is in the batch.
 
 Everything runs where the logits are. The whole-vocabulary draw never waits for the device; the
 truncated one does once per candidate width it tries (``draw_truncated``).
@@ -106,11 +107,13 @@ def draw_truncated(
     without_k = [i for i, k in enumerate(top_ks) if k is None]
     if without_k:
         index = on_device(without_k, torch.int64, device)
-        scaled = logits.index_select(0, index) / temperatures.index_select(0, index)
+        scaled = take_rows(logits, without_k) / temperatures.index_select(0, index)
         weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
         totals.index_copy_(0, index, weights.sum(dim=-1).double())
 
-    starts = [_width(TOP_P_WIDTH if k is None else max(k, MIN_WIDTH), vocab) for k in top_ks]
+    start_of = {k: _width(TOP_P_WIDTH if k is None else max(k, MIN_WIDTH), vocab)
+                for k in set(top_ks)}  # a batch holds a few distinct top_k
+    starts = [start_of[k] for k in top_ks]
     widths = sorted({*starts, _width(RETRY_WIDTH, vocab), vocab})
     pending = set(range(num_rows))
     for width in widths:
@@ -118,7 +121,7 @@ def draw_truncated(
         if not rows:
             continue
         index = on_device(rows, torch.int64, device)
-        values, ids = _candidates(logits.index_select(0, index), width)
+        values, ids = _candidates(take_rows(logits, rows), width)
         values = values / temperatures.index_select(0, index)
         weights, num_kept, fits = _truncate(
             values, ks[index], has_k[index], top_ps[index], totals[index], min_ps[index],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -14,15 +15,15 @@ import engine.runner.draw as draw_module
 from engine import SamplingParams
 from engine.core.request import Request
 from engine.outputs import RequestMetrics
-from engine.runner.sampler import Sampler, row_argmax
+from engine.runner.sampler import Sampler, row_argmax, seeded_uniforms
 
 NUM_DRAWS = 20_000
 
 
-def request(generator: torch.Generator | None = None, prompt: list[int] | None = None,
+def request(seed: int | None = None, prompt: list[int] | None = None,
             output: list[int] | None = None, **params: Any) -> Request:
     req = Request("r", prompt or [1], SamplingParams(**params), 10, (), RequestMetrics(0.0),
-                  generator=generator)
+                  seed=seed)
     for t in output or []:
         req.append_token(t)
     return req
@@ -208,7 +209,7 @@ def test_a_seeded_row_does_not_depend_on_the_batch(params):
     others = torch.randn(6, vocab, generator=g) * 3
 
     def seeded() -> Request:
-        return request(torch.Generator().manual_seed(2024), **params)
+        return request(2024, **params)
 
     alone = seeded_tokens([(mine, seeded())], at=0)
     assert len(set(alone)) > 1
@@ -217,7 +218,7 @@ def test_a_seeded_row_does_not_depend_on_the_batch(params):
         request(temperature=0.7, logprobs=2),
         request(temperature=1.0, top_k=1500),  # a sort
         request(temperature=1.0, top_p=0.999),  # falls back
-        request(torch.Generator().manual_seed(7), **params),
+        request(7, **params),
         request(temperature=1.0, top_k=3, repetition_penalty=1.3, output=[5, 6]),
     ]
     for at in (0, 3, 6):
@@ -225,7 +226,7 @@ def test_a_seeded_row_does_not_depend_on_the_batch(params):
         rows.insert(at, (mine, seeded()))
         assert seeded_tokens(rows, at) == alone
     # Another seed draws something else.
-    other = seeded_tokens([(mine, request(torch.Generator().manual_seed(9), **params))], at=0)
+    other = seeded_tokens([(mine, request(9, **params))], at=0)
     assert other != alone
 
 
@@ -247,7 +248,7 @@ def test_the_draw_does_not_depend_on_the_candidate_width(monkeypatch, logits, pa
     logits = logits[None].expand(200, 2048)
 
     def tokens() -> list[int]:
-        reqs = [request(torch.Generator().manual_seed(i), **params) for i in range(200)]
+        reqs = [request(i, **params) for i in range(200)]
         return Sampler(2048, seed=0)(logits, reqs)[0]
 
     narrow = tokens()
@@ -268,7 +269,7 @@ def test_mixed_batch_greedy_sampled_and_logprobs():
         request(temperature=0, logprobs=3),
         request(temperature=1.0, top_k=10, logprobs=0),
         request(temperature=0),
-        request(torch.Generator().manual_seed(1), temperature=0.8, top_p=0.9, logprobs=400),
+        request(1, temperature=0.8, top_p=0.9, logprobs=400),
         request(temperature=1.0, logprobs=5),
     ]
     ids, logprobs = Sampler(vocab, 0)(logits.clone(), reqs)
@@ -340,3 +341,45 @@ def test_row_argmax_is_torchs_on_ties_nans_infinities_and_strided_rows():
             assert torch.equal(row_argmax(rows), rows.argmax(-1))
     bf16 = torch.randn(8, 50).bfloat16()
     assert torch.equal(row_argmax(bf16), bf16.argmax(-1))
+
+
+def test_seeded_uniforms_are_splitmix64_streams_uniform_and_independent():
+    # SplitMix64's reference: seeded with mix(seed + golden), output k is mix(state + k*golden)
+    # (its first outputs from seed 0, by the published C code, start 0xE220A8397B1DCDAF).
+    def mix(z: int) -> int:
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+        return z ^ (z >> 31)
+
+    golden = 0x9E3779B97F4A7C15
+    assert mix(golden) == 0xE220A8397B1DCDAF
+    for seed in (0, 1, 2**63 + 5):
+        state = mix((seed + golden) & (2**64 - 1))
+        expected = [(mix((state + (k + 1) * golden) & (2**64 - 1)) >> 11) * 2.0**-53
+                    for k in range(4)]
+        got = seeded_uniforms(np.full(4, seed, dtype=np.uint64), np.arange(4, dtype=np.uint64))
+        assert got.tolist() == expected
+    # 1,000 seeds x 200 draws: uniform on [0, 1) (a 20-bin chi-square far under its 0.1%
+    # point, 43.8), and neighbouring seeds' streams uncorrelated.
+    seeds = np.repeat(np.arange(1000, dtype=np.uint64), 200)
+    draws = seeded_uniforms(seeds, np.tile(np.arange(200, dtype=np.uint64), 1000))
+    assert draws.min() >= 0.0 and draws.max() < 1.0
+    counts = np.histogram(draws, bins=20, range=(0.0, 1.0))[0]
+    expected_count = draws.size / 20
+    assert ((counts - expected_count) ** 2 / expected_count).sum() < 43.8
+    streams = draws.reshape(1000, 200)
+    assert abs(np.corrcoef(streams[:-1].ravel(), streams[1:].ravel())[0, 1]) < 0.01
+
+
+def test_a_seeded_request_takes_the_next_draw_of_its_stream_each_token():
+    sampler = Sampler(vocab_size=8, seed=0)
+    reqs = [request(41, temperature=1.0), request(temperature=1.0), request(42, temperature=1.0)]
+    for step in range(3):
+        uniforms = sampler._uniforms(reqs)
+        assert uniforms[[0, 2]].tolist() == seeded_uniforms(
+            np.array([41, 42], dtype=np.uint64), np.array([step, step], dtype=np.uint64)).tolist()
+    assert [r.num_draws for r in reqs] == [3, 0, 3]
+    # A negative seed is its low 64 bits.
+    negative = request(-1, temperature=1.0)
+    assert sampler._uniforms([negative]).tolist() == seeded_uniforms(
+        np.array([2**64 - 1], dtype=np.uint64), np.zeros(1, dtype=np.uint64)).tolist()

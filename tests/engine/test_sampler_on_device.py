@@ -22,8 +22,7 @@ META = torch.device("meta")
 def request(i: int, seed: int | None = None, output: tuple[int, ...] = (),
             min_tokens: int = 0, **params: Any) -> Request:
     req = Request(f"r{i}", [1, 2, 3], SamplingParams(min_tokens=min_tokens, **params), 10, (7,),
-                  RequestMetrics(0.0),
-                  generator=None if seed is None else torch.Generator().manual_seed(seed))
+                  RequestMetrics(0.0), seed=seed)
     for t in output:
         req.append_token(t)
     return req
@@ -100,8 +99,8 @@ def test_a_steps_tokens_are_one_tensor_in_request_order():
     assert logprobs["r3"].top[0][0] == token_ids[3]
     # The full rows' tokens are the sampler's on those rows alone (the seeded draws repeat).
     full = [reqs[i] for i in (1, 3, 4, 5)]
-    for r, seed in ((reqs[1], 1), (reqs[4], 2)):
-        r.generator = torch.Generator().manual_seed(seed)
+    for r in (reqs[1], reqs[4]):
+        r.num_draws = 0
     alone, _ = Sampler(vocab, 0)(hidden[[1, 3, 4, 5]] @ head.weight.T, full)
     assert alone == [token_ids[i] for i in (1, 3, 4, 5)]
     # Every row plain greedy: the argmax's tensor itself.
