@@ -146,11 +146,12 @@ class Request:
 
     @property
     def needs_host_each_token(self) -> bool:
-        """Sampling needs the host's state of every token (a grammar, penalties, min_tokens):
-        its steps run synchronously (async scheduling)."""
+        """Sampling needs the host's state of every token (a grammar, min_tokens): its steps
+        run synchronously (async scheduling). Penalties do not: their counts advance on the
+        device (``engine/runner/penalties.py``)."""
         params = self.sampling_params
         return (self.grammar is not None or params.structured_output is not None
-                or params.min_tokens > 0 or params.penalized)
+                or params.min_tokens > 0)
 
     @property
     def num_sampled_tokens(self) -> int:

@@ -3,36 +3,31 @@
 Repetition, presence and frequency penalties need, per request and token, whether the token is
 in the prompt and how often it is in the output. Recounting both each step costs the host a pass
 over every penalized request's whole context (a list of ids built and copied: ~25 ms a step for
-1,024 requests of 560 tokens). Here each request holds a row of two tensors instead, counted in
-full once, when it first samples, then advanced by the tokens it sampled since: one scatter a step
-for the batch.
+1,024 requests of 560 tokens), and needs the output on the host, so a penalized request used to
+make async scheduling's steps synchronous. Here each request holds a row of two tensors on the
+logits' device instead: counted once when it first samples (its prompt; an output it has then:
+none, in an engine), then advanced by the sampler itself with the token each step samples for it,
+a scatter from the sampled-token tensor that never reads the host (``advance``).
 
-A penalized request runs its steps synchronously (``Request.needs_host_each_token``), so its
-output on the host is complete when it samples. The rows of finished requests are taken back
-when a new request finds none free, and the rows grow by doubling: never past twice the
-penalized requests alive at once (a row costs 5 bytes a vocabulary entry, ~250 KB for a
-49,152-token vocabulary).
+That equals a recount because every token a step samples for an unfinished request becomes its
+next output token (a preempted request keeps the token of a step in flight and recomputes it;
+``Scheduler.update_from_output``), and a finished request's row is never read again. Rows are
+keyed by the request object, not its id (an id is reused after a finish). The rows of finished
+requests are taken back when a step's new requests find none free, never one of that step's, and
+the rows grow by doubling: never past twice the penalized requests alive at once (a row costs 5
+bytes a vocabulary entry, ~250 KB for a 49,152-token vocabulary).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import torch
 
-from engine.core.request import Request
+from engine.core.request import PLACEHOLDER_TOKEN_ID, Request
 from engine.runner.draw import on_device
 
 INITIAL_ROWS = 8
-
-
-@dataclass
-class _Row:
-    index: int
-    # Held (until the row is released), so the id keying the row is never another request's.
-    request: Request
-    num_counted: int  # output tokens counted in the row
 
 
 class PenaltyCounts:
@@ -43,7 +38,8 @@ class PenaltyCounts:
         self.vocab_size = vocab_size
         self.output_counts: torch.Tensor | None = None  # [rows, vocab] float32
         self.in_prompt: torch.Tensor | None = None  # [rows, vocab] bool
-        self._rows: dict[int, _Row] = {}  # id(request) -> its row
+        # id(request) -> (its row, the request: held, so the id is never another's meanwhile)
+        self._rows: dict[int, tuple[int, Request]] = {}
         self._free: list[int] = []
 
     @property
@@ -51,51 +47,37 @@ class PenaltyCounts:
         return len(self._rows)
 
     def gather(self, requests: list[Request], vocab_size: int, device: torch.device
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([len(requests), vocab_size] float32 output counts, the same in bool: in the prompt
-        or the output), each request's row first brought up to its output so far."""
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the requests' rows: [len(requests)] int64 on ``device``, their output counts
+        [len(requests), vocab_size] float32, and the same in bool: in the prompt or the
+        output). A request seen for the first time gets a row, counted from its tokens."""
         if self.output_counts is None or (self.output_counts.device, self.vocab_size) != (
                 device, vocab_size):
             self._reset(vocab_size)  # the first call, or logits of another width or device
-        rows: list[int] = []
-        fresh: list[tuple[int, Request]] = []
-        add_rows: list[int] = []
-        add_ids: list[int] = []
-        for request in requests:
-            entry = self._rows.get(id(request))
-            num_output = request.num_output_tokens
-            if entry is None:
-                entry = self._allocate(request, device)
-                fresh.append((entry.index, request))
-            elif entry.num_counted < num_output:  # the tokens sampled since (one, mostly)
-                new = request.token_ids[request.num_prompt_tokens + entry.num_counted:]
-                add_rows.extend([entry.index] * len(new))
-                add_ids.extend(new)
-            elif entry.num_counted > num_output:  # never, as outputs only grow: recount
-                fresh.append((entry.index, request))
-            entry.num_counted = num_output
-            rows.append(entry.index)
+        new = [r for r in requests if id(r) not in self._rows]
+        if len(new) > len(self._free):
+            self._release_finished(keep={id(r) for r in requests})
+        for request in new:
+            if not self._free:
+                self._grow(device)
+            self._rows[id(request)] = (self._free.pop(), request)
+        if new:
+            self._count_fresh(new, device)
         assert self.output_counts is not None and self.in_prompt is not None
-        if fresh:
-            self._count_fresh(fresh, device)
-        if add_rows:
-            self._scatter(self.output_counts, add_rows, add_ids, device)
-        index = on_device(rows, torch.int64, device)
+        index = on_device([self._rows[id(r)][0] for r in requests], torch.int64, device)
         counts = self.output_counts.index_select(0, index)
-        return counts, self.in_prompt.index_select(0, index) | (counts > 0)
+        return index, counts, self.in_prompt.index_select(0, index) | (counts > 0)
+
+    def advance(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Count each row's sampled token (``rows`` from ``gather``; both on the device)."""
+        assert self.output_counts is not None
+        real = token_ids < self.vocab_size  # padded vocabulary rows are never tokens
+        self.output_counts.index_put_((rows, token_ids.clamp(max=self.vocab_size - 1)),
+                                      real.to(self.output_counts.dtype), accumulate=True)
 
     @property
     def _capacity(self) -> int:
         return 0 if self.output_counts is None else self.output_counts.shape[0]
-
-    def _allocate(self, request: Request, device: torch.device) -> _Row:
-        if not self._free:
-            self._release_finished()
-        if not self._free:
-            self._grow(device)
-        entry = _Row(self._free.pop(), request, 0)
-        self._rows[id(request)] = entry
-        return entry
 
     def _grow(self, device: torch.device) -> None:
         old = self._capacity
@@ -108,37 +90,26 @@ class PenaltyCounts:
         self.output_counts, self.in_prompt = counts, in_prompt
         self._free.extend(range(new - 1, old - 1, -1))  # popped lowest first
 
-    def _release_finished(self) -> None:
-        for key, entry in list(self._rows.items()):
-            if entry.request.is_finished:
+    def _release_finished(self, keep: set[int]) -> None:
+        for key, (row, request) in list(self._rows.items()):
+            if request.is_finished and key not in keep:
                 del self._rows[key]
-                self._free.append(entry.index)
+                self._free.append(row)
 
-    def _count_fresh(self, fresh: list[tuple[int, Request]], device: torch.device) -> None:
+    def _count_fresh(self, requests: list[Request], device: torch.device) -> None:
+        """Rows counted from the requests' prompts and outputs (the placeholders of steps in
+        flight left out: the sampler counts their tokens when it draws them)."""
         assert self.output_counts is not None and self.in_prompt is not None
-        index = on_device([i for i, _ in fresh], torch.int64, device)
+        rows = [self._rows[id(r)][0] for r in requests]
+        index = on_device(rows, torch.int64, device)
         self.output_counts.index_fill_(0, index, 0.0)
         self.in_prompt.index_fill_(0, index, False)
-        outputs = [r.output_token_ids for _, r in fresh]
-        self._scatter(self.output_counts,
-                      list(itertools.chain.from_iterable([i] * len(o) for (i, _), o
-                                                         in zip(fresh, outputs, strict=True))),
-                      list(itertools.chain.from_iterable(outputs)), device)
-        prompts = [r.prompt_token_ids for _, r in fresh]
-        self._scatter(self.in_prompt,
-                      list(itertools.chain.from_iterable([i] * len(p) for (i, _), p
-                                                         in zip(fresh, prompts, strict=True))),
-                      list(itertools.chain.from_iterable(prompts)), device)
-
-    def _scatter(self, target: torch.Tensor, rows: list[int], ids: list[int],
-                 device: torch.device) -> None:
-        """``target[row, id] += 1`` (a bool target: set) for each pair; ids past the vocabulary
-        are never real tokens."""
-        row_t = torch.tensor(rows, dtype=torch.int64)
-        id_t = torch.tensor(ids, dtype=torch.int64)
-        real = id_t < self.vocab_size
-        if not bool(real.all()):
-            row_t, id_t = row_t[real], id_t[real]
-        target.index_put_((row_t.to(device, non_blocking=True),
-                           id_t.to(device, non_blocking=True)),
-                          target.new_ones(()), accumulate=target.dtype != torch.bool)
+        for target, lists in ((self.output_counts, [r.output_token_ids for r in requests]),
+                              (self.in_prompt, [r.prompt_token_ids for r in requests])):
+            ids = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64)
+            owners = torch.repeat_interleave(torch.tensor(rows, dtype=torch.int64),
+                                             torch.tensor([len(t) for t in lists]))
+            real = (ids < self.vocab_size) & (ids != PLACEHOLDER_TOKEN_ID)
+            target.index_put_((owners[real].to(device, non_blocking=True),
+                               ids[real].to(device, non_blocking=True)),
+                              target.new_ones(()), accumulate=target.dtype != torch.bool)

@@ -127,7 +127,7 @@ class Sampler:
         raw_logprobs = None
         if logprob_rows:
             raw_logprobs = torch.log_softmax(take_rows(logits, logprob_rows), dim=-1)
-        logits = self._apply_penalties(logits, requests)
+        logits, penalized = self._apply_penalties(logits, requests)
         logits = self._apply_min_tokens(logits, requests)
 
         greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
@@ -144,6 +144,9 @@ class Sampler:
             sampled = on_device(random_rows, torch.int64, logits.device)
             token_ids.index_copy_(0, sampled,
                                   self._sample(logits.index_select(0, sampled), chosen))
+        if penalized is not None:  # their rows count the tokens drawn (on the device)
+            positions, rows = penalized
+            self.penalty_counts.advance(rows, take_rows(token_ids, positions))
         num_tops = [requests[i].sampling_params.logprobs or 0 for i in logprob_rows]
         return SampledTokens(token_ids, logprob_rows, num_tops,
                              _logprobs(raw_logprobs, token_ids, logprob_rows, num_tops))
@@ -167,21 +170,19 @@ class Sampler:
                 accumulate=True,
             )
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        rows = [
-            i for i, r in enumerate(requests)
-            if r.sampling_params.repetition_penalty != 1.0
-            or r.sampling_params.presence_penalty != 0.0
-            or r.sampling_params.frequency_penalty != 0.0
-        ]
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]
+                         ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor] | None]:
+        """The penalized logits, and (the penalized rows, their ``penalty_counts`` rows) for
+        the tokens drawn to be counted; None where no row is penalized."""
+        rows = [i for i, r in enumerate(requests) if r.sampling_params.penalized]
         if not rows:
-            return logits
+            return logits, None
         logits = logits.clone()
         device = logits.device
         index = on_device(rows, torch.int64, device)
         sub = logits.index_select(0, index)
-        output_counts, seen = self.penalty_counts.gather([requests[i] for i in rows],
-                                                         logits.shape[-1], device)
+        count_rows, output_counts, seen = self.penalty_counts.gather(
+            [requests[i] for i in rows], logits.shape[-1], device)
 
         def column(values: list[float]) -> torch.Tensor:  # [len(rows), 1]
             return on_device(values, torch.float32, device)[:, None]
@@ -196,7 +197,7 @@ class Sampler:
         sub = torch.where(seen, penalized, sub)
         sub = sub - freq * output_counts - pres * (output_counts > 0).to(sub.dtype)
         logits.index_copy_(0, index, sub)
-        return logits
+        return logits, (rows, count_rows)
 
     def _apply_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         rows: list[int] = []

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from engine import LLM, EngineConfig, SamplingParams
 from engine.core.request import PLACEHOLDER_TOKEN_ID
@@ -170,6 +171,38 @@ def test_seeded_sampling_n_and_logprobs_equal_the_synchronous_engine(tiny_model_
     assert len({tuple(row[1]) for row in want["s1"]}) > 1  # n = 3 samples that differ
 
 
+PENALIZED = [
+    SamplingParams(temperature=0, max_tokens=14, repetition_penalty=1.8, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_tokens=12, presence_penalty=1.5,
+                   frequency_penalty=0.8, ignore_eos=True),
+    SamplingParams(temperature=0, max_tokens=11, ignore_eos=True),
+    SamplingParams(n=2, temperature=1.0, top_k=30, seed=8, max_tokens=9, frequency_penalty=2.0,
+                   ignore_eos=True),
+]
+
+
+@pytest.mark.parametrize("mode", ["default", "preempt-tiny-kv", "chunked-tiny-budget"])
+def test_penalized_rows_overlap_and_equal_the_synchronous_engine(tiny_model_dir, mode):
+    """Penalties no longer need the host each token: their counts advance on the device from
+    the tokens drawn, so a penalized row's steps overlap like any other's."""
+    sync, overlapped = engine_pair(tiny_model_dir, **MODES[mode])
+    ps = prompts(sync.vocab_size, (7, 18, 4, 12))
+    workload = {2 * i: [(f"p{i}", p, params)] for i, (p, params) in enumerate(zip(
+        ps, PENALIZED, strict=True))}
+    want = summary(run(sync, workload))
+    # the greedy penalized row is transformers' greedy search with its repetition penalty
+    # (over prompt and output, as the counts kept across steps hold them)
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+    with torch.no_grad():
+        reference = model.generate(torch.tensor([ps[0]]), do_sample=False, max_new_tokens=14,
+                                   repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
+    assert want["p0"][0][1] == reference[0, len(ps[0]):].tolist()
+    overlaps = count_overlaps(overlapped)
+    assert summary(run(overlapped, workload)) == want
+    if mode == "default":
+        assert sum(overlaps) > 0.8 * len(overlaps)
+
+
 def test_stop_strings_equal_the_synchronous_engine(tiny_model_dir):
     sync_llm, overlapped_llm = llm_pair(tiny_model_dir)
     sync, overlapped = sync_llm.engine, overlapped_llm.engine
@@ -190,14 +223,13 @@ def test_rows_that_need_the_host_each_token_run_synchronously(tiny_model_dir):
     ps = prompts(sync.vocab_size, (8, 3, 21, 5))
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=10, repetition_penalty=1.5,
-                       frequency_penalty=0.5, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=10, min_tokens=4, ignore_eos=True),
         SamplingParams(temperature=0.8, seed=3, max_tokens=8, min_tokens=6),
         SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=8, structured_output=StructuredOutputParams(
             json_schema={"type": "integer", "minimum": -5, "maximum": 120})),
     ]
-    # the penalized and constrained requests arrive after the others started, which outlive
+    # the min_tokens and constrained requests arrive after the others started, which outlive
     # them
     workload = {0: [("h0", ps[0], params[0]), ("h3", ps[3], params[3])],
                 3: [("h1", ps[1], params[1]), ("h2", ps[2], params[2])],

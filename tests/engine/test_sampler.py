@@ -299,7 +299,7 @@ def test_penalties_apply_per_row():
         request(prompt=[5, 5], output=[], temperature=0, repetition_penalty=0.5),
         request(prompt=[4], output=[0, 0, 0], temperature=0, frequency_penalty=1.0),
     ]
-    out = sampler._apply_penalties(logits, reqs)
+    out, _ = sampler._apply_penalties(logits, reqs)
     expected = torch.tensor([
         [2.0, -2.0, 0.25 - 0.75, 1.5 - 1.0, -2.0, 1.0],
         [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
