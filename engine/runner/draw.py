@@ -18,6 +18,7 @@ truncated one does once per candidate width it tries (``draw_truncated``).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -48,7 +49,7 @@ def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 
 
 def draw_from_vocab(
-    logits: torch.Tensor, temperatures: torch.Tensor, min_ps: list[float],
+    logits: torch.Tensor, temperatures: torch.Tensor, min_ps: np.ndarray,
     uniforms: torch.Tensor,
 ) -> torch.Tensor:
     """One token per row from softmax(logits / temperature), min-p applied, over the whole
@@ -73,26 +74,29 @@ def draw_from_vocab(
     return (block * DRAW_BLOCK + offset).squeeze(1)
 
 
-def _drop_below_min_p(weights: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
-    """Zero, in place, the weights (probabilities over the top one's) under the row's min_p."""
-    distinct = set(min_ps)
-    if distinct == {0.0}:
+def _drop_below_min_p(weights: torch.Tensor, min_ps: np.ndarray) -> torch.Tensor:
+    """Zero, in place, the weights (probabilities over the top one's) under the row's min_p
+    (``min_ps``: [rows] float64, the host's)."""
+    if not min_ps.any():
         return weights
-    if len(distinct) == 1:
+    first = float(min_ps[0])
+    if (min_ps == first).all():
         # One min_p for the batch: threshold keeps w > t, so t is the float32 just below min_p
         # (found on the host); no [rows, vocab] mask to build.
-        below = torch.nextafter(torch.tensor(min_ps[0]), torch.tensor(float("-inf")))
+        below = torch.nextafter(torch.tensor(first), torch.tensor(float("-inf")))
         return torch.threshold_(weights, float(below), 0.0)
-    thresholds = on_device(min_ps, torch.float32, weights.device)
+    thresholds = torch.from_numpy(min_ps.astype(np.float32)).to(weights.device,
+                                                                non_blocking=True)
     return weights.masked_fill_(weights < thresholds[:, None], 0.0)
 
 
 def draw_truncated(
-    logits: torch.Tensor, top_ks: list[int | None], top_ps: torch.Tensor,
+    logits: torch.Tensor, top_ks: np.ndarray, top_ps: torch.Tensor,
     temperatures: torch.Tensor, min_ps: torch.Tensor, uniforms: torch.Tensor,
 ) -> torch.Tensor:
-    """One token per row, each row with top_k (< vocab) or top_p (< 1), cut from its best
-    candidates: from the narrowest width that can hold its kept set to wider ones, as needed.
+    """One token per row, each row with top_k (``top_ks``: [rows] int64 on the host, 0 for none,
+    else < vocab) or top_p (< 1), cut from its best candidates: from the narrowest width that
+    can hold its kept set to wider ones, as needed.
 
     The sampler's one wait on the device: at each width tried (one, for most rows), whether
     each row's kept set fits its candidates decides on the host which rows go on to a wider
@@ -100,24 +104,26 @@ def draw_truncated(
     num_rows, vocab = logits.shape
     device = logits.device
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
-    has_k = on_device([k is not None for k in top_ks], torch.bool, device)
-    ks = on_device([k or 1 for k in top_ks], torch.int64, device)
+    has_k_host = top_ks > 0
+    has_k = torch.from_numpy(has_k_host).to(device, non_blocking=True)
+    ks = torch.from_numpy(np.maximum(top_ks, 1)).to(device, non_blocking=True)
     # Top-p without top-k keeps a share of the whole row's mass, so that mass is needed.
     totals = torch.full((num_rows,), float("nan"), dtype=torch.float64, device=device)
-    without_k = [i for i, k in enumerate(top_ks) if k is None]
+    without_k = np.flatnonzero(~has_k_host).tolist()
     if without_k:
         index = on_device(without_k, torch.int64, device)
         scaled = take_rows(logits, without_k) / temperatures.index_select(0, index)
         weights = scaled.sub_(scaled.amax(dim=-1, keepdim=True)).exp_()
         totals.index_copy_(0, index, weights.sum(dim=-1).double())
 
-    start_of = {k: _width(TOP_P_WIDTH if k is None else max(k, MIN_WIDTH), vocab)
-                for k in set(top_ks)}  # a batch holds a few distinct top_k
-    starts = [start_of[k] for k in top_ks]
-    widths = sorted({*starts, _width(RETRY_WIDTH, vocab), vocab})
-    pending = set(range(num_rows))
+    # Each row's first width: its top_k, or TOP_P_WIDTH; a batch holds a few distinct ones.
+    firsts = np.where(has_k_host, np.maximum(top_ks, MIN_WIDTH), TOP_P_WIDTH)
+    distinct, which = np.unique(firsts, return_inverse=True)
+    starts = np.array([_width(int(w), vocab) for w in distinct], dtype=np.int64)[which]
+    widths = sorted({*starts.tolist(), _width(RETRY_WIDTH, vocab), vocab})
+    pending = np.ones(num_rows, dtype=bool)
     for width in widths:
-        rows = [i for i in sorted(pending) if starts[i] <= width]
+        rows = np.flatnonzero(pending & (starts <= width)).tolist()
         if not rows:
             continue
         index = on_device(rows, torch.int64, device)
@@ -128,16 +134,16 @@ def draw_truncated(
             complete=width == vocab,
         )
         # [len(rows)]: the row's kept count where its kept set fits, else -1 (the crossing)
-        kept = torch.where(fits, num_kept, -1).tolist()
-        done = [j for j, n in enumerate(kept) if n >= 0]
-        if done:
-            done_rows = [rows[j] for j in done]
-            at = on_device(done, torch.int64, device)
+        kept = torch.where(fits, num_kept, -1).numpy(force=True)
+        done = np.flatnonzero(kept >= 0)
+        if len(done):
+            done_rows = [rows[j] for j in done.tolist()]
+            at = torch.from_numpy(done).to(device, non_blocking=True)
             token_ids.index_copy_(0, on_device(done_rows, torch.int64, device), _draw_candidates(
-                weights[at], ids[at], max(max(kept[j] for j in done), 1),
+                weights[at], ids[at], max(int(kept[done].max()), 1),
                 take_rows(uniforms, done_rows),
             ))
-            pending.difference_update(done_rows)
+            pending[done_rows] = False
     return token_ids
 
 

@@ -11,6 +11,7 @@ crosses to the host once, with the logprobs where rows asked for them
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from engine.core.request import Request
@@ -19,24 +20,29 @@ from engine.outputs import TokenLogprob
 from engine.runner.draw import on_device
 from engine.runner.greedy_screen import Screen
 from engine.runner.sampler import Sampler, row_argmax, to_host
+from engine.runner.sampling_columns import MIN_TOKENS, SamplingColumns
 
 
 def sample_tokens(
     model: CausalLM, screen: Screen | None, sampler: Sampler,
     hidden: torch.Tensor,  # [len(requests), hidden_size]: each request's last row
-    requests: list[Request],
+    requests: list[Request], columns: SamplingColumns | None = None,
 ) -> tuple[torch.Tensor, list[int], dict[str, TokenLogprob]]:
     """(the tokens where they were sampled: [len(requests)] int64; their host copy; the
-    logprobs of the requests that asked for them, by request id)."""
+    logprobs of the requests that asked for them, by request id). ``columns``: the requests'
+    sampling columns, where the caller has them (the persistent batch's)."""
     logprobs: dict[str, TokenLogprob] = {}
-    # A plain greedy row without min_tokens (most rows) is told apart without the call.
-    full = [i for i, r in enumerate(requests) if not r.argmax_only or (
-        r.sampling_params.min_tokens and Sampler.needs_full_logits(r))]
-    if not full:  # every row plain greedy (most steps): the ids are the tokens, in order
+    if columns is None:
+        columns = SamplingColumns.of(requests)
+    # Rows that need the full logits: not plain greedy, or still short of their min_tokens.
+    needs_full = ~columns.argmax_only
+    for i in np.flatnonzero(~needs_full & (columns.values[:, MIN_TOKENS] > 0)).tolist():
+        needs_full[i] = Sampler.needs_full_logits(requests[i])
+    if not needs_full.any():  # every row plain greedy (most steps): the ids are the tokens
         tokens = _argmax(model, screen, sampler, hidden)
         return tokens, to_host([tokens])[0].tolist(), logprobs
-    full_set = set(full)
-    plain = [i for i in range(len(requests)) if i not in full_set]
+    full = np.flatnonzero(needs_full).tolist()
+    plain = np.flatnonzero(~needs_full).tolist()
     device = hidden.device
     full_index = on_device(full, torch.int64, device)
     plain_index = on_device(plain, torch.int64, device)
@@ -51,7 +57,7 @@ def sample_tokens(
         plain_ids = screen.argmax(hidden.index_select(0, plain_index))
         logits = model.compute_logits(hidden.index_select(0, full_index) if plain else hidden)
     full_requests = [requests[i] for i in full]
-    sampled = sampler.sample(logits, full_requests)
+    sampled = sampler.sample(logits, full_requests, columns if not plain else columns.take(full))
     if plain:
         tokens = torch.empty(len(requests), dtype=torch.int64, device=device)
         tokens.index_copy_(0, plain_index, plain_ids)

@@ -19,6 +19,7 @@ import torch
 from engine.core.request import Request
 from engine.layers.attention_metadata import AttentionMetadata
 from engine.outputs import ScheduledRequest
+from engine.runner.sampling_columns import SamplingColumns
 
 
 @dataclass
@@ -69,6 +70,7 @@ class PreparedStep:
     scheduled: list[ScheduledRequest]  # in the runner's order (by adapter with LoRA on)
     batch: InputBatch
     sample_requests: list[Request]  # the rows that sample, in the sampled tokens' order
+    sampling: SamplingColumns  # their sampling parameters, in that order
     # the flat batch's runs of rows, (adapter or None, rows), in its layout; None: no LoRA
     lora_runs: list[tuple[str | None, int]] | None
 

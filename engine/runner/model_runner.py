@@ -42,6 +42,7 @@ from engine.runner.input_batch import InputBatch, PreparedStep, StepRow, build_i
 from engine.runner.kv_cache import KVCache, plan_kv_cache
 from engine.runner.persistent_batch import PersistentBatch
 from engine.runner.sampler import Sampler
+from engine.runner.sampling_columns import SamplingColumns
 
 
 class ModelRunner:
@@ -215,10 +216,10 @@ class ModelRunner:
     def prepare_inputs(
         self, scheduled: list[ScheduledRequest], requests: dict[str, Request],
         device: torch.device | None = None,
-    ) -> tuple[InputBatch, list[Request]]:
+    ) -> tuple[InputBatch, list[Request], SamplingColumns]:
         """The step's flat batch of ``scheduled`` (``_ordered``) on ``device`` (None: the
-        runner's), and the requests that sample, in its sample order: from the running
-        requests' tables kept across steps (``persistent_batch.py``)."""
+        runner's), the requests that sample, in its sample order, and their sampling columns:
+        from the running requests' tables kept across steps (``persistent_batch.py``)."""
         return self.persistent_batch.prepare(scheduled, requests, device or self.device)
 
     def _ordered(self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
@@ -252,9 +253,9 @@ class ModelRunner:
         from pageable memory would wait here for the step on the device)."""
         scheduled, lora_runs = self._ordered(scheduler_output, requests)
         self._will_run(scheduled, requests)
-        batch, sample_requests = self.prepare_inputs(
+        batch, sample_requests, sampling = self.prepare_inputs(
             scheduled, requests, torch.device("cpu") if on_host else None)
-        return PreparedStep(scheduled, batch, sample_requests, lora_runs)
+        return PreparedStep(scheduled, batch, sample_requests, sampling, lora_runs)
 
     @torch.inference_mode()
     def run_step(self, step: PreparedStep) -> ModelRunnerOutput:
@@ -290,7 +291,7 @@ class ModelRunner:
         sample_requests = step.sample_requests
         tokens, token_ids, logprobs = sample_tokens(
             self.model, self.greedy_screen, self.sampler, hidden.index_select(0, index),
-            sample_requests)
+            sample_requests, step.sampling)
         return ModelRunnerOutput(
             {r.request_id: t for r, t in zip(sample_requests, token_ids, strict=True)},
             logprobs, device_token_ids=tokens,

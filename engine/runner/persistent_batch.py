@@ -3,7 +3,8 @@
 vLLM v1's persistent batch in this engine's terms. Each running request holds a slot: a row of
 ``block_table`` (and of ``window_table`` where the windowed layers have their own,
 ``engine/core/window_kv.py``) and its block counts. A step applies only what changed since the
-slot was last written, then gathers its tables with one numpy index over its slots; positions,
+slot was last written, then gathers its tables (and its sampled rows' sampling parameters,
+``sampling_columns.py``) with one numpy index over its slots; positions,
 slot mapping, context lengths and sample indices come from ``input_batch.lay_out``, the code
 ``build_input_batch`` lays a batch out with, so both give the same batch.
 
@@ -39,6 +40,7 @@ from engine.core.request import Request, RequestStatus
 from engine.core.window_kv import NULL_BLOCK
 from engine.outputs import ScheduledRequest
 from engine.runner.input_batch import InputBatch, batch_order, lay_out
+from engine.runner.sampling_columns import NUM_FIELDS, SamplingColumns, row_of
 
 
 class PersistentBatch:
@@ -57,6 +59,9 @@ class PersistentBatch:
         self.num_blocks = np.zeros(num_slots, dtype=np.int64)
         self.num_window_blocks = np.zeros(num_slots, dtype=np.int64)
         self.occupied = np.zeros(num_slots, dtype=bool)
+        # [num_slots, NUM_FIELDS] float64: each slot's request's sampling parameters, written
+        # when it takes the slot (``sampling_columns.py``)
+        self.sampling = np.zeros((num_slots, NUM_FIELDS))
         # Per slot, read one at a time (a Python list is ~5x faster than numpy at that): its
         # request, the block lists it was written from, the counts, the window's null prefix.
         self._requests: list[Request | None] = [None] * num_slots
@@ -73,9 +78,10 @@ class PersistentBatch:
         return len(self._slot_of)
 
     def prepare(self, scheduled: list[ScheduledRequest], requests: dict[str, Request],
-                device: torch.device) -> tuple[InputBatch, list[Request]]:
+                device: torch.device) -> tuple[InputBatch, list[Request], SamplingColumns]:
         """The step's flat batch of ``scheduled`` on ``device`` (what ``build_input_batch``
-        gives for the same rows), and the requests that sample, in its sample order."""
+        gives for the same rows), the requests that sample, in its sample order, and their
+        sampling columns (what ``SamplingColumns.of`` gives for them)."""
         count = len(scheduled)
         reqs = [requests[s.request_id] for s in scheduled]
         slots = np.fromiter(map(self._update, reqs), dtype=np.int64, count=count)
@@ -94,7 +100,8 @@ class PersistentBatch:
             np.fromiter((s.num_computed_tokens for s in scheduled), dtype=np.int64, count=count),
             query_lens, np.fromiter((s.sample for s in scheduled), dtype=bool, count=count),
             order, tables, self.block_size, device)
-        return batch, [reqs[i] for i in batch.sample_rows]
+        columns = SamplingColumns(self.sampling[slots[batch.sample_rows]])
+        return batch, [reqs[i] for i in batch.sample_rows], columns
 
     # ---- the diff -----------------------------------------------------------------------------
 
@@ -138,6 +145,7 @@ class PersistentBatch:
         slot = self._free_slots.pop()
         self._slot_of[request.request_id] = slot
         self.occupied[slot] = True
+        self.sampling[slot] = row_of(request)
         self._write(slot, request)
         return slot
 
@@ -219,6 +227,7 @@ class PersistentBatch:
         self.num_window_blocks = np.concatenate((self.num_window_blocks,
                                                  np.zeros(old, dtype=np.int64)))
         self.occupied = np.concatenate((self.occupied, np.zeros(old, dtype=bool)))
+        self.sampling = np.concatenate((self.sampling, np.zeros((old, NUM_FIELDS))))
         for per_slot in (self._requests, self._block_lists, self._window_lists):
             per_slot.extend([None] * old)
         for counts in (self._num_blocks, self._num_window_blocks, self._num_nulled):

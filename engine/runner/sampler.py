@@ -29,6 +29,19 @@ from engine.core.structured_output import apply_grammar_masks
 from engine.outputs import TokenLogprob
 from engine.runner.draw import draw_from_vocab, draw_truncated, on_device, take_rows
 from engine.runner.penalties import PenaltyCounts
+from engine.runner.sampling_columns import (
+    FREQUENCY,
+    LOGPROBS,
+    MIN_P,
+    MIN_TOKENS,
+    PRESENCE,
+    REPETITION,
+    SEEDED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    SamplingColumns,
+)
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -113,51 +126,59 @@ class Sampler:
         """``sample``, its result brought to the host in one crossing."""
         return self.sample(logits, requests).cross()
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> SampledTokens:
-        """The rows' tokens (and logprobs) on the logits' device."""
+    def sample(self, logits: torch.Tensor, requests: list[Request],
+               columns: SamplingColumns | None = None) -> SampledTokens:
+        """The rows' tokens (and logprobs) on the logits' device. ``columns``: the requests'
+        sampling columns where the caller has them (the persistent batch keeps them)."""
         # logits: [num_requests, vocab_size]
+        if columns is None:
+            columns = SamplingColumns.of(requests)
         logits = logits.float()
         if logits.shape[-1] > self.vocab_size:  # padded embedding rows are never real tokens
             logits = logits[:, : self.vocab_size]
-        if any(not r.sampling_params.plain_logits for r in requests):
+        if not columns.plain.all():
             logits = logits.clone()
-            self._apply_logit_bias(logits, requests)
+            self._apply_logit_bias(logits, requests, np.flatnonzero(~columns.plain).tolist())
             apply_grammar_masks(logits, requests)
-        logprob_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        asked = columns.values[:, LOGPROBS]
+        logprob_rows = np.flatnonzero(asked >= 0).tolist()
         raw_logprobs = None
         if logprob_rows:
             raw_logprobs = torch.log_softmax(take_rows(logits, logprob_rows), dim=-1)
-        logits, penalized = self._apply_penalties(logits, requests)
-        logits = self._apply_min_tokens(logits, requests)
+        logits, penalized = self._apply_penalties(logits, requests, columns)
+        logits = self._apply_min_tokens(logits, requests, columns)
 
-        greedy_rows = [i for i, r in enumerate(requests) if r.sampling_params.greedy]
-        random_rows = [i for i, r in enumerate(requests) if not r.sampling_params.greedy]
-        if not random_rows:
+        greedy = columns.greedy
+        if greedy.all():
             token_ids = row_argmax(logits)
-        elif not greedy_rows:
-            token_ids = self._sample(logits, requests)
+        elif not greedy.any():
+            token_ids = self._sample(logits, requests, columns)
         else:
+            greedy_rows = np.flatnonzero(greedy)
+            random_rows = np.flatnonzero(~greedy)
             token_ids = torch.empty(len(requests), dtype=torch.int64, device=logits.device)
-            greedy = on_device(greedy_rows, torch.int64, logits.device)
-            token_ids.index_copy_(0, greedy, row_argmax(logits.index_select(0, greedy)))
-            chosen = [requests[i] for i in random_rows]
-            sampled = on_device(random_rows, torch.int64, logits.device)
-            token_ids.index_copy_(0, sampled,
-                                  self._sample(logits.index_select(0, sampled), chosen))
+            index = _index(greedy_rows, logits.device)
+            token_ids.index_copy_(0, index, row_argmax(logits.index_select(0, index)))
+            chosen = [requests[i] for i in random_rows.tolist()]
+            index = _index(random_rows, logits.device)
+            token_ids.index_copy_(0, index, self._sample(logits.index_select(0, index), chosen,
+                                                         columns.take(random_rows)))
         if penalized is not None:  # their rows count the tokens drawn (on the device)
             positions, rows = penalized
             self.penalty_counts.advance(rows, take_rows(token_ids, positions))
-        num_tops = [requests[i].sampling_params.logprobs or 0 for i in logprob_rows]
+        num_tops = [int(n) for n in asked[logprob_rows]]
         return SampledTokens(token_ids, logprob_rows, num_tops,
                              _logprobs(raw_logprobs, token_ids, logprob_rows, num_tops))
 
     @staticmethod
-    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request]) -> None:
+    def _apply_logit_bias(logits: torch.Tensor, requests: list[Request],
+                          candidates: list[int]) -> None:
+        """``candidates``: the rows that may have a bias (the others have none)."""
         rows: list[int] = []
         cols: list[int] = []
         values: list[float] = []
-        for i, request in enumerate(requests):
-            bias = request.sampling_params.logit_bias
+        for i in candidates:
+            bias = requests[i].sampling_params.logit_bias
             if bias:
                 rows.extend([i] * len(bias))
                 cols.extend(bias)
@@ -170,11 +191,12 @@ class Sampler:
                 accumulate=True,
             )
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]
+    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request],
+                         columns: SamplingColumns
                          ) -> tuple[torch.Tensor, tuple[list[int], torch.Tensor] | None]:
         """The penalized logits, and (the penalized rows, their ``penalty_counts`` rows) for
         the tokens drawn to be counted; None where no row is penalized."""
-        rows = [i for i, r in enumerate(requests) if r.sampling_params.penalized]
+        rows = np.flatnonzero(columns.penalized).tolist()
         if not rows:
             return logits, None
         logits = logits.clone()
@@ -184,13 +206,9 @@ class Sampler:
         count_rows, output_counts, seen = self.penalty_counts.gather(
             [requests[i] for i in rows], logits.shape[-1], device)
 
-        def column(values: list[float]) -> torch.Tensor:  # [len(rows), 1]
-            return on_device(values, torch.float32, device)[:, None]
-
-        params = [requests[i].sampling_params for i in rows]
-        rep = column([p.repetition_penalty for p in params])
-        pres = column([p.presence_penalty for p in params])
-        freq = column([p.frequency_penalty for p in params])
+        chosen = columns.take(rows)
+        rep, pres, freq = (_column(chosen, field, device)[:, None]  # [len(rows), 1] each
+                           for field in (REPETITION, PRESENCE, FREQUENCY))
         # Repetition (CTRL / Hugging Face): over prompt and output, divide positive logits and
         # multiply negative ones. Presence and frequency (OpenAI): over the output only.
         penalized = torch.where(sub > 0, sub / rep, sub * rep)
@@ -199,12 +217,14 @@ class Sampler:
         logits.index_copy_(0, index, sub)
         return logits, (rows, count_rows)
 
-    def _apply_min_tokens(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _apply_min_tokens(self, logits: torch.Tensor, requests: list[Request],
+                          columns: SamplingColumns) -> torch.Tensor:
         rows: list[int] = []
         cols: list[int] = []
-        for i, request in enumerate(requests):
+        for i in np.flatnonzero(columns.values[:, MIN_TOKENS] > 0).tolist():
+            request = requests[i]
             params = request.sampling_params
-            if not params.min_tokens or request.num_output_tokens >= params.min_tokens:
+            if request.num_output_tokens >= params.min_tokens:
                 continue
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:
@@ -222,53 +242,54 @@ class Sampler:
         )
         return logits
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[Request],
+                columns: SamplingColumns) -> torch.Tensor:
         # logits: [num_rows, vocab], every row sampled (temperature > 0)
-        params = [r.sampling_params for r in requests]
         vocab = logits.shape[-1]
         device = logits.device
         # [num_rows] float64, drawn on the host, copied over
-        uniforms = self._uniforms(requests).to(device, non_blocking=True)
-        top_ks = [p.top_k if p.top_k is not None and p.top_k < vocab else None for p in params]
-        truncated = [i for i, p in enumerate(params) if top_ks[i] is not None or p.top_p < 1.0]
-        whole = [i for i, p in enumerate(params) if top_ks[i] is None and p.top_p == 1.0]
+        uniforms = self._uniforms(requests, columns).to(device, non_blocking=True)
+        top_ks = columns.values[:, TOP_K].astype(np.int64)
+        top_ks[top_ks >= vocab] = 0  # a top-k of the whole vocabulary keeps every token
+        cut = (top_ks > 0) | (columns.values[:, TOP_P] < 1.0)
+        truncated, whole = np.flatnonzero(cut), np.flatnonzero(~cut)
 
-        def column(values: list[float]) -> torch.Tensor:
-            return on_device(values, torch.float32, device)
-
-        drawn: list[tuple[list[int], torch.Tensor]] = []
-        if whole:
+        drawn: list[tuple[np.ndarray, torch.Tensor]] = []
+        if len(whole):
+            chosen = columns.take(whole)
             drawn.append((whole, draw_from_vocab(
-                take_rows(logits, whole), column([params[i].temperature for i in whole])[:, None],
-                [params[i].min_p for i in whole], take_rows(uniforms, whole),
+                take_rows(logits, whole.tolist()),
+                _column(chosen, TEMPERATURE, device)[:, None], chosen.column(MIN_P),
+                take_rows(uniforms, whole.tolist()),
             )))
-        if truncated:
+        if len(truncated):
+            chosen = columns.take(truncated)
             drawn.append((truncated, draw_truncated(
-                take_rows(logits, truncated), [top_ks[i] for i in truncated],
-                column([params[i].top_p for i in truncated]),
-                column([params[i].temperature for i in truncated])[:, None],
-                column([params[i].min_p for i in truncated]), take_rows(uniforms, truncated),
+                take_rows(logits, truncated.tolist()), top_ks[truncated],
+                _column(chosen, TOP_P, device), _column(chosen, TEMPERATURE, device)[:, None],
+                _column(chosen, MIN_P, device), take_rows(uniforms, truncated.tolist()),
             )))
         if len(drawn) == 1:
             return drawn[0][1]
         token_ids = torch.empty(len(requests), dtype=torch.int64, device=device)
         for rows, ids in drawn:
-            token_ids.index_copy_(0, on_device(rows, torch.int64, device), ids)
+            token_ids.index_copy_(0, _index(rows, device), ids)
         return token_ids
 
-    def _uniforms(self, requests: list[Request]) -> torch.Tensor:
+    def _uniforms(self, requests: list[Request], columns: SamplingColumns) -> torch.Tensor:
         """One U[0, 1) per row, in float64 (a float32 one could never land on a token of
         probability under 2**-24). A seeded request takes the next of its own stream
         (``seeded_uniforms``), the others the engine's generator."""
+        seeded_mask = columns.values[:, SEEDED] != 0.0
+        seeded = np.flatnonzero(seeded_mask)
         uniforms = torch.empty(len(requests), dtype=torch.float64)
-        seeded = [i for i, r in enumerate(requests) if r.seed is not None]
         if len(seeded) < len(requests):
-            unseeded = [i for i, r in enumerate(requests) if r.seed is None]
-            uniforms[unseeded] = torch.rand(
+            unseeded = np.flatnonzero(~seeded_mask)
+            uniforms[torch.from_numpy(unseeded)] = torch.rand(
                 len(unseeded), dtype=torch.float64, generator=self.generator
             )
-        if seeded:
-            chosen = [requests[i] for i in seeded]
+        if len(seeded):
+            chosen = [requests[i] for i in seeded.tolist()]
             draws = seeded_uniforms(
                 np.fromiter((r.seed & _MASK64 for r in chosen), np.uint64, len(chosen)),  # type: ignore[operator]
                 np.fromiter((r.num_draws for r in chosen), np.uint64, len(chosen)))
@@ -276,7 +297,7 @@ class Sampler:
                 request.num_draws += 1
             if len(seeded) == len(requests):
                 return torch.from_numpy(draws)
-            uniforms[seeded] = torch.from_numpy(draws)
+            uniforms[torch.from_numpy(seeded)] = torch.from_numpy(draws)
         return uniforms
 
 
@@ -315,3 +336,15 @@ def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor, rows: 
     max_top = min(max(num_tops), raw_logprobs.shape[-1])
     values, ids = raw_logprobs.topk(max_top, dim=-1)  # [len(rows), max_top] each
     return torch.cat([chosen.double(), values.double(), ids.double()], dim=1)
+
+
+def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
+    """Row indices (numpy) as an int64 tensor on ``device``, copied without blocking."""
+    return torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True)
+
+
+def _column(columns: SamplingColumns, field: int, device: torch.device) -> torch.Tensor:
+    """One sampling field over the rows as float32 on ``device`` (what a float32 tensor of the
+    Python values gives), copied without blocking."""
+    return torch.from_numpy(columns.column(field).astype(np.float32)).to(device,
+                                                                          non_blocking=True)

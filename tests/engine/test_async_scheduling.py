@@ -192,10 +192,12 @@ def test_penalized_rows_overlap_and_equal_the_synchronous_engine(tiny_model_dir,
     want = summary(run(sync, workload))
     # the greedy penalized row is transformers' greedy search with its repetition penalty
     # (over prompt and output, as the counts kept across steps hold them)
+    device = sync.model_runner.device  # the engine's (gpu_check runs this file on CUDA)
     model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
     with torch.no_grad():
-        reference = model.generate(torch.tensor([ps[0]]), do_sample=False, max_new_tokens=14,
-                                   repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
+        reference = model.to(device).generate(
+            torch.tensor([ps[0]], device=device), do_sample=False, max_new_tokens=14,
+            repetition_penalty=1.8, eos_token_id=None, pad_token_id=0)
     assert want["p0"][0][1] == reference[0, len(ps[0]):].tolist()
     overlaps = count_overlaps(overlapped)
     assert summary(run(overlapped, workload)) == want

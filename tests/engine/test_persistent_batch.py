@@ -7,9 +7,11 @@ from __future__ import annotations
 import random
 from dataclasses import fields
 
+import numpy as np
 import pytest
 import torch
 
+from engine import SamplingParams
 from engine.config import EngineConfig
 from engine.core.request import Request, RequestStatus
 from engine.core.scheduler import Scheduler
@@ -18,21 +20,26 @@ from engine.layers.attention_metadata import AttentionMetadata
 from engine.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from engine.runner.input_batch import InputBatch, StepRow, build_input_batch
 from engine.runner.persistent_batch import PersistentBatch
+from engine.runner.sampling_columns import SamplingColumns
 from tests.engine.test_scheduler import check_invariants, make_request
 
 BS, WINDOW = 4, 6
 CPU = torch.device("cpu")
 
 
+Prepared = tuple[InputBatch, list[Request], SamplingColumns]
+
+
 def reference(scheduled: list[ScheduledRequest], requests: dict[str, Request],
-              with_window: bool) -> tuple[InputBatch, list[Request]]:
+              with_window: bool) -> Prepared:
     """The batch rebuilt from the requests' lists (the runner's way before the persistent
-    batch)."""
+    batch), and the sampled rows' columns built from their requests."""
     rows = [StepRow(requests[s.request_id].token_ids, requests[s.request_id].block_ids,
                     requests[s.request_id].window_block_ids, s.num_computed_tokens,
                     s.num_new_tokens, s.sample) for s in scheduled]
     batch = build_input_batch(rows, BS, CPU, with_window=with_window)
-    return batch, [requests[scheduled[i].request_id] for i in batch.sample_rows]
+    sampled = [requests[scheduled[i].request_id] for i in batch.sample_rows]
+    return batch, sampled, SamplingColumns.of(sampled)
 
 
 def assert_same_metadata(got: AttentionMetadata | None, want: AttentionMetadata | None) -> None:
@@ -49,9 +56,10 @@ def assert_same_metadata(got: AttentionMetadata | None, want: AttentionMetadata 
             assert a == b, f.name
 
 
-def assert_same(got: tuple[InputBatch, list[Request]],
-                want: tuple[InputBatch, list[Request]]) -> None:
-    (batch, sample_requests), (expected, expected_requests) = got, want
+def assert_same(got: Prepared, want: Prepared) -> None:
+    (batch, sample_requests, columns), (expected, expected_requests, expected_columns) = (
+        got, want)
+    assert np.array_equal(columns.values, expected_columns.values)
     for name in ("input_ids", "positions"):
         a, b = getattr(batch, name), getattr(expected, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
@@ -90,8 +98,16 @@ def drive(seed: int, *, window: bool, overlap: bool, num_steps: int = 200) -> Sc
                 rid, next_id = f"r{next_id}", next_id + 1
             prompt = rng.choice(prefixes) + [rng.randrange(1, 50)
                                              for _ in range(rng.randrange(1, 12))]
-            sched.add_request(make_request(rid, prompt, max_tokens=rng.randrange(1, 14),
-                                           priority=rng.choice([0, 0, 1])))
+            request = make_request(rid, prompt, max_tokens=rng.randrange(1, 14),
+                                   priority=rng.choice([0, 0, 1]))
+            # each its own sampling parameters: the columns its slot keeps
+            request.sampling_params = SamplingParams(
+                temperature=rng.choice([0.0, 0.7]), top_k=rng.choice([None, 5]),
+                top_p=rng.choice([1.0, 0.9]), logprobs=rng.choice([None, 2]),
+                frequency_penalty=rng.choice([0.0, 0.5]), max_tokens=request.max_tokens,
+                ignore_eos=True, seed=rng.choice([None, 3]))
+            request.seed = request.sampling_params.seed
+            sched.add_request(request)
         if sched.requests and rng.random() < 0.05:
             rid = rng.choice(list(sched.requests))
             sched.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
@@ -143,5 +159,5 @@ def test_a_preempted_request_comes_back_with_its_new_blocks():
     request.num_computed_tokens = 0
     assert sched.kv.allocate_slots(request, 9)
     assert request.block_ids != first_blocks  # (the free queue hands out its oldest first)
-    batch, _ = persistent.prepare(out.scheduled, sched.requests, CPU)
+    batch, _, _ = persistent.prepare(out.scheduled, sched.requests, CPU)
     assert batch.metadata.prefill_block_tables.tolist() == [request.block_ids]

@@ -16,6 +16,7 @@ from engine import SamplingParams
 from engine.core.request import Request
 from engine.outputs import RequestMetrics
 from engine.runner.sampler import Sampler, row_argmax, seeded_uniforms
+from engine.runner.sampling_columns import SamplingColumns
 
 NUM_DRAWS = 20_000
 
@@ -299,7 +300,7 @@ def test_penalties_apply_per_row():
         request(prompt=[5, 5], output=[], temperature=0, repetition_penalty=0.5),
         request(prompt=[4], output=[0, 0, 0], temperature=0, frequency_penalty=1.0),
     ]
-    out, _ = sampler._apply_penalties(logits, reqs)
+    out, _ = sampler._apply_penalties(logits, reqs, SamplingColumns.of(reqs))
     expected = torch.tensor([
         [2.0, -2.0, 0.25 - 0.75, 1.5 - 1.0, -2.0, 1.0],
         [2.0, -1.0, 0.5, 3.0, -2.0, 1.0],
@@ -320,7 +321,7 @@ def test_min_tokens_bans_stop_and_eos_per_row():
         Request("c", [1], SamplingParams(min_tokens=0, stop_token_ids=[3]), 10, (5,),
                 RequestMetrics(0.0)),
     ]
-    out = sampler._apply_min_tokens(logits, reqs)
+    out = sampler._apply_min_tokens(logits, reqs, SamplingColumns.of(reqs))
     assert (out == float("-inf")).nonzero().tolist() == [[0, 4], [0, 5], [1, 2]]
     assert math.isfinite(float(logits.sum()))  # the caller's logits are left alone
 
@@ -375,11 +376,12 @@ def test_a_seeded_request_takes_the_next_draw_of_its_stream_each_token():
     sampler = Sampler(vocab_size=8, seed=0)
     reqs = [request(41, temperature=1.0), request(temperature=1.0), request(42, temperature=1.0)]
     for step in range(3):
-        uniforms = sampler._uniforms(reqs)
+        uniforms = sampler._uniforms(reqs, SamplingColumns.of(reqs))
         assert uniforms[[0, 2]].tolist() == seeded_uniforms(
             np.array([41, 42], dtype=np.uint64), np.array([step, step], dtype=np.uint64)).tolist()
     assert [r.num_draws for r in reqs] == [3, 0, 3]
     # A negative seed is its low 64 bits.
     negative = request(-1, temperature=1.0)
-    assert sampler._uniforms([negative]).tolist() == seeded_uniforms(
-        np.array([2**64 - 1], dtype=np.uint64), np.zeros(1, dtype=np.uint64)).tolist()
+    got = sampler._uniforms([negative], SamplingColumns.of([negative]))
+    assert got.tolist() == seeded_uniforms(np.array([2**64 - 1], dtype=np.uint64),
+                                           np.zeros(1, dtype=np.uint64)).tolist()

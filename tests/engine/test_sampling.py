@@ -9,6 +9,7 @@ from engine import LLM, SamplingParams
 from engine.core.request import Request
 from engine.outputs import RequestMetrics
 from engine.runner.sampler import Sampler
+from engine.runner.sampling_columns import SamplingColumns
 
 
 @pytest.fixture(scope="module")
@@ -157,7 +158,7 @@ def test_penalties_match_the_textbook_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     req = make_request([3, 3, 2], [1], temperature=0, repetition_penalty=2.0,
                        presence_penalty=0.5, frequency_penalty=0.25)
-    out = sampler._apply_penalties(logits, [req])[0][0]
+    out = sampler._apply_penalties(logits, [req], SamplingColumns.of([req]))[0][0]
     # token 1 (prompt, negative): *2; token 2 (output once, positive): /2 - 0.25 - 0.5;
     # token 3 (output twice): /2 - 0.5 - 0.5; others untouched.
     expected = torch.tensor([2.0, -2.0, 0.25 - 0.75, 1.5 - 1.0, -2.0, 1.0])
