@@ -35,7 +35,7 @@ phase clock (the two threads would share it):
 * ``step``: wall time a step; ``device``: the step thread's part (forward and sampling, timed
   in ``ModelRunner.run_step``); ``wait``: the main thread blocked on the step in flight;
 * ``host``: the main thread's own work a step: ``step`` less ``wait`` and less the device
-  work it ran itself (all of it synchronous; async, the steps a grammar or min_tokens row makes
+  work it ran itself (all of it synchronous; async, the steps a grammar row makes
   synchronous).
 """
 
@@ -227,7 +227,7 @@ def run_overlap_case(model: Path, adapters: list[str], case: Case, steps: int, t
     assert engine.async_scheduling == async_scheduling
     engine.model_runner.greedy_screen = None  # as ``instrument`` does
     # "inline": device work on the main thread (every synchronous step; async, the steps a
-    # grammar or min_tokens row makes synchronous)
+    # grammar row makes synchronous)
     seconds = {"device": 0.0, "wait": 0.0, "inline": 0.0}
     timing = [False]
 

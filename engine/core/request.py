@@ -72,6 +72,9 @@ class Request:
     # sampler's ``seeded_uniforms``), so its tokens never depend on the rest of the batch.
     seed: int | None = None
     num_draws: int = field(default=0, init=False)
+    # A min_tokens request's tokens drawn so far, counted by the sampler as it draws them: its
+    # output tokens, steps in flight included, without the host's list (async scheduling).
+    num_drawn: int = field(default=0, init=False)
     # The structured-output matcher: advanced once per sampled token, never on recompute.
     grammar: xgr.GrammarMatcher | None = None
     # The LoRA adapter it runs under (None: the base model); keys its prefix-cache blocks.
@@ -146,12 +149,10 @@ class Request:
 
     @property
     def needs_host_each_token(self) -> bool:
-        """Sampling needs the host's state of every token (a grammar, min_tokens): its steps
-        run synchronously (async scheduling). Penalties do not: their counts advance on the
-        device (``engine/runner/penalties.py``)."""
-        params = self.sampling_params
-        return (self.grammar is not None or params.structured_output is not None
-                or params.min_tokens > 0)
+        """Sampling needs the host's state of every token (a grammar): its steps run
+        synchronously (async scheduling). Penalties and min_tokens do not: their counts
+        advance where the tokens are drawn (``engine/runner/penalties.py``, ``num_drawn``)."""
+        return self.grammar is not None or self.sampling_params.structured_output is not None
 
     @property
     def num_sampled_tokens(self) -> int:

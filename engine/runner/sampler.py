@@ -117,8 +117,7 @@ class Sampler:
         """False for a plain greedy request: its token is the argmax of the raw logits, which
         ``GreedyScreen`` finds without the full fp32 projection."""
         min_tokens = request.sampling_params.min_tokens
-        return not request.argmax_only or (min_tokens > 0
-                                           and request.num_output_tokens < min_tokens)
+        return not request.argmax_only or (min_tokens > 0 and request.num_drawn < min_tokens)
 
     def __call__(
         self, logits: torch.Tensor, requests: list[Request]
@@ -166,6 +165,10 @@ class Sampler:
         if penalized is not None:  # their rows count the tokens drawn (on the device)
             positions, rows = penalized
             self.penalty_counts.advance(rows, take_rows(token_ids, positions))
+        # A min_tokens row counts its own draws (no host list read): such a row comes here
+        # until it has drawn min_tokens tokens, the plain greedy path's after that.
+        for i in np.flatnonzero(columns.values[:, MIN_TOKENS] > 0).tolist():
+            requests[i].num_drawn += 1
         num_tops = [int(n) for n in asked[logprob_rows]]
         return SampledTokens(token_ids, logprob_rows, num_tops,
                              _logprobs(raw_logprobs, token_ids, logprob_rows, num_tops))
@@ -224,7 +227,7 @@ class Sampler:
         for i in np.flatnonzero(columns.values[:, MIN_TOKENS] > 0).tolist():
             request = requests[i]
             params = request.sampling_params
-            if request.num_output_tokens >= params.min_tokens:
+            if request.num_drawn >= params.min_tokens:
                 continue
             banned = list(params.stop_token_ids)
             if not params.ignore_eos:

@@ -205,6 +205,48 @@ def test_penalized_rows_overlap_and_equal_the_synchronous_engine(tiny_model_dir,
         assert sum(overlaps) > 0.8 * len(overlaps)
 
 
+@pytest.mark.parametrize("mode", ["default", "preempt-tiny-kv", "chunked-tiny-budget"])
+def test_min_tokens_rows_overlap_and_equal_the_synchronous_engine(tiny_model_dir, mode):
+    """min_tokens no longer needs the host each token: the sampler counts a row's draws."""
+    sync, overlapped = engine_pair(tiny_model_dir, **MODES[mode])
+    ps = prompts(sync.vocab_size, (9, 5))
+    free = summary(run(sync, {0: [("free", ps[0], SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True))]}))["free"][0][1]
+    # transformers' greedy search with a floor of 6 tokens (its min_new_tokens bans the stop id
+    # until then): a stop id from the free text's first tokens that ends it after the floor
+    device = sync.model_runner.device
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+    model.to(device)
+
+    def reference(stop: int) -> list[int]:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ps[0]], device=device), do_sample=False,
+                                 max_new_tokens=12, min_new_tokens=6, eos_token_id=stop,
+                                 pad_token_id=0)
+        return out[0, len(ps[0]):].tolist()
+
+    # one stop id the floor holds back (it comes early in the free text), one it releases (it
+    # first comes past the floor)
+    early = free[2]
+    late = next(t for t in free[6:] if t not in free[:6])
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[early],
+                       ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=[late],
+                       ignore_eos=True),
+        SamplingParams(temperature=0.9, seed=6, max_tokens=10, min_tokens=8),
+    ]
+    workload = {2 * i: [(f"m{i}", p, q)] for i, (p, q) in enumerate(zip(
+        [ps[0], ps[0], ps[1]], params, strict=True))}
+    want = summary(run(sync, workload))
+    assert want["m0"][0][1] == reference(early) and early not in want["m0"][0][1][:6]
+    assert want["m1"][0][1] == reference(late) and want["m1"][0][3] == "stop"
+    overlaps = count_overlaps(overlapped)
+    assert summary(run(overlapped, workload)) == want
+    if mode == "default":
+        assert sum(overlaps) > 0.8 * len(overlaps)
+
+
 def test_stop_strings_equal_the_synchronous_engine(tiny_model_dir):
     sync_llm, overlapped_llm = llm_pair(tiny_model_dir)
     sync, overlapped = sync_llm.engine, overlapped_llm.engine
@@ -225,14 +267,14 @@ def test_rows_that_need_the_host_each_token_run_synchronously(tiny_model_dir):
     ps = prompts(sync.vocab_size, (8, 3, 21, 5))
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=10, min_tokens=4, ignore_eos=True),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=8, min_tokens=6),
+        SamplingParams(temperature=0, max_tokens=10,
+                       structured_output=StructuredOutputParams(json_object=True)),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=8),
         SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=8, structured_output=StructuredOutputParams(
             json_schema={"type": "integer", "minimum": -5, "maximum": 120})),
     ]
-    # the min_tokens and constrained requests arrive after the others started, which outlive
-    # them
+    # the constrained requests arrive after the others started, which outlive them
     workload = {0: [("h0", ps[0], params[0]), ("h3", ps[3], params[3])],
                 3: [("h1", ps[1], params[1]), ("h2", ps[2], params[2])],
                 5: [("h4", ps[1], params[4])]}
