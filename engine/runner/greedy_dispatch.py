@@ -39,6 +39,7 @@ def sample_tokens(
     for i in np.flatnonzero(~needs_full & (columns.values[:, MIN_TOKENS] > 0)).tolist():
         needs_full[i] = Sampler.needs_full_logits(requests[i])
     if not needs_full.any():  # every row plain greedy (most steps): the ids are the tokens
+        sampler.penalty_counts.idle()
         tokens = _argmax(model, screen, sampler, hidden)
         return tokens, to_host([tokens])[0].tolist(), logprobs
     full = np.flatnonzero(needs_full).tolist()

@@ -13,9 +13,10 @@ That equals a recount because every token a step samples for an unfinished reque
 next output token (a preempted request keeps the token of a step in flight and recomputes it;
 ``Scheduler.update_from_output``), and a finished request's row is never read again. Rows are
 keyed by the request object, not its id (an id is reused after a finish). The rows of finished
-requests are taken back when a step's new requests find none free, never one of that step's, and
-the rows grow by doubling: never past twice the penalized requests alive at once (a row costs 5
-bytes a vocabulary entry, ~250 KB for a 49,152-token vocabulary).
+requests are taken back when a step's new requests find none free (never one of that step's),
+and all of them, tensors included, at a step without penalized rows (``idle``). The rows grow by
+half: never past 1.5x the penalized requests alive at once. A row costs 5 bytes a vocabulary
+entry, ~250 KB for a 49,152-token vocabulary, 640 KB for 128,256.
 """
 
 from __future__ import annotations
@@ -57,9 +58,9 @@ class PenaltyCounts:
         new = [r for r in requests if id(r) not in self._rows]
         if len(new) > len(self._free):
             self._release_finished(keep={id(r) for r in requests})
+        if len(new) > len(self._free):
+            self._grow(len(new) - len(self._free), device)
         for request in new:
-            if not self._free:
-                self._grow(device)
             self._rows[id(request)] = (self._free.pop(), request)
         if new:
             self._count_fresh(new, device)
@@ -79,9 +80,19 @@ class PenaltyCounts:
     def _capacity(self) -> int:
         return 0 if self.output_counts is None else self.output_counts.shape[0]
 
-    def _grow(self, device: torch.device) -> None:
+    def idle(self) -> None:
+        """A step without penalized rows: the finished requests' rows are given back, and the
+        tensors too once no row is left (a GPU's memory is the KV cache's)."""
+        if self._rows:
+            self._release_finished(keep=set())
+        if not self._rows and self.output_counts is not None:
+            self._reset(self.vocab_size)
+
+    def _grow(self, needed: int, device: torch.device) -> None:
+        """Room for ``needed`` more rows, and half as many again as there are (each growth
+        copies the rows: a few as a batch ramps up)."""
         old = self._capacity
-        new = max(INITIAL_ROWS, 2 * old)
+        new = max(INITIAL_ROWS, old + needed, old + old // 2)
         counts = torch.zeros(new, self.vocab_size, device=device)
         in_prompt = torch.zeros(new, self.vocab_size, dtype=torch.bool, device=device)
         if self.output_counts is not None and self.in_prompt is not None:

@@ -165,6 +165,8 @@ class Sampler:
         if penalized is not None:  # their rows count the tokens drawn (on the device)
             positions, rows = penalized
             self.penalty_counts.advance(rows, take_rows(token_ids, positions))
+        else:
+            self.penalty_counts.idle()
         # A min_tokens row counts its own draws (no host list read): such a row comes here
         # until it has drawn min_tokens tokens, the plain greedy path's after that.
         for i in np.flatnonzero(columns.values[:, MIN_TOKENS] > 0).tolist():

@@ -66,7 +66,7 @@ def test_a_first_count_leaves_out_the_placeholders_of_steps_in_flight():
     assert seen[0].nonzero().flatten().tolist() == [1, 2, 7]
 
 
-def test_finished_rows_are_reused_but_never_one_of_the_step_and_rows_grow():
+def test_finished_rows_are_reused_but_never_one_of_the_step_and_rows_grow_by_half():
     counts = PenaltyCounts()
     first = [request(i, [i]) for i in range(INITIAL_ROWS)]
     counts.gather(first, VOCAB, CPU)
@@ -81,7 +81,7 @@ def test_finished_rows_are_reused_but_never_one_of_the_step_and_rows_grow():
     assert seen[1:].nonzero().tolist() == [[i, i + 1] for i in range(INITIAL_ROWS - 1)]
     third = [request(200 + i, [7]) for i in range(3)]
     counts.gather(second + third, VOCAB, CPU)
-    assert counts.output_counts.shape[0] == 2 * INITIAL_ROWS
+    assert counts.output_counts.shape[0] == INITIAL_ROWS + INITIAL_ROWS // 2  # grown by half
     _, _, seen = counts.gather(second, VOCAB, CPU)  # the grown rows kept what they held
     assert seen.nonzero().tolist() == [[i, i + 1] for i in range(INITIAL_ROWS - 1)]
 
@@ -111,3 +111,19 @@ def test_the_sampler_counts_each_drawn_token_for_the_penalized_rows_only():
     _, got, _ = sampler.penalty_counts.gather([reqs[0], reqs[2]], VOCAB, CPU)
     for row, req in enumerate((reqs[0], reqs[2])):
         assert torch.equal(got[row], recount(req)[0])
+
+
+def test_a_step_without_penalized_rows_gives_back_the_finished_rows_then_the_tensors():
+    sampler = Sampler(vocab_size=VOCAB, seed=0)
+    penalized = [request(0, [1]), request(1, [2])]
+    plain = request(2, [3], temperature=0.0)
+    logits = torch.zeros(3, VOCAB)
+    sampler(logits, [*penalized, plain])
+    assert sampler.penalty_counts.num_rows == 2
+    penalized[0].status = RequestStatus.FINISHED_STOPPED
+    sampler(logits[:1], [plain])
+    assert sampler.penalty_counts.num_rows == 1  # the running one keeps its counts
+    assert sampler.penalty_counts.output_counts is not None
+    penalized[1].status = RequestStatus.FINISHED_LENGTH
+    sampler(logits[:1], [plain])
+    assert sampler.penalty_counts.num_rows == 0 and sampler.penalty_counts.output_counts is None
