@@ -68,12 +68,12 @@ class Request:
     # arrival). Only priority preempts and caps: rank orders requests of one priority.
     priority: int = 0
     rank: int = 0
-    # A seeded request's own stream of uniforms: ``seed`` and the draws taken so far (the
-    # sampler's ``seeded_uniforms``), so its tokens never depend on the rest of the batch.
+    # A seeded request's own stream of uniforms (the sampler's ``seeded_uniforms``), so its
+    # tokens never depend on the rest of the batch.
     seed: int | None = None
-    num_draws: int = field(default=0, init=False)
-    # A min_tokens request's tokens drawn so far, counted by the sampler as it draws them: its
-    # output tokens, steps in flight included, without the host's list (async scheduling).
+    # A seeded or min_tokens request's tokens drawn so far, counted by the sampler as it draws
+    # them: its stream's position, and its output tokens (steps in flight included) without
+    # the host's list (async scheduling).
     num_drawn: int = field(default=0, init=False)
     # The structured-output matcher: advanced once per sampled token, never on recompute.
     grammar: xgr.GrammarMatcher | None = None

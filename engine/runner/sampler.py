@@ -167,9 +167,11 @@ class Sampler:
             self.penalty_counts.advance(rows, take_rows(token_ids, positions))
         else:
             self.penalty_counts.idle()
-        # A min_tokens row counts its own draws (no host list read): such a row comes here
-        # until it has drawn min_tokens tokens, the plain greedy path's after that.
-        for i in np.flatnonzero(columns.values[:, MIN_TOKENS] > 0).tolist():
+        # Seeded and min_tokens rows count their draws (``Request.num_drawn``): a seeded row is
+        # sampled, so it always comes here; a min_tokens row does until it has drawn its
+        # min_tokens, the plain greedy path's after that.
+        counted = (columns.values[:, SEEDED] != 0.0) | (columns.values[:, MIN_TOKENS] > 0)
+        for i in np.flatnonzero(counted).tolist():
             requests[i].num_drawn += 1
         num_tops = [int(n) for n in asked[logprob_rows]]
         return SampledTokens(token_ids, logprob_rows, num_tops,
@@ -297,9 +299,7 @@ class Sampler:
             chosen = [requests[i] for i in seeded.tolist()]
             draws = seeded_uniforms(
                 np.fromiter((r.seed & _MASK64 for r in chosen), np.uint64, len(chosen)),  # type: ignore[operator]
-                np.fromiter((r.num_draws for r in chosen), np.uint64, len(chosen)))
-            for request in chosen:
-                request.num_draws += 1
+                np.fromiter((r.num_drawn for r in chosen), np.uint64, len(chosen)))
             if len(seeded) == len(requests):
                 return torch.from_numpy(draws)
             uniforms[torch.from_numpy(seeded)] = torch.from_numpy(draws)

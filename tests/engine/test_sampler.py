@@ -379,7 +379,8 @@ def test_a_seeded_request_takes_the_next_draw_of_its_stream_each_token():
         uniforms = sampler._uniforms(reqs, SamplingColumns.of(reqs))
         assert uniforms[[0, 2]].tolist() == seeded_uniforms(
             np.array([41, 42], dtype=np.uint64), np.array([step, step], dtype=np.uint64)).tolist()
-    assert [r.num_draws for r in reqs] == [3, 0, 3]
+        sampler(torch.zeros(3, 8), reqs)  # a draw: the seeded rows' streams move on
+    assert [r.num_drawn for r in reqs] == [3, 0, 3]
     # A negative seed is its low 64 bits.
     negative = request(-1, temperature=1.0)
     got = sampler._uniforms([negative], SamplingColumns.of([negative]))

@@ -99,8 +99,8 @@ def test_a_steps_tokens_are_one_tensor_in_request_order():
     assert logprobs["r3"].top[0][0] == token_ids[3]
     # The full rows' tokens are the sampler's on those rows alone (the seeded draws repeat).
     full = [reqs[i] for i in (1, 3, 4, 5)]
-    for r in (reqs[1], reqs[4]):
-        r.num_draws = 0
+    for r in full:
+        r.num_drawn = 0
     alone, _ = Sampler(vocab, 0)(hidden[[1, 3, 4, 5]] @ head.weight.T, full)
     assert alone == [token_ids[i] for i in (1, 3, 4, 5)]
     # Every row plain greedy: the argmax's tensor itself.
