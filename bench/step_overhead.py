@@ -23,7 +23,7 @@ of them run one of two rank-8 adapters. Phases, in microseconds a step:
 * ``forward``: the model and its output layer (device work, left out of ``host``);
 * ``sample``: the rows' tokens from the logits (argmax, or the sampler);
 * ``update``: ``Scheduler.update_from_output``; ``rest``: everything else of ``LLMEngine.step``
-  (attention and LoRA set-up, stop checks, grammar advance, outputs).
+  (attention and LoRA set-up, stop checks, outputs; a grammar advances in ``sample``).
 
 ``host`` is the step's wall time less ``forward``; ``us/seq`` divides it by the running sequences.
 
@@ -35,8 +35,7 @@ phase clock (the two threads would share it):
 * ``step``: wall time a step; ``device``: the step thread's part (forward and sampling, timed
   in ``ModelRunner.run_step``); ``wait``: the main thread blocked on the step in flight;
 * ``host``: the main thread's own work a step: ``step`` less ``wait`` and less the device
-  work it ran itself (all of it synchronous; async, the steps a grammar row makes
-  synchronous).
+  work it ran itself (all of it synchronous).
 """
 
 from __future__ import annotations
@@ -226,8 +225,7 @@ def run_overlap_case(model: Path, adapters: list[str], case: Case, steps: int, t
                              async_scheduling)
     assert engine.async_scheduling == async_scheduling
     engine.model_runner.greedy_screen = None  # as ``instrument`` does
-    # "inline": device work on the main thread (every synchronous step; async, the steps a
-    # grammar row makes synchronous)
+    # "inline": device work on the main thread (every synchronous step)
     seconds = {"device": 0.0, "wait": 0.0, "inline": 0.0}
     timing = [False]
 

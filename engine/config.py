@@ -80,9 +80,9 @@ class EngineConfig:
     # Overlapped ("async") scheduling (vLLM v1's async scheduling, SGLang's overlap scheduler):
     # while step N runs on the device, the host schedules step N+1 and finishes step N-1's
     # outputs; a decode's input token is read from step N's sampled tokens on the device.
-    # Outputs are token for token those of the synchronous loop (greedy and seeded sampling).
-    # Steps with a request that needs the host each token (a grammar)
-    # run synchronously. None: on for CUDA, off on a CPU (measured there with
+    # Outputs are token for token those of the synchronous loop (greedy and seeded sampling,
+    # penalties, min_tokens, grammars: their state advances where the tokens are drawn).
+    # None: on for CUDA, off on a CPU (measured there with
     # ``python -m bench.step_overhead --async``). Not with tensor_parallel_size > 1.
     async_scheduling: bool | None = None
 

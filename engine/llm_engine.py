@@ -22,7 +22,7 @@ from engine.core.parallel_sampling import ParentRequest
 from engine.core.request import RequestStatus
 from engine.core.scheduler import Scheduler
 from engine.core.stop_strings import match_stop_string
-from engine.core.structured_output import StructuredOutputManager, accept_tokens
+from engine.core.structured_output import StructuredOutputManager
 from engine.core.window_kv import WindowBlocks
 from engine.errors import LoRAError, NotAnEmbeddingModel
 from engine.outputs import (
@@ -313,14 +313,13 @@ class LLMEngine:
         """One step's outputs: the requests that finished in it.
 
         With async scheduling, the step scheduled now is launched and the one launched by the
-        previous call is finished: its outputs are the ones returned. A request whose sampling
-        needs the host's state each token (``Request.needs_host_each_token``) makes the steps
-        synchronous while it is unfinished, the step in flight finished first.
+        previous call is finished: its outputs are the ones returned. Every kind of request
+        overlaps: what its sampling keeps across tokens (a seeded stream's position, penalty
+        counts, the min_tokens floor, a grammar's matcher) advances where its tokens are drawn,
+        never waiting for the host's copy of them.
         """
         if self._pipeline is None:
             return self._step_now()
-        if self.scheduler.num_host_each_token:
-            return self._finish_in_flight() + self._step_now()
         scheduler_output = self.scheduler.schedule(overlap=True)
         launched = None
         if not scheduler_output.is_empty:
@@ -370,19 +369,15 @@ class LLMEngine:
         self.num_prompt_tokens += scheduler_output.num_batched_tokens - num_sampled
         updated, finished = self.scheduler.update_from_output(scheduler_output, runner_output)
         self.num_generated_tokens += len(updated)
-        constrained = []
+        # (A grammar advanced where its token was drawn. Its stop tokens are the EOS ids, and
+        # structured requests neither ignore EOS nor ban it (min_tokens): a completed grammar
+        # has finished its request through the scheduler's EOS check.)
         for request in updated:
-            if request.grammar is not None:
-                constrained.append(request)
             if request.sampling_params.stop and not request.is_finished:
                 stop = match_stop_string(request, self.decode)
                 if stop is not None:
                     self.scheduler.finish_stopped(request, stop)
                     finished.append(request)
-        # The grammar's stop tokens are the EOS ids, and structured requests neither ignore EOS
-        # nor ban it (min_tokens): a completed grammar has already finished the request through
-        # the scheduler's EOS check.
-        accept_tokens(constrained)
         outputs = []
         for request in finished:
             parent = self._parents.get(self._child_to_parent[request.request_id])

@@ -148,13 +148,6 @@ class Request:
         return self.token_ids[len(self.prompt_token_ids) :]
 
     @property
-    def needs_host_each_token(self) -> bool:
-        """Sampling needs the host's state of every token (a grammar): its steps run
-        synchronously (async scheduling). Penalties and min_tokens do not: their counts
-        advance where the tokens are drawn (``engine/runner/penalties.py``, ``num_drawn``)."""
-        return self.grammar is not None or self.sampling_params.structured_output is not None
-
-    @property
     def num_sampled_tokens(self) -> int:
         """Prompt and output tokens known on the host (``token_ids`` less its placeholders)."""
         return len(self.token_ids) - self.num_placeholders

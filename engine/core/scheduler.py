@@ -47,9 +47,6 @@ class Scheduler:
         # ... or because their LoRA adapter would have been one more than max_loras.
         self.num_lora_holds = 0
         self.num_steps = 0
-        # Unfinished requests whose sampling needs the host's state of every token: while
-        # there is one, the engine runs its steps synchronously.
-        self.num_host_each_token = 0
         self.batch_size_hist: Counter[int] = Counter()
         self.scheduled_tokens_hist: Counter[int] = Counter()
 
@@ -60,7 +57,6 @@ class Scheduler:
         self._num_arrived += 1
         insort(self.waiting, request, key=_sort_key)
         self.requests[request.request_id] = request
-        self.num_host_each_token += request.needs_host_each_token
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -88,7 +84,6 @@ class Scheduler:
         # the step's output for it ignored), its blocks freed now; a later step that reuses
         # them runs after that one, in device order.
         request.drop_placeholders()
-        self.num_host_each_token -= request.needs_host_each_token
         request.status = status
         request.metrics.finished_time = time.monotonic()
         request.metrics.num_generated_tokens = request.num_output_tokens

@@ -130,7 +130,10 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> None:
     row took 208-374 us for 256 JSON rows at a vocabulary of 1,024, the batched call 76, issue
     46), copied to the logits' device without blocking and applied there in one call.
     """
-    rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+    # A terminated matcher (its EOS accepted) is a request that ended the step before, still
+    # drawn for by a step in flight (async scheduling): its token is dropped, its row left be.
+    rows = [i for i, r in enumerate(requests)
+            if r.grammar is not None and not r.grammar.is_terminated()]
     if not rows:
         return
     import xgrammar as xgr  # only once a request has a grammar: the import takes ~1 s
@@ -144,13 +147,18 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> None:
                                     vocab_size=vocab, indices=rows)
 
 
-def accept_tokens(requests: list[Request]) -> None:
-    """Advance each request's matcher by its newly sampled token (its last), in one call."""
-    if not requests:
+def accept_tokens(requests: list[Request], tokens: list[int]) -> None:
+    """Advance each request's matcher by the token just drawn for it, in one call: where it is
+    drawn (the sampler), so that no step waits for the host to advance it (async scheduling).
+    A terminated matcher's request has ended (``apply_grammar_masks``): it takes none."""
+    live = [(r, t) for r, t in zip(requests, tokens, strict=True)
+            if r.grammar is not None and not r.grammar.is_terminated()]
+    if not live:
         return
     import xgrammar as xgr
 
-    tokens = [r.token_ids[-1] for r in requests]
+    requests = [r for r, _ in live]
+    tokens = [t for _, t in live]
     accepted = xgr.BatchGrammarMatcher.batch_accept_token(_matchers(requests), tokens)
     for request, token_id, ok in zip(requests, tokens, accepted, strict=True):
         if not ok:

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from engine.core.request import Request
+from engine.core.structured_output import accept_tokens
 from engine.models.causal_lm import CausalLM
 from engine.outputs import TokenLogprob
 from engine.runner.draw import on_device
@@ -66,6 +67,7 @@ def sample_tokens(
     else:
         tokens = sampled.token_ids
     token_ids, row_logprobs = sampled.cross(tokens, full)
+    accept_tokens(full_requests, [token_ids[i] for i in full])  # the grammars' rows advance
     for request, lp in zip(full_requests, row_logprobs, strict=True):
         if lp is not None:
             logprobs[request.request_id] = lp

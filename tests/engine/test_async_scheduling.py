@@ -262,34 +262,40 @@ def test_stop_strings_equal_the_synchronous_engine(tiny_model_dir):
     assert all(rows[0][3] == "stop" for rows in want.values())
 
 
-def test_rows_that_need_the_host_each_token_run_synchronously(tiny_model_dir):
-    sync, overlapped = engine_pair(tiny_model_dir, max_num_batched_tokens=16, block_size=8)
+@pytest.mark.parametrize("mode", ["default", "preempt-tiny-kv", "chunked-tiny-budget"])
+def test_structured_rows_overlap_and_equal_the_synchronous_engine(tiny_model_dir, mode):
+    """A grammar advances where its token is drawn, so constrained rows overlap too; a request
+    whose grammar completed (its EOS drawn) is still drawn for by the step in flight, and that
+    step leaves its terminated matcher alone."""
+    sync, overlapped = engine_pair(tiny_model_dir, **MODES[mode])
     ps = prompts(sync.vocab_size, (8, 3, 21, 5))
+    integer = StructuredOutputParams(json_schema={"type": "integer", "minimum": -5,
+                                                  "maximum": 120})
     params = [
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=10,
                        structured_output=StructuredOutputParams(json_object=True)),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=8),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=8, structured_output=integer),
         SamplingParams(temperature=0, max_tokens=18, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=8, structured_output=StructuredOutputParams(
-            json_schema={"type": "integer", "minimum": -5, "maximum": 120})),
+        SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8, structured_output=integer),
+        SamplingParams(temperature=0, max_tokens=8, structured_output=integer),
     ]
     # the constrained requests arrive after the others started, which outlive them
     workload = {0: [("h0", ps[0], params[0]), ("h3", ps[3], params[3])],
                 3: [("h1", ps[1], params[1]), ("h2", ps[2], params[2])],
-                5: [("h4", ps[1], params[4])]}
+                5: [("h4", ps[1], params[4]), ("h5", ps[2], params[5])]}
     want = summary(run(sync, workload))
-    in_flight_while_forced = []
-    engine = overlapped
-    original = engine._step_now
-
-    def watched_step_now():
-        in_flight_while_forced.append(engine._in_flight is not None)
-        return original()
-
-    engine._step_now = watched_step_now  # type: ignore[method-assign]
-    assert summary(run(engine, workload)) == want
-    assert in_flight_while_forced and not any(in_flight_while_forced)
+    finished_by_grammar = 0
+    for rid in ("h2", "h4", "h5"):
+        for row in want[rid]:
+            if row[3] == "stop":  # the grammar completed: an integer in range
+                assert -5 <= int(row[2]) <= 120
+                finished_by_grammar += 1
+    assert finished_by_grammar >= 2
+    overlaps = count_overlaps(overlapped)
+    assert summary(run(overlapped, workload)) == want
+    if mode == "default":
+        assert sum(overlaps) > 0.8 * len(overlaps)
 
 
 def test_abort_mid_flight_returns_a_prefix_and_frees_everything(tiny_model_dir):

@@ -297,7 +297,7 @@ def test_accept_tokens_advances_each_matcher_and_names_a_rejected_token(llm):
         return r
 
     rows = [request(0, allowed[0]), request(1, allowed[-1])]
-    accept_tokens(rows)
+    accept_tokens(rows, [r.token_ids[-1] for r in rows])
     for r in rows:  # each where its own matcher is after accepting the token alone
         twin = xgr.GrammarMatcher(compiled)
         assert twin.accept_token(r.token_ids[-1])
@@ -310,7 +310,7 @@ def test_accept_tokens_advances_each_matcher_and_names_a_rejected_token(llm):
         assert not torch.equal(masks[0], fresh[0])  # it did move
     with pytest.raises(RuntimeError, match=f"request r7: token {rejected} was sampled but its "
                                            "grammar rejects it"):
-        accept_tokens([request(6, allowed[0]), request(7, rejected)])
+        accept_tokens([request(6, allowed[0]), request(7, rejected)], [allowed[0], rejected])
 
 
 # ---- logit_bias -------------------------------------------------------------------------------
