@@ -6,7 +6,7 @@ distribution (sampling, penalties, logprobs, masked tokens: ``Sampler.needs_full
 the full logits and the sampler, which runs where they are. Every row's token lands in one
 tensor on the device, in request order (the next step's input ids are gathered from it), and
 crosses to the host once, with the logprobs where rows asked for them
-(``SampledTokens.cross``).
+(``SampledTokens.cross``); the constrained rows' grammars take their tokens right after.
 """
 
 from __future__ import annotations
@@ -67,7 +67,11 @@ def sample_tokens(
     else:
         tokens = sampled.token_ids
     token_ids, row_logprobs = sampled.cross(tokens, full)
-    accept_tokens(full_requests, [token_ids[i] for i in full])  # the grammars' rows advance
+    # The grammars advance here, where their tokens are drawn (constrained rows are not plain,
+    # so never plain greedy): no step waits for the host's copy (async scheduling).
+    constrained = np.flatnonzero(~columns.plain).tolist()
+    if constrained:
+        accept_tokens([requests[i] for i in constrained], [token_ids[i] for i in constrained])
     for request, lp in zip(full_requests, row_logprobs, strict=True):
         if lp is not None:
             logprobs[request.request_id] = lp
