@@ -130,10 +130,7 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> None:
     row took 208-374 us for 256 JSON rows at a vocabulary of 1,024, the batched call 76, issue
     46), copied to the logits' device without blocking and applied there in one call.
     """
-    # A terminated matcher (its EOS accepted) is a request that ended the step before, still
-    # drawn for by a step in flight (async scheduling): its token is dropped, its row left be.
-    rows = [i for i, r in enumerate(requests)
-            if r.grammar is not None and not r.grammar.is_terminated()]
+    rows = [i for i, r in enumerate(requests) if _constrained(r)]
     if not rows:
         return
     import xgrammar as xgr  # only once a request has a grammar: the import takes ~1 s
@@ -150,9 +147,8 @@ def apply_grammar_masks(logits: torch.Tensor, requests: list[Request]) -> None:
 def accept_tokens(requests: list[Request], tokens: list[int]) -> None:
     """Advance each request's matcher by the token just drawn for it, in one call: where it is
     drawn (the sampler), so that no step waits for the host to advance it (async scheduling).
-    A terminated matcher's request has ended (``apply_grammar_masks``): it takes none."""
-    live = [(r, t) for r, t in zip(requests, tokens, strict=True)
-            if r.grammar is not None and not r.grammar.is_terminated()]
+    A terminated matcher's request has ended (``_constrained``): it takes none."""
+    live = [(r, t) for r, t in zip(requests, tokens, strict=True) if _constrained(r)]
     if not live:
         return
     import xgrammar as xgr
@@ -165,6 +161,13 @@ def accept_tokens(requests: list[Request], tokens: list[int]) -> None:
             # The mask allowed only tokens the matcher accepts: an engine bug, not input.
             raise RuntimeError(f"request {request.request_id}: token {token_id} was sampled "
                                "but its grammar rejects it")
+
+
+def _constrained(request: Request) -> bool:
+    """A grammar that still rules the request's next token. A terminated matcher (its EOS
+    accepted) is a request that ended the step before, still drawn for by a step in flight
+    (async scheduling): its token is dropped, its row left unconstrained."""
+    return request.grammar is not None and not request.grammar.is_terminated()
 
 
 def _matchers(requests: list[Request]) -> list[xgr.GrammarMatcher]:

@@ -33,6 +33,7 @@ from engine.distributed.sharding import (
 )
 from engine.distributed.step_message import (
     HeldRequests,
+    RowDelta,
     ScoreMessage,
     StepMessage,
     StepMessages,
@@ -187,8 +188,7 @@ class TPModelRunner(Ranks, ModelRunner):
         rows = self._held.apply(message)
         batch = build_input_batch(rows, self.block_size, self.device,
                                   with_window=self.kv_window is not None)
-        lora = None if self.lora is None else self._lora_batch(
-            [(d.lora_name, d.num_new_tokens) for d in message.rows])
+        lora = None if self.lora is None else self.lora.step_batch(_lora_runs(message.rows))
         with lora_batch(lora):
             hidden = self._forward(batch)
         if batch.sample_indices:  # the driver samples; the gather needs every rank
@@ -216,3 +216,10 @@ def _check_family(checkpoint: Checkpoint) -> type[CausalLM]:
 if TYPE_CHECKING:
     def _is_a_runner(runner: TPModelRunner) -> Runner:
         return runner  # mypy: TPModelRunner satisfies the Protocol
+
+
+def _lora_runs(rows: list[RowDelta]) -> list[tuple[str | None, int]]:
+    """A helper's step as (adapter, new tokens) runs in the flat batch's layout, decodes first,
+    from the driver's rows in the driver's order (by adapter: ``group_by_adapter``)."""
+    runs = [(d.lora_name, d.num_new_tokens) for d in rows]
+    return [r for r in runs if r[1] == 1] + [r for r in runs if r[1] > 1]

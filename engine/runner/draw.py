@@ -34,10 +34,11 @@ RETRY_WIDTH = 4096
 DRAW_BLOCK = 256
 
 
-def on_device(values: list[int] | list[float] | list[bool], dtype: torch.dtype,
+def on_device(values: list[int] | list[float] | list[bool] | np.ndarray, dtype: torch.dtype,
               device: torch.device) -> torch.Tensor:
-    """A small host-built tensor (row indices, per-row parameters) on ``device``, copied without
-    blocking: the host never waits here for the work queued on the device."""
+    """A small host-built tensor (row indices, per-row parameters: a list or a numpy array) on
+    ``device``, copied without blocking: the host never waits here for the work queued on the
+    device."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
@@ -85,8 +86,7 @@ def _drop_below_min_p(weights: torch.Tensor, min_ps: np.ndarray) -> torch.Tensor
         # (found on the host); no [rows, vocab] mask to build.
         below = torch.nextafter(torch.tensor(first), torch.tensor(float("-inf")))
         return torch.threshold_(weights, float(below), 0.0)
-    thresholds = torch.from_numpy(min_ps.astype(np.float32)).to(weights.device,
-                                                                non_blocking=True)
+    thresholds = on_device(min_ps, torch.float32, weights.device)
     return weights.masked_fill_(weights < thresholds[:, None], 0.0)
 
 
@@ -105,8 +105,8 @@ def draw_truncated(
     device = logits.device
     token_ids = torch.empty(num_rows, dtype=torch.int64, device=device)
     has_k_host = top_ks > 0
-    has_k = torch.from_numpy(has_k_host).to(device, non_blocking=True)
-    ks = torch.from_numpy(np.maximum(top_ks, 1)).to(device, non_blocking=True)
+    has_k = on_device(has_k_host, torch.bool, device)
+    ks = on_device(np.maximum(top_ks, 1), torch.int64, device)
     # Top-p without top-k keeps a share of the whole row's mass, so that mass is needed.
     totals = torch.full((num_rows,), float("nan"), dtype=torch.float64, device=device)
     without_k = np.flatnonzero(~has_k_host).tolist()
@@ -138,7 +138,7 @@ def draw_truncated(
         done = np.flatnonzero(kept >= 0)
         if len(done):
             done_rows = [rows[j] for j in done.tolist()]
-            at = torch.from_numpy(done).to(device, non_blocking=True)
+            at = on_device(done, torch.int64, device)
             token_ids.index_copy_(0, on_device(done_rows, torch.int64, device), _draw_candidates(
                 weights[at], ids[at], max(int(kept[done].max()), 1),
                 take_rows(uniforms, done_rows),

@@ -27,7 +27,7 @@ from engine.layers.moe import pack_experts
 from engine.layers.quantized import QuantizedLinear
 from engine.layers.torch_attention import TorchAttentionBackend
 from engine.lora.adapter import ShardLoRA
-from engine.lora.layers import LoRABatch, lora_batch, wrap_lora_linears
+from engine.lora.layers import lora_batch, wrap_lora_linears
 from engine.lora.manager import LoRAManager
 from engine.models.causal_lm import CausalLM
 from engine.models.no_init import cast_unloaded, no_init_weights
@@ -228,12 +228,6 @@ class ModelRunner:
         if self.lora is None:
             return list(scheduler_output.scheduled), None
         return group_by_adapter(scheduler_output.scheduled, requests)
-
-    def _lora_batch(self, rows: list[tuple[str | None, int]]) -> LoRABatch | None:
-        """The step's LoRA segments from its (adapter, new tokens) rows in ``_ordered`` order,
-        laid out as the flat batch is, decodes first (None: no adapter rows). LoRA is on."""
-        assert self.lora is not None
-        return self.lora.step_batch([r for r in rows if r[1] == 1] + [r for r in rows if r[1] > 1])
 
     def _will_run(self, scheduled: list[ScheduledRequest], requests: dict[str, Request]) -> None:
         """Called with the step's layout before it runs (a tensor-parallel driver sends it)."""

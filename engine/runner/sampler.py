@@ -156,10 +156,10 @@ class Sampler:
             greedy_rows = np.flatnonzero(greedy)
             random_rows = np.flatnonzero(~greedy)
             token_ids = torch.empty(len(requests), dtype=torch.int64, device=logits.device)
-            index = _index(greedy_rows, logits.device)
+            index = on_device(greedy_rows, torch.int64, logits.device)
             token_ids.index_copy_(0, index, row_argmax(logits.index_select(0, index)))
             chosen = [requests[i] for i in random_rows.tolist()]
-            index = _index(random_rows, logits.device)
+            index = on_device(random_rows, torch.int64, logits.device)
             token_ids.index_copy_(0, index, self._sample(logits.index_select(0, index), chosen,
                                                          columns.take(random_rows)))
         if penalized is not None:  # their rows count the tokens drawn (on the device)
@@ -214,7 +214,7 @@ class Sampler:
             [requests[i] for i in rows], logits.shape[-1], device)
 
         chosen = columns.take(rows)
-        rep, pres, freq = (_column(chosen, field, device)[:, None]  # [len(rows), 1] each
+        rep, pres, freq = (chosen.tensor(field, device)[:, None]  # [len(rows), 1] each
                            for field in (REPETITION, PRESENCE, FREQUENCY))
         # Repetition (CTRL / Hugging Face): over prompt and output, divide positive logits and
         # multiply negative ones. Presence and frequency (OpenAI): over the output only.
@@ -266,21 +266,21 @@ class Sampler:
             chosen = columns.take(whole)
             drawn.append((whole, draw_from_vocab(
                 take_rows(logits, whole.tolist()),
-                _column(chosen, TEMPERATURE, device)[:, None], chosen.column(MIN_P),
+                chosen.tensor(TEMPERATURE, device)[:, None], chosen.column(MIN_P),
                 take_rows(uniforms, whole.tolist()),
             )))
         if len(truncated):
             chosen = columns.take(truncated)
             drawn.append((truncated, draw_truncated(
                 take_rows(logits, truncated.tolist()), top_ks[truncated],
-                _column(chosen, TOP_P, device), _column(chosen, TEMPERATURE, device)[:, None],
-                _column(chosen, MIN_P, device), take_rows(uniforms, truncated.tolist()),
+                chosen.tensor(TOP_P, device), chosen.tensor(TEMPERATURE, device)[:, None],
+                chosen.tensor(MIN_P, device), take_rows(uniforms, truncated.tolist()),
             )))
         if len(drawn) == 1:
             return drawn[0][1]
         token_ids = torch.empty(len(requests), dtype=torch.int64, device=device)
         for rows, ids in drawn:
-            token_ids.index_copy_(0, _index(rows, device), ids)
+            token_ids.index_copy_(0, on_device(rows, torch.int64, device), ids)
         return token_ids
 
     def _uniforms(self, requests: list[Request], columns: SamplingColumns) -> torch.Tensor:
@@ -342,14 +342,3 @@ def _logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor, rows: 
     values, ids = raw_logprobs.topk(max_top, dim=-1)  # [len(rows), max_top] each
     return torch.cat([chosen.double(), values.double(), ids.double()], dim=1)
 
-
-def _index(rows: np.ndarray, device: torch.device) -> torch.Tensor:
-    """Row indices (numpy) as an int64 tensor on ``device``, copied without blocking."""
-    return torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True)
-
-
-def _column(columns: SamplingColumns, field: int, device: torch.device) -> torch.Tensor:
-    """One sampling field over the rows as float32 on ``device`` (what a float32 tensor of the
-    Python values gives), copied without blocking."""
-    return torch.from_numpy(columns.column(field).astype(np.float32)).to(device,
-                                                                          non_blocking=True)

@@ -17,8 +17,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from engine.core.request import Request
+from engine.runner.draw import on_device
 
 # The columns, in order.
 TEMPERATURE, TOP_K, TOP_P, MIN_P, LOGPROBS, MIN_TOKENS = range(6)
@@ -53,8 +55,13 @@ class SamplingColumns:
         return SamplingColumns(self.values[rows])
 
     def column(self, field: int) -> np.ndarray:
-        """One field over the rows, contiguous (as torch.from_numpy wants it)."""
+        """One field over the rows, contiguous."""
         return np.ascontiguousarray(self.values[:, field])
+
+    def tensor(self, field: int, device: torch.device) -> torch.Tensor:
+        """One field over the rows as float32 on ``device`` (what a float32 tensor of the
+        Python values gives), copied without blocking."""
+        return on_device(self.column(field), torch.float32, device)
 
     @property
     def greedy(self) -> np.ndarray:
